@@ -1,0 +1,137 @@
+"""Fault injection for drills, demos and tests: ``--inject_fault KIND@STEP[:RANK][=ARG]``.
+
+A stability tool that has never seen a fault is untested. These faults reproduce, on purpose and at a
+chosen optimizer step, the failures the seeds describe:
+
+==============  ==========================================================================================
+``nan_batch``   the micro-batch's latents become NaN (bad data; the seed's "先查数据")
+``inf_latent``  one latent value becomes +inf (an extreme VAE latent)
+``lr_spike``    the learning rate is multiplied by 1000 (``=FACTOR`` to choose) from that step until the
+                optimizer/scheduler state is reloaded (a rollback clears it, as it would a bad schedule)
+``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
+``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``; structure fault)
+==============  ==========================================================================================
+
+Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
+does not recur after a rollback, and an injected one should not turn every retry into the same failure.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+FAULT_KINDS = ("nan_batch", "inf_latent", "lr_spike", "exception", "inf_module")
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
+
+
+class InjectedFault(RuntimeError):
+    """The ``exception`` fault: a RuntimeError like a real one raised inside a training step."""
+
+
+@dataclass
+class Fault:
+    """One fault to inject."""
+
+    kind: str
+    """One of ``FAULT_KINDS``."""
+    step: int
+    """Optimizer step (0-based, as in the event log) at which it fires."""
+    rank: int | None = None
+    """Process rank it fires on; ``None`` fires on every rank."""
+    arg: str | None = None
+    """Kind-specific argument: the LR factor for ``lr_spike``, the module name for ``inf_module``."""
+    fired: bool = field(default=False, compare=False)
+    """Set once it has fired; faults fire once per process."""
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        """Parse ``KIND@STEP[:RANK][=ARG]``, with an error that shows the expected form."""
+        match = _SPEC.match(spec.strip())
+        if not match:
+            raise ValueError(f"--inject_fault {spec!r}: expected KIND@STEP[:RANK][=ARG], e.g. nan_batch@20:1")
+        kind = match["kind"]
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"--inject_fault {spec!r}: unknown kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
+        arg = match["arg"]
+        if kind == "lr_spike" and arg is not None:
+            try:
+                float(arg)
+            except ValueError:
+                raise ValueError(f"--inject_fault {spec!r}: lr_spike takes a numeric factor, got {arg!r}") from None
+        if kind == "inf_module" and not arg:
+            raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
+        return cls(kind=kind, step=int(match["step"]), rank=None if match["rank"] is None else int(match["rank"]), arg=arg)
+
+    def due(self, step: int, rank: int) -> bool:
+        return not self.fired and step == self.step and (self.rank is None or self.rank == rank)
+
+
+class FaultInjector:
+    """Holds the faults of a run and applies them at the right step and rank."""
+
+    def __init__(self, specs: list[str] | None, rank: int) -> None:
+        self.faults = [Fault.parse(s) for s in (specs or [])]
+        self.rank = rank
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _take(self, kind: str, step: int) -> Fault | None:
+        for fault in self.faults:
+            if fault.kind == kind and fault.due(step, self.rank):
+                fault.fired = True
+                return fault
+        return None
+
+    def corrupt_batch(self, step: int, latents: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+        """Return latents with ``nan_batch`` / ``inf_latent`` applied when due (a copy; the data set is untouched)."""
+        if self._take("nan_batch", step):
+            return torch.full_like(latents, float("nan")), "nan_batch"
+        if self._take("inf_latent", step):
+            latents = latents.clone()
+            latents.view(-1)[0] = float("inf")
+            return latents, "inf_latent"
+        return latents, None
+
+    def maybe_raise(self, step: int) -> None:
+        """Raise the ``exception`` fault when due."""
+        if self._take("exception", step):
+            raise InjectedFault(f"injected fault: RuntimeError at step {step} on rank {self.rank}")
+
+    def lr_spike(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
+        """Multiply the LR (and the scheduler's base LRs, so it persists) when due; return the factor."""
+        fault = self._take("lr_spike", step)
+        if fault is None:
+            return None
+        factor = float(fault.arg) if fault.arg else 1000.0
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+        inner = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        if inner is not None and hasattr(inner, "base_lrs"):
+            inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+        return factor
+
+    @contextmanager
+    def module_fault(self, step: int, model: torch.nn.Module) -> Iterator[str | None]:
+        """While due, make the named module's forward output +inf (a hook, removed on exit)."""
+        fault = self._take("inf_module", step)
+        if fault is None:
+            yield None
+            return
+        modules = dict(model.named_modules())
+        if fault.arg not in modules:
+            raise ValueError(f"inf_module fault: no module named {fault.arg!r}; e.g. {list(modules)[1:6]}")
+
+        def make_inf(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+            return output * float("inf")
+
+        handle = modules[fault.arg].register_forward_hook(make_inf)
+        try:
+            yield fault.arg
+        finally:
+            handle.remove()

@@ -8,6 +8,8 @@ chosen optimizer step, the failures the seeds describe:
 ``inf_latent``  one latent value becomes +inf (an extreme VAE latent)
 ``lr_spike``    the learning rate is multiplied by 1000 (``=FACTOR`` to choose) from that step until the
                 optimizer/scheduler state is reloaded (a rollback clears it, as it would a bad schedule)
+``lr_ramp``     the learning rate is multiplied by 1.3 (``=FACTOR``) at every step from that step on, until a
+                rollback: a slowly diverging schedule, the exponential grad-norm growth the seed warns about
 ``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``; structure fault)
 ==============  ==========================================================================================
@@ -25,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-FAULT_KINDS = ("nan_batch", "inf_latent", "lr_spike", "exception", "inf_module")
+FAULT_KINDS = ("nan_batch", "inf_latent", "lr_spike", "lr_ramp", "exception", "inf_module")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -58,11 +60,11 @@ class Fault:
         if kind not in FAULT_KINDS:
             raise ValueError(f"--inject_fault {spec!r}: unknown kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
         arg = match["arg"]
-        if kind == "lr_spike" and arg is not None:
+        if kind in ("lr_spike", "lr_ramp") and arg is not None:
             try:
                 float(arg)
             except ValueError:
-                raise ValueError(f"--inject_fault {spec!r}: lr_spike takes a numeric factor, got {arg!r}") from None
+                raise ValueError(f"--inject_fault {spec!r}: {kind} takes a numeric factor, got {arg!r}") from None
         if kind == "inf_module" and not arg:
             raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
         return cls(kind=kind, step=int(match["step"]), rank=None if match["rank"] is None else int(match["rank"]), arg=arg)
@@ -77,6 +79,7 @@ class FaultInjector:
     def __init__(self, specs: list[str] | None, rank: int) -> None:
         self.faults = [Fault.parse(s) for s in (specs or [])]
         self.rank = rank
+        self._ramp = 1.0  # per-step LR factor of an active lr_ramp
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -103,18 +106,32 @@ class FaultInjector:
         if self._take("exception", step):
             raise InjectedFault(f"injected fault: RuntimeError at step {step} on rank {self.rank}")
 
-    def lr_spike(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
-        """Multiply the LR (and the scheduler's base LRs, so it persists) when due; return the factor."""
-        fault = self._take("lr_spike", step)
-        if fault is None:
+    def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
+        """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.
+
+        The scheduler's base LRs are scaled too, so the change survives ``lr_scheduler.step()`` the way a
+        wrong schedule would, until a rollback reloads the optimizer and scheduler state.
+        """
+        factor = 1.0
+        spike = self._take("lr_spike", step)
+        if spike is not None:
+            factor *= float(spike.arg) if spike.arg else 1000.0
+        ramp = self._take("lr_ramp", step)
+        if ramp is not None:
+            self._ramp = float(ramp.arg) if ramp.arg else 1.3
+        factor *= self._ramp
+        if factor == 1.0:
             return None
-        factor = float(fault.arg) if fault.arg else 1000.0
         for group in optimizer.param_groups:
             group["lr"] *= factor
         inner = getattr(lr_scheduler, "scheduler", lr_scheduler)
         if inner is not None and hasattr(inner, "base_lrs"):
             inner.base_lrs = [lr * factor for lr in inner.base_lrs]
         return factor
+
+    def on_rollback(self) -> None:
+        """A rollback reloads the LR state; an ``lr_ramp`` stops like a fixed schedule bug would."""
+        self._ramp = 1.0
 
     @contextmanager
     def module_fault(self, step: int, model: torch.nn.Module) -> Iterator[str | None]:

@@ -1,0 +1,743 @@
+"""Atomic, validated, rotated checkpoints for Accelerate training runs (no pickle anywhere).
+
+Why not ``accelerator.save_state``: it writes in place (a kill mid-save leaves a folder that
+``load_state`` picks and then fails on), its ``total_limit`` deletes the oldest checkpoint *before* the
+new one is complete, nothing checks completeness on load, and custom objects are unpickled with
+``weights_only=False``.
+
+Layout (see ``docs/ARCHITECTURE.md``)::
+
+    OUTPUT_DIR/checkpoints/step_000100/   model.safetensors, optimizer.safetensors + optimizer.json,
+                                          scheduler.json, scaler.json, ema.safetensors + ema.json,
+                                          rng-rank{R}.safetensors + rng-rank{R}.json, trainer.json,
+                                          vidstab.json, manifest.json (written last)
+    OUTPUT_DIR/checkpoints/latest         pointer file: folder name of the newest complete checkpoint
+    OUTPUT_DIR/checkpoints/last_good      pointer file: newest checkpoint that passed the health gate
+
+How a save stays atomic:
+
+1. Every rank writes its files into ``checkpoints/.tmp-step_{STEP:06d}-{nonce}`` (the nonce is chosen
+   by the main process and broadcast), hashing each file while writing it, and fsyncs it.
+2. Ranks other than the main one then drop a marker ``.rank{R}.done`` (JSON: their files' sizes and
+   digests) into the folder; on failure an empty ``.rank{R}.failed`` (creating an empty file needs no
+   data blocks, so it works on a full disk).
+3. The main process waits for every rank's marker (this is the "all ranks finished" barrier; it works
+   from a background thread, where collectives must not be used), fsyncs the folder, writes
+   ``manifest.json`` last, renames the folder to ``step_{STEP:06d}``, fsyncs ``checkpoints/``, replaces
+   the ``latest`` (and, when healthy, ``last_good``) pointer atomically, and only then rotates old ones.
+
+Any folder without a valid manifest is never loaded; stale ``.tmp-*`` entries from a killed save are
+removed when the manager starts.
+
+Async saves (``async_save=True``, the default, any world size): ``save`` copies the state to host memory
+(pinned where CUDA) — the only part the training loop waits for — and steps 1-3 run in a background
+thread on each rank. The next ``save``/``wait``/``load`` joins that thread and all ranks agree (one
+small all-reduce) on whether it succeeded, so a failure on any rank raises ``CheckpointError`` on all
+ranks at the same call instead of leaving them out of step.
+
+Scope: single process and DDP (full state dict on the main process). FSDP/DeepSpeed sharded optimizer
+states are not handled yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import statedict_io as sio
+
+__all__ = ["CheckpointConfig", "CheckpointError", "CheckpointInfo", "CheckpointManager"]
+
+logger = logging.getLogger("vidstab.checkpoint")
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+# Registered names whose files are spelled differently in the documented layout.
+_STEMS = {"lr_scheduler": "scheduler"}
+_RESERVED = {"manifest", "trainer", "scaler"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or no valid checkpoint could be loaded."""
+
+
+@dataclass
+class CheckpointConfig:
+    """How checkpoints are written, kept and loaded."""
+
+    keep: int = 3
+    """Number of newest checkpoints kept (by save time); the one ``last_good`` points to is kept in addition."""
+    async_save: bool = True
+    """Copy state to host memory synchronously, write it in a background thread (the loop waits only for the copy)."""
+    subdir: str = "checkpoints"
+    """Folder under the output dir that holds checkpoints and pointer files."""
+    fsync: bool = True
+    """fsync files and folders. Turning this off gives up durability on power loss; only for throw-away runs."""
+    pin_memory: bool = True
+    """Use pinned host buffers for the async copy when tensors live on CUDA."""
+    check_params_finite: bool = True
+    """Check registered models' parameters for NaN/Inf (one on-device reduction) before saving; a
+    checkpoint with non-finite parameters is never a rollback target."""
+    rank_timeout_s: float = 1800.0
+    """How long the main process waits for other ranks' files before giving up on a checkpoint."""
+
+
+@dataclass
+class CheckpointInfo:
+    """A checkpoint folder as listed (manifest read, files not verified)."""
+
+    path: str
+    """Absolute path of the folder."""
+    name: str
+    """Folder name, e.g. ``step_000100``."""
+    step: int
+    """Optimizer step the checkpoint was taken at."""
+    healthy: bool
+    """``healthy`` as passed to ``save`` and parameters finite: usable as a rollback target."""
+    time: float
+    """Unix time the manifest was written."""
+    manifest: dict = field(repr=False, default_factory=dict)
+    """The parsed manifest."""
+
+
+@dataclass
+class _File:
+    name: str
+    tensors: dict[str, torch.Tensor] | None = None  # -> safetensors
+    data: bytes | None = None  # -> raw bytes (JSON)
+    metadata: dict[str, str] | None = None
+
+
+@dataclass
+class _Job:
+    step: int
+    name: str
+    tmp_dir: str
+    files: list[_File]
+    healthy: bool
+    params_finite: bool
+    t0: float
+    error: BaseException | None = None
+    path: str | None = None
+
+
+def _rel(path: str, root: str) -> str:
+    try:
+        return os.path.relpath(path, root)
+    except ValueError:
+        return path
+
+
+class CheckpointManager:
+    """Atomic, validated, rotated checkpoints of everything registered, plus scaler and RNG states.
+
+    All ranks must call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
+
+    Example::
+
+        ckpt = CheckpointManager(accelerator, output_dir, CheckpointConfig(keep=3))
+        ckpt.register("model", model); ckpt.register("optimizer", optimizer)
+        ckpt.register("lr_scheduler", lr_scheduler); ckpt.register("vidstab", guard)
+        if ckpt.latest_valid():
+            trainer_state = ckpt.load("latest")
+        ...
+        ckpt.save(step, healthy=result.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
+        ...
+        ckpt.wait()
+    """
+
+    def __init__(self, accelerator, output_dir: str, config: CheckpointConfig | None = None,
+                 config_hash: str | None = None) -> None:
+        self.accelerator = accelerator
+        self.output_dir = os.path.abspath(output_dir)
+        self.config = config or CheckpointConfig()
+        if self.config.keep < 1:
+            raise ValueError("CheckpointConfig.keep must be >= 1")
+        self.config_hash = config_hash
+        self.root = os.path.join(self.output_dir, self.config.subdir)
+        self.rank = accelerator.process_index
+        self.world_size = accelerator.num_processes
+        self.is_main = accelerator.is_main_process
+        self._objects: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        self._job: _Job | None = None
+        self.last_saved: str | None = None
+        """Path of the newest checkpoint this manager finished writing."""
+        self.last_loaded: dict | None = None
+        """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
+        if self.is_main:
+            os.makedirs(self.root, exist_ok=True)
+            self._remove_stale()
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, obj: Any) -> None:
+        """Register an object to save/load under ``name``.
+
+        ``torch.nn.Module`` (prepared/wrapped is fine) -> ``{name}.safetensors`` from
+        ``accelerator.get_state_dict``, loaded with ``strict=True`` into the unwrapped model.
+        Anything else with ``state_dict``/``load_state_dict`` (optimizer, scheduler, EMA, guard) ->
+        ``{name}.json`` (+ ``{name}.safetensors`` when it holds tensors). ``lr_scheduler`` is stored as
+        ``scheduler.*``.
+        """
+        stem = _STEMS.get(name, name)
+        if stem in _RESERVED or stem.startswith("rng-") or not re.fullmatch(r"[A-Za-z0-9_.-]+", stem):
+            raise ValueError(f"cannot register {name!r}: reserved or not a plain file name")
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name!r}: object needs state_dict() and load_state_dict()")
+        self._objects[name] = obj
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
+        """Save a checkpoint of ``step``; returns the final folder path (complete once :meth:`wait` returns
+        when saving asynchronously). Raises :class:`CheckpointError` for a failure of this save (sync)
+        or of the previous async one."""
+        self._finish_pending()
+        step = int(step)
+        t0 = time.perf_counter()
+        name = f"step_{step:06d}"
+        params_finite = self._params_finite() if self.config.check_params_finite else True
+        nonce = self._shared_nonce()
+        tmp_dir = os.path.join(self.root, f"{_TMP_PREFIX}{name}-{nonce}")
+        copy = self.config.async_save
+        files: list[_File] = []
+        try:
+            if self.is_main:
+                os.makedirs(self.root, exist_ok=True)
+                os.mkdir(tmp_dir)
+            files = self._snapshot(copy, trainer_state or {})
+        except BaseException as e:  # noqa: BLE001 - reported as a failed save on every rank
+            job = _Job(step, name, tmp_dir, [], healthy, params_finite, t0, error=e)
+        else:
+            job = _Job(step, name, tmp_dir, files, healthy, params_finite, t0)
+        # Other ranks must not write before the main process created the folder.
+        self._barrier()
+        if job.error is None:
+            if copy:
+                self._job = job
+                self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}")
+                self._thread.start()
+                return os.path.join(self.root, name)
+            self._run_job(job)
+        self._job = job
+        self._finish_pending()
+        return job.path or os.path.join(self.root, name)
+
+    def wait(self) -> str | None:
+        """Block until the pending async save (if any) is durable on every rank; re-raise its error.
+        Returns the path of the newest checkpoint written by this manager."""
+        self._finish_pending()
+        return self.last_saved
+
+    close = wait
+
+    def _finish_pending(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        job, self._job = self._job, None
+        err = job.error if job is not None else None
+        if not self._all_ok(err is None):
+            if job is not None and self.is_main:
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            if err is not None:
+                if isinstance(err, CheckpointError):
+                    raise err
+                raise CheckpointError(f"checkpoint {job.name} could not be written: {err}") from err
+            raise CheckpointError(
+                f"checkpoint {job.name if job else '?'} could not be written: failed on another rank (see its log)")
+        if job is not None and job.path is not None:
+            self.last_saved = job.path
+
+    # -- snapshot (synchronous part)
+    def _snapshot(self, copy: bool, trainer_state: dict) -> list[_File]:
+        files: list[_File] = []
+        pinned = copy and self.config.pin_memory and torch.cuda.is_available()
+        on_cuda = False
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            nonlocal on_cuda
+            t = t.detach()
+            if hasattr(t, "full_tensor"):  # DTensor
+                t = t.full_tensor()
+            if not copy:
+                return t
+            if t.device.type == "cpu":
+                return t.clone(memory_format=torch.contiguous_format)
+            on_cuda = on_cuda or t.device.type == "cuda"
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            dst.copy_(t, non_blocking=pinned)
+            return dst
+
+        for name, obj in self._objects.items():
+            stem = _STEMS.get(name, name)
+            if isinstance(obj, torch.nn.Module):
+                # get_state_dict may be a collective (FSDP/DeepSpeed): every rank calls it.
+                sd = self.accelerator.get_state_dict(obj)
+                if self.is_main:
+                    files.append(_File(f"{stem}.safetensors", tensors={k: host(v) for k, v in sd.items()},
+                                       metadata={"format": "pt"}))
+                continue
+            if not self.is_main:
+                continue
+            tensors, structure = sio.flatten(obj.state_dict(), prefix="t")
+            files.append(_File(f"{stem}.json", data=sio.dumps(structure)))
+            if tensors:
+                files.append(_File(f"{stem}.safetensors", tensors={k: host(v) for k, v in tensors.items()}))
+        if self.is_main:
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                files.append(_File("scaler.json", data=sio.dumps(sio.flatten(scaler.state_dict())[1])))
+            tensors, structure = sio.flatten(trainer_state)
+            if tensors:
+                raise TypeError("trainer_state must be JSON-serialisable (no tensors)")
+            files.append(_File("trainer.json", data=sio.dumps(structure)))
+        tensors, structure = sio.flatten(_rng_state(), prefix="t")
+        files.append(_File(f"rng-rank{self.rank}.json", data=sio.dumps(structure)))
+        files.append(_File(f"rng-rank{self.rank}.safetensors", tensors={k: host(v) for k, v in tensors.items()}))
+        if on_cuda:
+            torch.cuda.synchronize()  # the non-blocking copies must land before the loop changes the state
+        return files
+
+    # -- writing (background thread or inline)
+    def _run_job(self, job: _Job) -> None:
+        try:
+            digests: dict[str, dict] = {}
+            for f in job.files:
+                path = os.path.join(job.tmp_dir, f.name)
+                if f.tensors is not None:
+                    d = sio.write_safetensors(path, f.tensors, f.metadata, fsync=self.config.fsync)
+                else:
+                    d = sio.write_bytes(path, f.data, fsync=self.config.fsync)
+                digests[f.name] = d.to_json()
+            job.files = []  # release the host copy early
+            if not self.is_main:
+                sio.write_bytes(os.path.join(job.tmp_dir, f".rank{self.rank}.done"),
+                                json.dumps(digests).encode(), fsync=self.config.fsync)
+                return
+            digests.update(self._collect_ranks(job))
+            self._finalize(job, digests)
+        except BaseException as e:  # noqa: BLE001 - surfaced by _finish_pending on every rank
+            job.error = e if isinstance(e, CheckpointError) else CheckpointError(
+                f"checkpoint {job.name} could not be written: {type(e).__name__}: {e}")
+            if job.error is not e:
+                job.error.__cause__ = e
+            if self.is_main:
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            else:
+                try:  # empty file: needs no data blocks, so it works on a full disk
+                    os.close(os.open(os.path.join(job.tmp_dir, f".rank{self.rank}.failed"),
+                                     os.O_WRONLY | os.O_CREAT, 0o644))
+                except OSError:
+                    pass
+
+    def _collect_ranks(self, job: _Job) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        deadline = time.monotonic() + self.config.rank_timeout_s
+        pending = set(range(self.world_size)) - {self.rank}
+        while pending:
+            for r in sorted(pending):
+                if os.path.exists(os.path.join(job.tmp_dir, f".rank{r}.failed")):
+                    raise CheckpointError(f"checkpoint {job.name} could not be written: rank {r} failed to write its files")
+                done = os.path.join(job.tmp_dir, f".rank{r}.done")
+                if os.path.exists(done):
+                    with open(done, "rb") as fh:
+                        out.update(json.loads(fh.read()))
+                    os.unlink(done)
+                    pending.discard(r)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"checkpoint {job.name}: ranks {sorted(pending)} did not finish writing "
+                                          f"within {self.config.rank_timeout_s:.0f}s")
+                time.sleep(0.02)
+        return out
+
+    def _finalize(self, job: _Job, digests: dict[str, dict]) -> None:
+        from . import __version__
+
+        if self.config.fsync:
+            sio.fsync_dir(job.tmp_dir)
+        manifest = {
+            "schema": SCHEMA,
+            "step": job.step,
+            "files": dict(sorted(digests.items())),
+            "healthy": bool(job.healthy and job.params_finite),
+            "healthy_requested": bool(job.healthy),
+            "params_finite": bool(job.params_finite),
+            "config_hash": self.config_hash,
+            "vidstab_version": __version__,
+            "world_size": self.world_size,
+            "objects": {n: _STEMS.get(n, n) for n in self._objects},
+            "time": time.time(),
+        }
+        sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode(),
+                        fsync=self.config.fsync)
+        if self.config.fsync:
+            sio.fsync_dir(job.tmp_dir)
+        final = os.path.join(self.root, job.name)
+        if os.path.lexists(final):
+            # Same step saved again (e.g. after a rollback): move the old one aside first; rename cannot
+            # replace a non-empty folder.
+            trash = os.path.join(self.root, f"{_TMP_PREFIX}old-{job.name}-{secrets.token_hex(4)}")
+            os.rename(final, trash)
+            os.rename(job.tmp_dir, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(job.tmp_dir, final)
+        if self.config.fsync:
+            sio.fsync_dir(self.root)
+        self._write_pointer("latest", job.name)
+        if manifest["healthy"]:
+            self._write_pointer("last_good", job.name)
+        job.path = final
+        seconds = time.perf_counter() - job.t0
+        self._rotate()
+        _log_event(self.output_dir, self.rank, "checkpoint", job.step, path=_rel(final, self.output_dir),
+                   healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
+        logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
+
+    def _write_pointer(self, pointer: str, target: str) -> None:
+        tmp = os.path.join(self.root, f"{_TMP_PREFIX}ptr-{pointer}-{secrets.token_hex(4)}")
+        sio.write_bytes(tmp, (target + "\n").encode(), fsync=self.config.fsync)
+        os.replace(tmp, os.path.join(self.root, pointer))
+        if self.config.fsync:
+            sio.fsync_dir(self.root)
+
+    def set_latest(self, path: str) -> None:
+        """Point ``latest`` at an existing checkpoint (main process; e.g. after a rollback, so a restart
+        resumes on the current trajectory rather than the abandoned one)."""
+        if self.is_main:
+            self._write_pointer("latest", os.path.basename(os.path.normpath(path)))
+
+    def _rotate(self) -> None:
+        infos = sorted(self.list(), key=lambda i: i.time, reverse=True)
+        keep = {i.name for i in infos[: self.config.keep]}
+        good = self._read_pointer("last_good")
+        if good:
+            keep.add(good)
+        latest = self._read_pointer("latest")
+        if latest:
+            keep.add(latest)
+        for i in infos:
+            if i.name not in keep:
+                # Rename first so a kill mid-delete never leaves a half-deleted folder under a step name.
+                trash = os.path.join(self.root, f"{_TMP_PREFIX}del-{i.name}-{secrets.token_hex(4)}")
+                try:
+                    os.rename(i.path, trash)
+                except OSError:
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+
+    def _remove_stale(self) -> None:
+        for n in os.listdir(self.root):
+            if n.startswith(_TMP_PREFIX):
+                p = os.path.join(self.root, n)
+                logger.info("removing stale %s (left by an interrupted save)", p)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+
+    # ------------------------------------------------------------------ listing
+    def _read_pointer(self, pointer: str) -> str | None:
+        try:
+            with open(os.path.join(self.root, pointer)) as fh:
+                name = fh.read().strip()
+        except OSError:
+            return None
+        return name if _STEP_RE.match(name) else None
+
+    def list(self) -> list[CheckpointInfo]:
+        """Complete-looking checkpoints (a parseable manifest), oldest step first. Files are not verified."""
+        out = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        for n in names:
+            m = _STEP_RE.match(n)
+            if not m:
+                continue
+            p = os.path.join(self.root, n)
+            try:
+                with open(os.path.join(p, MANIFEST), "rb") as fh:
+                    man = json.loads(fh.read())
+                out.append(CheckpointInfo(p, n, int(man["step"]), bool(man.get("healthy")), float(man["time"]), man))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(out, key=lambda i: (i.step, i.time))
+
+    def _candidates(self, which: str) -> list[str]:
+        infos = sorted(self.list(), key=lambda i: i.time, reverse=True)
+        by_name = {i.name: i for i in infos}
+        order: list[str] = []
+        if which in ("latest", "last_good"):
+            first = self._read_pointer(which)
+            if first:
+                order.append(os.path.join(self.root, first))
+            pool = [i for i in infos if which == "latest" or i.healthy]
+            if first in by_name:
+                # Only older ones: anything newer than the pointer is from an abandoned trajectory
+                # (before a rollback) or was never pointed at.
+                t = by_name[first].time
+                pool = [i for i in pool if i.time < t]
+            order += [i.path for i in pool]
+        else:
+            path = os.path.abspath(which)
+            order.append(path)
+            name = os.path.basename(os.path.normpath(path))
+            if name in by_name:
+                t = by_name[name].time
+                order += [i.path for i in infos if i.time < t]
+        seen, out = set(), []
+        for p in order:
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+        return out
+
+    def latest_valid(self) -> str | None:
+        """Path of the checkpoint ``load("latest")`` would use (fully verified), or None."""
+        return self._first_valid("latest")
+
+    def last_good(self) -> str | None:
+        """Path of the checkpoint ``load("last_good")`` would use (fully verified), or None."""
+        return self._first_valid("last_good")
+
+    def _first_valid(self, which: str) -> str | None:
+        for p in self._candidates(which):
+            try:
+                self._read(p, decode=False)
+                return p
+            except CheckpointError:
+                continue
+        return None
+
+    # ------------------------------------------------------------------ load
+    def load(self, which: str = "latest") -> dict:
+        """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
+
+        Every file is verified (present, size, sha256) and decoded before anything is applied; an
+        invalid checkpoint is skipped with a warning in favour of the previous valid one. Returns the
+        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "skipped"}`` saying which
+        checkpoint was used. Raises :class:`CheckpointError` if none is valid.
+        """
+        self._finish_pending()
+        cands = self._candidates(which)
+        skipped: list[list[str]] = []
+        chosen, payload = -1, None
+        if self.is_main:
+            for i, p in enumerate(cands):
+                try:
+                    payload = self._read(p)
+                    chosen = i
+                    break
+                except CheckpointError as e:
+                    skipped.append([_rel(p, self.output_dir), str(e)])
+                    logger.warning("skipping checkpoint %s: %s", p, e)
+        chosen = self._broadcast_int(chosen)
+        if chosen < 0:
+            detail = "; ".join(f"{p}: {r}" for p, r in skipped) or f"no checkpoints under {self.root}"
+            raise CheckpointError(f"no valid checkpoint to load for {which!r} ({detail})")
+        path = cands[chosen]
+        if payload is None:
+            payload = self._read(path)
+        if skipped:
+            logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
+                           path, cands[0], len(skipped))
+        self._apply(payload)
+        ts = dict(payload["trainer"])
+        info = {"path": _rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped}
+        ts["_checkpoint"] = info
+        self.last_loaded = info
+        return ts
+
+    def _read(self, path: str, decode: bool = True) -> dict:
+        """Verify every file of the checkpoint at ``path`` and (optionally) decode what this rank needs."""
+        name = os.path.basename(os.path.normpath(path))
+        try:
+            with open(os.path.join(path, MANIFEST), "rb") as fh:
+                man = json.loads(fh.read())
+            files = man["files"]
+            if man.get("schema") != SCHEMA:
+                raise CheckpointError(f"{name}: unsupported manifest schema {man.get('schema')!r}")
+        except FileNotFoundError:
+            raise CheckpointError(f"{name}: no manifest.json (incomplete save)") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
+        for bad in (f for f in files if f.endswith((".pt", ".bin", ".pkl", ".pickle"))):
+            raise CheckpointError(f"{name}: refusing pickled file {bad}")
+        needed: dict[str, str] = {}
+        for n in self._objects:
+            stem = _STEMS.get(n, n)
+            if isinstance(self._objects[n], torch.nn.Module):
+                needed[f"{stem}.safetensors"] = n
+            else:
+                needed[f"{stem}.json"] = n
+        for f, n in needed.items():
+            if f not in files:
+                raise CheckpointError(f"{name}: has no state for {n!r} ({f})")
+        raw: dict[str, bytes] = {}
+        own_rng = {f"rng-rank{self.rank}.json", f"rng-rank{self.rank}.safetensors"}
+        for f, meta in files.items():
+            fp = os.path.join(path, f)
+            try:
+                size = os.stat(fp).st_size
+            except OSError:
+                raise CheckpointError(f"{name}: file {f} is missing") from None
+            if size != meta["bytes"]:
+                raise CheckpointError(f"{name}: file {f} has {size} bytes, manifest says {meta['bytes']} (truncated?)")
+            # Verify everything on the main process; other ranks only what they read.
+            if not (self.is_main or f in own_rng or not f.startswith("rng-rank")):
+                continue
+            with open(fp, "rb") as fh:
+                data = fh.read()
+            if sio.sha256_bytes(data) != meta["sha256"]:
+                raise CheckpointError(f"{name}: file {f} is corrupt (sha256 mismatch)")
+            if decode and (not f.startswith("rng-rank") or f in own_rng):
+                raw[f] = data
+        if not decode:
+            return {"manifest": man}
+        from safetensors.torch import load as st_load
+
+        try:
+            out: dict[str, Any] = {"manifest": man, "objects": {}}
+            for n, obj in self._objects.items():
+                stem = _STEMS.get(n, n)
+                if isinstance(obj, torch.nn.Module):
+                    sd = st_load(raw[f"{stem}.safetensors"])
+                    self._check_model_keys(name, n, obj, sd)
+                    out["objects"][n] = sd
+                else:
+                    tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
+                    out["objects"][n] = sio.unflatten(sio.loads(raw[f"{stem}.json"]), tensors)
+            out["scaler"] = sio.unflatten(sio.loads(raw["scaler.json"]), {}) if "scaler.json" in raw else None
+            out["trainer"] = sio.unflatten(sio.loads(raw["trainer.json"]), {}) if "trainer.json" in raw else {}
+            rj = f"rng-rank{self.rank}.json"
+            if rj in raw:
+                out["rng"] = sio.unflatten(sio.loads(raw[rj]), st_load(raw[f"rng-rank{self.rank}.safetensors"]))
+            else:
+                out["rng"] = None
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any decode problem makes the checkpoint invalid
+            raise CheckpointError(f"{name}: cannot decode ({type(e).__name__}: {e})") from e
+        if self.config_hash and man.get("config_hash") and man["config_hash"] != self.config_hash:
+            logger.warning("%s was written with config %s, this run has config %s", name, man["config_hash"],
+                           self.config_hash)
+        return out
+
+    def _check_model_keys(self, ckpt: str, name: str, model: torch.nn.Module, sd: dict) -> None:
+        ref = self.accelerator.unwrap_model(model).state_dict()
+        missing, extra = set(ref) - set(sd), set(sd) - set(ref)
+        if missing or extra:
+            raise CheckpointError(f"{ckpt}: {name!r} does not match the model (missing {sorted(missing)[:5]}, "
+                                  f"unexpected {sorted(extra)[:5]})")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(ref[k].shape):
+                raise CheckpointError(f"{ckpt}: {name}.{k} has shape {tuple(v.shape)}, model has {tuple(ref[k].shape)}")
+
+    def _apply(self, payload: dict) -> None:
+        for n, obj in self._objects.items():
+            state = payload["objects"][n]
+            if isinstance(obj, torch.nn.Module):
+                self.accelerator.unwrap_model(obj).load_state_dict(state, strict=True)
+            else:
+                obj.load_state_dict(state)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and payload["scaler"] is not None:
+            scaler.load_state_dict(payload["scaler"])
+        if payload["rng"] is not None:
+            _set_rng_state(payload["rng"])
+        else:
+            logger.warning("checkpoint has no RNG state for rank %d (world size changed?); RNG not restored",
+                           self.rank)
+
+    # ------------------------------------------------------------------ helpers
+    def _params_finite(self) -> bool:
+        flags = []
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module):
+                for p in obj.parameters():
+                    t = p.detach()
+                    if hasattr(t, "to_local"):
+                        t = t.to_local()
+                    if t.numel():
+                        flags.append(torch.isfinite(t).all())
+        if not flags:
+            return True
+        ok = bool(torch.stack(flags).all().item())  # one host sync
+        return self._all_ok(ok)
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self.world_size == 1:
+            return ok
+        t = torch.tensor([0 if ok else 1], device=self.accelerator.device)
+        return int(self.accelerator.reduce(t, reduction="sum").item()) == 0
+
+    def _broadcast_int(self, v: int) -> int:
+        if self.world_size == 1:
+            return v
+        from accelerate.utils import broadcast
+
+        t = torch.tensor([v], dtype=torch.int64, device=self.accelerator.device)
+        return int(broadcast(t, from_process=0).item())
+
+    def _shared_nonce(self) -> str:
+        return f"{self._broadcast_int(secrets.randbits(31) if self.is_main else 0):08x}"
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            self.accelerator.wait_for_everyone()
+
+
+# ---------------------------------------------------------------------------- RNG
+
+
+def _rng_state() -> dict:
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    py = st["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in st and torch.cuda.is_available():
+        states = st["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            logger.warning("checkpoint has %d CUDA RNG states, this process sees %d devices; CUDA RNG not restored",
+                           len(states), torch.cuda.device_count())
+
+
+def _log_event(output_dir: str, rank: int, kind: str, step: int, **fields: Any) -> None:
+    """Log to the vidstab event log if vidstab.events is available (it is optional for this module)."""
+    try:
+        from .events import EventLog
+    except Exception:  # noqa: BLE001
+        return
+    try:
+        EventLog(output_dir, rank).log(kind, step, **fields)
+    except Exception as e:  # noqa: BLE001 - logging must never fail a checkpoint
+        logger.debug("event log failed: %s", e)

@@ -6,6 +6,9 @@ chosen optimizer step, the failures the seeds describe:
 ==============  ==========================================================================================
 ``nan_batch``   the micro-batch's latents become NaN (bad data; the seed's "先查数据")
 ``inf_latent``  one latent value becomes +inf (an extreme VAE latent)
+``big_latent``  the first sample's latents are scaled by 1e4 (``=FACTOR``): finite but extreme, like an
+                unclamped VAE encoding of a bad clip
+``const_batch`` every clip of the micro-batch becomes constant frames (its first frame repeated)
 ``lr_spike``    the learning rate is multiplied by 1000 (``=FACTOR`` to choose) from that step until the
                 optimizer/scheduler state is reloaded (a rollback clears it, as it would a bad schedule)
 ``lr_ramp``     the learning rate is multiplied by 1.3 (``=FACTOR``) at every step from that step on, until a
@@ -27,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-FAULT_KINDS = ("nan_batch", "inf_latent", "lr_spike", "lr_ramp", "exception", "inf_module")
+FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -60,7 +63,7 @@ class Fault:
         if kind not in FAULT_KINDS:
             raise ValueError(f"--inject_fault {spec!r}: unknown kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
         arg = match["arg"]
-        if kind in ("lr_spike", "lr_ramp") and arg is not None:
+        if kind in ("lr_spike", "lr_ramp", "big_latent") and arg is not None:
             try:
                 float(arg)
             except ValueError:
@@ -92,13 +95,21 @@ class FaultInjector:
         return None
 
     def corrupt_batch(self, step: int, latents: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-        """Return latents with ``nan_batch`` / ``inf_latent`` applied when due (a copy; the data set is untouched)."""
+        """Return latents with a data fault applied when due (a copy; the data set is untouched) and its kind."""
         if self._take("nan_batch", step):
             return torch.full_like(latents, float("nan")), "nan_batch"
         if self._take("inf_latent", step):
             latents = latents.clone()
             latents.view(-1)[0] = float("inf")
             return latents, "inf_latent"
+        fault = self._take("big_latent", step)
+        if fault is not None:
+            latents = latents.clone()
+            latents[0] *= float(fault.arg) if fault.arg else 1e4
+            return latents, "big_latent"
+        if self._take("const_batch", step):
+            # latents are [B, C, T, H, W]: repeat the first latent frame over time
+            return latents[:, :, :1].expand_as(latents).contiguous(), "const_batch"
         return latents, None
 
     def maybe_raise(self, step: int) -> None:

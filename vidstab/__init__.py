@@ -2,6 +2,33 @@
 
 Detect trouble before it happens, capture it precisely when it does, recover on its own.
 The core package never imports :mod:`vidstab.reference` (the reference trainer's model and data).
+
+Three lines in a plain Accelerate loop::
+
+    guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=output_dir)
+    ...
+        guard.backward(loss, batch={"latents": x, "noise": n, "timesteps": t}, sample_ids=ids)
+        result = guard.step(max_grad_norm=1.0)
 """
 
 __version__ = "0.1.0"
+
+from .config import GuardConfig
+from .detectors import ConfigError, Detector, Finding, StepStats, Verdict
+from .events import EventLog, read_events
+from .guard import Guard, StepResult, attach
+
+__all__ = [
+    "__version__",
+    "attach",
+    "Guard",
+    "GuardConfig",
+    "StepResult",
+    "StepStats",
+    "Finding",
+    "Verdict",
+    "Detector",
+    "ConfigError",
+    "EventLog",
+    "read_events",
+]

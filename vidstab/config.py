@@ -1,0 +1,176 @@
+"""Configuration of the guard: one dataclass, a docstring on every field, strict loading.
+
+``GuardConfig.from_dict`` / ``from_yaml`` reject unknown keys and bad values with an error that names
+the field (``grad_spike.ratio must be > 1, got 0.5``), because a typo in a stability config silently
+turning a detector off is exactly the kind of failure this tool exists to prevent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .detectors import (
+    ClipRateConfig,
+    ConfigError,
+    ConsecutiveSkipsConfig,
+    ExceptionConfig,
+    GradGrowthConfig,
+    GradSpikeConfig,
+    LossScaleConfig,
+    LossSpikeConfig,
+    NonFiniteConfig,
+    NonFiniteParamsConfig,
+    ParamGrowthConfig,
+    RepeatedSpikesConfig,
+)
+from .detectors.base import check
+
+
+@dataclass
+class GuardConfig:
+    """Everything the guard does, with defaults meant for a real run."""
+
+    enabled: bool = True
+    """Master switch. When False, ``guard.backward``/``guard.step`` do exactly what a plain loop does."""
+    input_keys: tuple[str, ...] = ("latents",)
+    """Keys of the ``batch`` dict given to ``guard.backward`` whose statistics (absmax, mean, std,
+    non-finite count) are recorded: the VAE latents are where extreme values enter a latent video model."""
+    num_train_timesteps: int = 1000
+    """Range of the ``timesteps`` given to ``guard.backward`` (``t / num_train_timesteps`` picks the
+    bucket). Use 1 for continuous flow-matching times in [0, 1]."""
+    timestep_buckets: int = 10
+    """Number of equal-width timestep buckets for the per-bucket loss (instability at t~0 and t~T differs)."""
+    log_every: int = 1
+    """Send metrics to the accelerator's trackers every this many optimizer steps (the JSONL event log
+    gets every step regardless)."""
+    param_norm_every: int = 10
+    """Measure the parameter norm and update/weight ratio every this many optimizer steps (0: never). The
+    update ratio needs a transient copy of the (local) parameters on those steps."""
+    capture_incidents: bool = True
+    """Write incident bundles (batch + metadata) on the offending ranks when a step is skipped/rolled back."""
+    max_incidents: int = 50
+    """At most this many incident bundles per rank per run (disk budget)."""
+    localize_first_nonfinite: bool = True
+    """On the first non-finite incident of the run, replay the bad micro-batch with hooks (needs
+    ``guard.set_replay_fn``) to name the first module producing NaN/Inf."""
+    localize_every_step: bool = False
+    """Opt-in: localize every non-finite incident, not only the first (costs a forward+backward each)."""
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    """Non-finite loss/inputs/gradient norm (default: skip)."""
+    exception: ExceptionConfig = field(default_factory=ExceptionConfig)
+    """Caller-reported exception in a micro-step (default: rollback)."""
+    nonfinite_params: NonFiniteParamsConfig = field(default_factory=NonFiniteParamsConfig)
+    """Non-finite parameter norm (default: rollback)."""
+    grad_spike: GradSpikeConfig = field(default_factory=GradSpikeConfig)
+    """Gradient-norm spike vs. its EMA (default: skip)."""
+    grad_growth: GradGrowthConfig = field(default_factory=GradGrowthConfig)
+    """Sustained exponential gradient-norm growth (default: warn)."""
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    """Loss spike vs. its EMA (default: warn)."""
+    clip_rate: ClipRateConfig = field(default_factory=ClipRateConfig)
+    """Clipping on most steps of a window (default: warn)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Frequent fp16 loss-scale drops (default: warn)."""
+    param_growth: ParamGrowthConfig = field(default_factory=ParamGrowthConfig)
+    """Parameter-norm growth over a long window (default: warn)."""
+    consecutive_skips: ConsecutiveSkipsConfig = field(default_factory=ConsecutiveSkipsConfig)
+    """A run of skipped steps (default: rollback)."""
+    repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)
+    """Spikes clustered in a window (default: rollback)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        check(all(isinstance(k, str) for k in self.input_keys), "input_keys", "must be a list of strings", self.input_keys)
+        check(self.num_train_timesteps > 0, "num_train_timesteps", "must be > 0", self.num_train_timesteps)
+        check(self.timestep_buckets >= 1, "timestep_buckets", "must be >= 1", self.timestep_buckets)
+        check(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)
+        check(self.param_norm_every >= 0, "param_norm_every", "must be >= 0", self.param_norm_every)
+        check(self.max_incidents >= 0, "max_incidents", "must be >= 0", self.max_incidents)
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if dataclasses.is_dataclass(sub):
+                sub.validate(f.name)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "GuardConfig":
+        """Build from a plain dict (nested dicts for detectors); unknown keys and bad values raise."""
+        return _build(cls, d or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "GuardConfig":
+        """Build from a YAML file holding the same structure as :meth:`from_dict`."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f)
+        if d is not None and not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        """Plain JSON/YAML-serialisable form (round-trips through :meth:`from_dict`)."""
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+def _build(cls: type, d: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "guard config"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {where}: {', '.join(prefix + u for u in unknown)} (known: {', '.join(fields)})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in d.items():
+        kwargs[name] = _coerce(hints[name], value, prefix + name)
+    try:
+        obj = cls(**kwargs)
+    except ConfigError:
+        raise
+    if prefix:  # nested configs are validated with their full dotted name
+        obj.validate(prefix.rstrip("."))
+    return obj
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name + ".")
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        check(isinstance(value, bool), name, "must be true or false", value)
+        return value
+    if tp is int:
+        check(isinstance(value, int) and not isinstance(value, bool), name, "must be an integer", value)
+        return value
+    if tp is float:
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "must be a number", value)
+        return float(value)
+    if tp is str:
+        check(isinstance(value, str), name, "must be a string", value)
+        return value
+    if origin is tuple:
+        check(isinstance(value, (list, tuple)), name, "must be a list", value)
+        return tuple(_coerce(typing.get_args(tp)[0], v, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, name)
+    return value

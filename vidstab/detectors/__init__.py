@@ -1,0 +1,56 @@
+"""Detectors: one per file, behind the small protocol in :mod:`vidstab.detectors.base`.
+
+``DETECTORS`` fixes the order in which they run on every rank. Step detectors come first; the
+escalation detectors (``consecutive_skips``, ``repeated_spikes``) come last because they read the
+verdict the others reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import ConfigError, Detector, EMAStat, Finding, StepStats, Verdict
+from .clip_rate import ClipRateConfig, ClipRateDetector
+from .consecutive_skips import ConsecutiveSkipsConfig, ConsecutiveSkipsDetector
+from .exception import ExceptionConfig, ExceptionDetector
+from .grad_growth import GradGrowthConfig, GradGrowthDetector
+from .grad_spike import GradSpikeConfig, GradSpikeDetector
+from .loss_scale import LossScaleConfig, LossScaleDetector
+from .loss_spike import LossSpikeConfig, LossSpikeDetector
+from .nonfinite import NonFiniteConfig, NonFiniteDetector
+from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
+from .param_growth import ParamGrowthConfig, ParamGrowthDetector
+from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
+
+#: name -> (config class, detector class), in evaluation order.
+DETECTORS: dict[str, tuple[type, type[Detector]]] = {
+    "nonfinite": (NonFiniteConfig, NonFiniteDetector),
+    "exception": (ExceptionConfig, ExceptionDetector),
+    "nonfinite_params": (NonFiniteParamsConfig, NonFiniteParamsDetector),
+    "grad_spike": (GradSpikeConfig, GradSpikeDetector),
+    "grad_growth": (GradGrowthConfig, GradGrowthDetector),
+    "loss_spike": (LossSpikeConfig, LossSpikeDetector),
+    "clip_rate": (ClipRateConfig, ClipRateDetector),
+    "loss_scale": (LossScaleConfig, LossScaleDetector),
+    "param_growth": (ParamGrowthConfig, ParamGrowthDetector),
+    "consecutive_skips": (ConsecutiveSkipsConfig, ConsecutiveSkipsDetector),
+    "repeated_spikes": (RepeatedSpikesConfig, RepeatedSpikesDetector),
+}
+
+
+def build_detectors(config: Any) -> list[Detector]:
+    """Instantiate the enabled detectors of a :class:`vidstab.GuardConfig` in evaluation order."""
+    out = []
+    for name, (_, cls) in DETECTORS.items():
+        cfg = getattr(config, name)
+        if cfg.enabled:
+            out.append(cls(cfg))
+    return out
+
+
+__all__ = [
+    "DETECTORS", "build_detectors", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
+    "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
+    "LossScaleConfig", "LossSpikeConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
+    "RepeatedSpikesConfig",
+]

@@ -1,0 +1,203 @@
+"""The detector protocol: host-side judges of one optimizer step.
+
+Every rank builds the same :class:`StepStats` from the same gathered table (one host read per
+optimizer step), runs the same detectors in the same order, and therefore reaches the same verdict:
+no rank-local ``if`` ever decides whether to step.
+
+A detector has two phases per step:
+
+* :meth:`Detector.observe` judges the step and returns a :class:`Finding` or ``None``. It must not
+  change the detector's running statistics (another detector may still skip the step).
+* :meth:`Detector.update` is called once the final verdict is known (``stats.verdict``,
+  ``stats.applied``). Statistics absorb only applied steps, so a skipped outlier never poisons an EMA.
+
+Detectors that reason about the verdict itself (consecutive skips, repeated spikes) run last and read
+``stats.verdict`` / ``stats.findings``: the verdict reached by the detectors before them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or out of range; the message names the field."""
+
+
+def check(cond: bool, name: str, requirement: str, value: Any) -> None:
+    """Raise :class:`ConfigError` ``"<name> <requirement>, got <value>"`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"{name} {requirement}, got {value!r}")
+
+
+class Verdict(enum.IntEnum):
+    """What the guard does with an optimizer step; the worst finding wins."""
+
+    OK = 0
+    WARN = 1
+    SKIP = 2
+    ROLLBACK = 3
+
+    @classmethod
+    def from_action(cls, action: str) -> "Verdict":
+        """Map a config action (``"warn" | "skip" | "rollback"``) to a verdict."""
+        return {"warn": cls.WARN, "skip": cls.SKIP, "rollback": cls.ROLLBACK}[action]
+
+
+ACTIONS = ("warn", "skip", "rollback")
+
+
+@dataclass
+class Finding:
+    """One detector's judgement of one step."""
+
+    detector: str
+    """Name of the detector, e.g. ``"grad_spike"``."""
+    verdict: Verdict
+    """What the detector asks for."""
+    message: str
+    """One human sentence with the numbers that matter."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """The numbers behind the judgement (JSON-serialisable floats)."""
+    ranks: list[int] = field(default_factory=list)
+    """Ranks that caused the finding where that is known (bad data on rank 1 ...), else empty."""
+
+    def to_dict(self) -> dict:
+        """JSON form used in events and incident bundles."""
+        return {
+            "detector": self.detector,
+            "verdict": self.verdict.name,
+            "message": self.message,
+            "figures": {k: _json_float(v) for k, v in self.figures.items()},
+            "ranks": list(self.ranks),
+        }
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+@dataclass
+class StepStats:
+    """Host-side view of one optimizer step, identical on every rank."""
+
+    step: int
+    """Optimizer step counter (attempted steps, applied or skipped)."""
+    grad_norm: float
+    """Global pre-clip gradient norm (``nan`` when unavailable or non-finite)."""
+    loss: float
+    """Mean finite loss over ranks and micro-steps (``nan`` if none was finite)."""
+    world_size: int = 1
+    """Number of ranks in the gathered table."""
+    grad_norm_known: bool = True
+    """False when the backend gave no norm (DeepSpeed without an engine norm): ``grad_norm`` is nan."""
+    max_grad_norm: float | None = None
+    """Clipping threshold used this step (``None``: no clipping)."""
+    clipped: bool = False
+    """Whether clipping changed the gradients (pre-clip norm > max norm)."""
+    lr: float | None = None
+    """Learning rate of the first param group at this step."""
+    loss_scale: float | None = None
+    """GradScaler scale under fp16, else ``None``."""
+    overflow: bool = False
+    """fp16 GradScaler overflow: non-finite grads with finite losses and inputs everywhere."""
+    param_norm: float | None = None
+    """Global parameter norm (measured every ``param_norm_every`` steps), else ``None``."""
+    update_ratio: float | None = None
+    """||delta params|| / ||params|| of the last measured update, else ``None``."""
+    nonfinite_loss_ranks: list[int] = field(default_factory=list)
+    """Ranks whose loss was non-finite on some micro-step of the window."""
+    nonfinite_input_ranks: list[int] = field(default_factory=list)
+    """Ranks whose inputs (``GuardConfig.input_keys``) held non-finite values."""
+    exception_ranks: list[int] = field(default_factory=list)
+    """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
+    rank_loss: list[float] = field(default_factory=list)
+    """Per-rank mean finite loss (``nan`` for a rank without one)."""
+    rank_input_absmax: list[float] = field(default_factory=list)
+    """Per-rank largest finite absolute input value."""
+    timestep_bucket_loss: list[float | None] = field(default_factory=list)
+    """Mean loss per diffusion-timestep bucket (``None`` for empty buckets)."""
+    input_absmax: float = 0.0
+    """Largest finite absolute input value over ranks."""
+    input_nonfinite: int = 0
+    """Non-finite input values over ranks."""
+    # Filled in by the guard while judging (see module docstring).
+    verdict: Verdict = Verdict.OK
+    """Verdict reached so far (final verdict in :meth:`Detector.update`)."""
+    findings: list[Finding] = field(default_factory=list)
+    """Findings so far (all findings in :meth:`Detector.update`)."""
+    applied: bool = False
+    """Whether the optimizer step was applied (valid in :meth:`Detector.update`)."""
+
+
+class Detector:
+    """Base class of the detectors; see the module docstring for the two phases."""
+
+    name: ClassVar[str] = "detector"
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.verdict = Verdict.from_action(config.action) if hasattr(config, "action") else Verdict.WARN
+
+    def observe(self, s: StepStats) -> Finding | None:  # pragma: no cover - interface
+        """Judge the step; must not change running statistics."""
+        raise NotImplementedError
+
+    def update(self, s: StepStats) -> None:
+        """Absorb the step once the final verdict is known (default: nothing to absorb)."""
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state (running statistics, counters)."""
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def finding(self, message: str, figures: dict[str, float], ranks: list[int] | None = None) -> Finding:
+        """A finding of this detector with its configured verdict."""
+        return Finding(self.name, self.verdict, message, dict(figures), list(ranks or []))
+
+
+@dataclass
+class EMAStat:
+    """Exponential moving mean and variance with a warm-up count (JSON-serialisable)."""
+
+    beta: float = 0.98
+    mean: float = 0.0
+    var: float = 0.0
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        """Absorb one finite value."""
+        if not math.isfinite(x):
+            return
+        if self.count == 0:
+            self.mean, self.var = x, 0.0
+        else:
+            a = 1.0 - self.beta
+            d = x - self.mean
+            self.mean += a * d
+            self.var = (1.0 - a) * (self.var + a * d * d)
+        self.count += 1
+
+    def ratio(self, x: float) -> float:
+        """``x / mean`` (``inf`` when the mean is not positive)."""
+        return x / self.mean if self.mean > 0 else math.inf
+
+    def zscore(self, x: float, min_std_fraction: float) -> float:
+        """``(x - mean) / std`` with std floored at ``min_std_fraction * |mean|`` (and 1e-12)."""
+        std = max(math.sqrt(max(self.var, 0.0)), min_std_fraction * abs(self.mean), 1e-12)
+        return (x - self.mean) / std
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        self.mean, self.var, self.count = float(d["mean"]), float(d["var"]), int(d["count"])
+        self.beta = float(d.get("beta", self.beta))

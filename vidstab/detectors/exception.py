@@ -1,0 +1,36 @@
+"""A caller-reported exception on some rank's micro-step -> ROLLBACK by default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import ACTIONS, Detector, Finding, StepStats, check
+
+
+@dataclass
+class ExceptionConfig:
+    """Configuration of the ``exception`` detector (``guard.backward(error=exc)``)."""
+
+    enabled: bool = True
+    """Turn caller-reported exceptions into a verdict."""
+    action: str = "rollback"
+    """``warn | skip | rollback``. Rollback by default: after an exception inside forward/backward
+    (e.g. a CUDA error, an assertion in the model) the in-memory state can no longer be trusted."""
+
+    def validate(self, prefix: str = "exception") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+
+
+class ExceptionDetector(Detector):
+    """Every rank learns which ranks failed, through the gathered table, at the same step."""
+
+    name = "exception"
+
+    def observe(self, s: StepStats) -> Finding | None:
+        if not s.exception_ranks:
+            return None
+        return self.finding(
+            f"exception during forward/backward on rank(s) {s.exception_ranks}",
+            {"ranks_failed": float(len(s.exception_ranks))},
+            s.exception_ranks,
+        )

@@ -1,0 +1,84 @@
+"""Sustained exponential growth of the gradient norm -> WARN before it blows up."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .base import ACTIONS, Detector, Finding, StepStats, check
+
+
+@dataclass
+class GradGrowthConfig:
+    """Configuration of the ``grad_growth`` detector.
+
+    A norm growing 10% per step crosses the spike detector's 10x only after ~24 steps; this detector
+    sees the trend after ``window`` steps (8 by default), while there is still time to act.
+    """
+
+    enabled: bool = True
+    """Watch the trend of the pre-clip gradient norm over applied steps."""
+    action: str = "warn"
+    """``warn | skip | rollback``. Warn: a trend is a forecast, not yet damage."""
+    window: int = 8
+    """Number of step-to-step changes looked at (``window + 1`` norms)."""
+    min_rises: int = 7
+    """How many of those ``window`` changes must be increases (default ``window - 1``: one dip allowed)."""
+    min_growth: float = 2.0
+    """Growth over the window implied by the least-squares slope of log(norm) must reach this factor."""
+    warmup_steps: int = 50
+    """Applied steps before judging: the norm often rises legitimately while the LR warms up."""
+
+    def validate(self, prefix: str = "grad_growth") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        check(self.window >= 2, f"{prefix}.window", "must be >= 2", self.window)
+        check(1 <= self.min_rises <= self.window, f"{prefix}.min_rises", f"must be in [1, window={self.window}]", self.min_rises)
+        check(self.min_growth > 1, f"{prefix}.min_growth", "must be > 1", self.min_growth)
+        check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0", self.warmup_steps)
+
+
+class GradGrowthDetector(Detector):
+    """Rises-count AND fitted-slope test over the last ``window`` applied steps; warns once per window."""
+
+    name = "grad_growth"
+
+    def __init__(self, config: GradGrowthConfig) -> None:
+        super().__init__(config)
+        self.logs: deque[float] = deque(maxlen=config.window + 1)
+        self.seen = 0
+
+    def observe(self, s: StepStats) -> Finding | None:
+        x = s.grad_norm
+        if not (math.isfinite(x) and x > 0) or self.seen < self.config.warmup_steps:
+            return None
+        ys = list(self.logs) + [math.log(x)]
+        if len(ys) < self.config.window + 1:
+            return None
+        ys = ys[-(self.config.window + 1):]
+        rises = sum(b > a for a, b in zip(ys, ys[1:]))
+        n = len(ys)
+        xm, ym = (n - 1) / 2, sum(ys) / n
+        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
+        growth = math.exp(slope * self.config.window)
+        if rises < self.config.min_rises or growth < self.config.min_growth:
+            return None
+        return self.finding(
+            f"gradient norm rose on {rises}/{self.config.window} steps, x{growth:.2f} over the window "
+            f"(x{math.exp(slope):.3f} per step): likely heading for an explosion",
+            {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(slope)},
+        )
+
+    def update(self, s: StepStats) -> None:
+        if any(f.detector == self.name for f in s.findings):
+            self.logs.clear()  # warn once per window: the next warning needs a fresh window
+        if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
+            self.logs.append(math.log(s.grad_norm))
+            self.seen += 1
+
+    def state_dict(self) -> dict:
+        return {"logs": list(self.logs), "seen": self.seen}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.logs = deque((float(v) for v in d["logs"]), maxlen=self.config.window + 1)
+        self.seen = int(d["seen"])

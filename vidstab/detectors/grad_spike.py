@@ -1,0 +1,87 @@
+"""A sudden gradient-norm spike against its EMA -> SKIP by default."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+
+
+@dataclass
+class GradSpikeConfig:
+    """Configuration of the ``grad_spike`` detector."""
+
+    enabled: bool = True
+    """Judge the pre-clip global gradient norm against its running statistics."""
+    action: str = "skip"
+    """``warn | skip | rollback``. Skip: a 10x gradient is almost always one bad batch, and clipping
+    alone would still move the weights a full clipped step in that batch's direction."""
+    ratio: float = 10.0
+    """Flag when ``norm / EMA(norm) >= ratio``. 10 is the rule of thumb in the field (an order of
+    magnitude above normal is trouble even before NaN appears)."""
+    zscore: float = 6.0
+    """Flag when ``(norm - EMA mean) / EMA std >= zscore``; 6 sigma is far outside normal noise."""
+    beta: float = 0.98
+    """EMA decay per applied step (0.98: a memory of about 50 steps, slow enough to trust)."""
+    warmup_steps: int = 20
+    """Applied steps absorbed before the detector judges (the EMA must mean something first)."""
+    min_std_fraction: float = 0.1
+    """Floor of the EMA std as a fraction of the EMA mean, so that an unusually quiet phase does not
+    turn a harmless 20% wiggle into a 6-sigma event."""
+
+    def validate(self, prefix: str = "grad_spike") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
+        check(self.zscore > 0, f"{prefix}.zscore", "must be > 0", self.zscore)
+        check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
+        check(self.warmup_steps >= 1, f"{prefix}.warmup_steps", "must be >= 1", self.warmup_steps)
+        check(self.min_std_fraction >= 0, f"{prefix}.min_std_fraction", "must be >= 0", self.min_std_fraction)
+
+
+class GradSpikeDetector(Detector):
+    """Ratio OR z-score test after warm-up; flagged steps are never absorbed into the EMA."""
+
+    name = "grad_spike"
+
+    def __init__(self, config: GradSpikeConfig) -> None:
+        super().__init__(config)
+        self.ema = EMAStat(beta=config.beta)
+        self._flagged_step: int | None = None
+
+    def observe(self, s: StepStats) -> Finding | None:
+        x = s.grad_norm
+        if not math.isfinite(x) or self.ema.count < self.config.warmup_steps:
+            return None  # non-finite norms are the nonfinite detector's business
+        ratio, z = self.ema.ratio(x), self.ema.zscore(x, self.config.min_std_fraction)
+        if ratio < self.config.ratio and z < self.config.zscore:
+            return None
+        self._flagged_step = s.step
+        suspects = _suspect_ranks(s)
+        return self.finding(
+            f"gradient norm {x:.4g} is {ratio:.1f}x its EMA {self.ema.mean:.4g} (z={z:.1f})",
+            {"grad_norm": x, "ema": self.ema.mean, "ratio": ratio, "zscore": z},
+            suspects,
+        )
+
+    def update(self, s: StepStats) -> None:
+        if s.applied and self._flagged_step != s.step:
+            self.ema.add(s.grad_norm)
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.ema.load_state_dict(d["ema"])
+
+
+def _suspect_ranks(s: StepStats) -> list[int]:
+    """Under DDP the norm is global, so the culprit is a guess: the rank with the highest loss and the
+    rank with the largest input (usually the same)."""
+    out: set[int] = set()
+    finite = [(v, r) for r, v in enumerate(s.rank_loss) if math.isfinite(v)]
+    if finite:
+        out.add(max(finite)[1])
+    if s.rank_input_absmax:
+        out.add(max((v, r) for r, v in enumerate(s.rank_input_absmax))[1])
+    return sorted(out) or list(range(s.world_size))

@@ -1,0 +1,74 @@
+"""Parameter norm growing fast over a long window -> WARN."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .base import ACTIONS, Detector, Finding, StepStats, check
+
+
+@dataclass
+class ParamGrowthConfig:
+    """Configuration of the ``param_growth`` detector (uses the norm measured every ``param_norm_every``)."""
+
+    enabled: bool = True
+    """Watch the global parameter norm."""
+    action: str = "warn"
+    """``warn | skip | rollback``. Warn: weight growth is slow damage (weight decay too low, LR too high)."""
+    window: int = 200
+    """Steps over which growth is measured."""
+    max_growth: float = 1.5
+    """Warn when the norm grew by more than this factor over ``window`` steps."""
+
+    def validate(self, prefix: str = "param_growth") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
+        check(self.max_growth > 1, f"{prefix}.max_growth", "must be > 1", self.max_growth)
+
+
+class ParamGrowthDetector(Detector):
+    """Compares the current norm with the newest sample at least ``window`` steps old."""
+
+    name = "param_growth"
+
+    def __init__(self, config: ParamGrowthConfig) -> None:
+        super().__init__(config)
+        self.samples: deque[tuple[int, float]] = deque()
+        self.quiet_until = -1
+
+    def _reference(self, step: int) -> tuple[int, float] | None:
+        old = [(st, v) for st, v in self.samples if st <= step - self.config.window]
+        return old[-1] if old else None
+
+    def observe(self, s: StepStats) -> Finding | None:
+        if s.param_norm is None or not math.isfinite(s.param_norm) or s.step < self.quiet_until:
+            return None
+        ref = self._reference(s.step)
+        if ref is None or ref[1] <= 0:
+            return None
+        growth = s.param_norm / ref[1]
+        if growth <= self.config.max_growth:
+            return None
+        return self.finding(
+            f"parameter norm grew x{growth:.2f} in {s.step - ref[0]} steps ({ref[1]:.4g} -> {s.param_norm:.4g})",
+            {"param_norm": s.param_norm, "reference": ref[1], "growth": growth},
+        )
+
+    def update(self, s: StepStats) -> None:
+        if any(f.detector == self.name for f in s.findings):
+            self.quiet_until = s.step + self.config.window
+        if s.param_norm is None or not math.isfinite(s.param_norm):
+            return
+        self.samples.append((s.step, s.param_norm))
+        ref = self._reference(s.step)
+        while self.samples and ref is not None and self.samples[0][0] < ref[0]:
+            self.samples.popleft()  # keep the newest sample older than the window, drop the rest
+
+    def state_dict(self) -> dict:
+        return {"samples": [list(x) for x in self.samples], "quiet_until": self.quiet_until}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.samples = deque((int(a), float(b)) for a, b in d["samples"])
+        self.quiet_until = int(d["quiet_until"])

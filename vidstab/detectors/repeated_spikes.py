@@ -1,0 +1,70 @@
+"""Several spikes within a short window -> ROLLBACK (the run is in an unstable region)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .base import ACTIONS, Detector, Finding, StepStats, Verdict, check
+
+
+@dataclass
+class RepeatedSpikesConfig:
+    """Configuration of the ``repeated_spikes`` detector (runs after the step detectors)."""
+
+    enabled: bool = True
+    """Escalate spikes that keep coming back."""
+    action: str = "rollback"
+    """``warn | skip | rollback``. Rollback: isolated spikes are bad batches; clustered ones mean the
+    weights sit in an unstable region that the LR back-off of a rollback is meant to leave."""
+    max_spikes: int = 3
+    """Rollback when this many spikes (this one included) fall within ``window`` steps."""
+    window: int = 50
+    """Steps over which spikes are counted."""
+    detectors: tuple[str, ...] = field(default_factory=lambda: ("grad_spike",))
+    """Which detectors' findings count as spikes."""
+
+    def validate(self, prefix: str = "repeated_spikes") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        check(self.max_spikes >= 1, f"{prefix}.max_spikes", "must be >= 1", self.max_spikes)
+        check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
+        check(all(isinstance(d, str) for d in self.detectors), f"{prefix}.detectors", "must be detector names", self.detectors)
+
+
+class RepeatedSpikesDetector(Detector):
+    """Counts steps with a spike finding; the history is cleared after a rollback."""
+
+    name = "repeated_spikes"
+
+    def __init__(self, config: RepeatedSpikesConfig) -> None:
+        super().__init__(config)
+        self.steps: deque[int] = deque()
+
+    def _is_spike(self, s: StepStats) -> bool:
+        return any(f.detector in self.config.detectors for f in s.findings)
+
+    def observe(self, s: StepStats) -> Finding | None:
+        if not self._is_spike(s):
+            return None
+        recent = [x for x in self.steps if x > s.step - self.config.window] + [s.step]
+        if len(recent) < self.config.max_spikes:
+            return None
+        return self.finding(
+            f"{len(recent)} spikes within {self.config.window} steps (steps {recent})",
+            {"spikes": float(len(recent)), "window": float(self.config.window)},
+        )
+
+    def update(self, s: StepStats) -> None:
+        if s.verdict >= Verdict.ROLLBACK:
+            self.steps.clear()
+            return
+        if self._is_spike(s):
+            self.steps.append(s.step)
+        while self.steps and self.steps[0] <= s.step - self.config.window:
+            self.steps.popleft()
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.steps = deque(int(x) for x in d["steps"])

@@ -1,0 +1,592 @@
+"""The guard: the orchestrator of one optimizer step, in lockstep on every rank.
+
+``guard.backward`` records per-rank flags on the device (no host sync). ``guard.step`` on the last
+micro-step of an accumulation window does, top to bottom (see :meth:`Guard.step`):
+
+1. the global pre-clip gradient norm (``accelerator.clip_grad_norm_``; FSDP2 DTensor made full);
+2. one packed row per rank -> one ``accelerator.gather`` -> one host read of a ``[world, k]`` table;
+3. the detectors on that table: the same verdict on every rank;
+4. apply (``optimizer.step`` + ``lr_scheduler.step``) or skip (grads to None, scheduler held,
+   ``optimizer_step_was_skipped`` true);
+5. events, tracker metrics, incident bundles on the offending ranks, rollback request.
+
+Limits: under DeepSpeed the engine steps inside ``accelerator.backward`` and ``clip_grad_norm_``
+returns the norm of a step already applied (or ``None``): vidstab then observes and reports, but a
+SKIP cannot undo that step. Under fp16, a non-finite gradient with finite losses everywhere is a normal
+GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and lowers the scale).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from . import signals
+from .config import GuardConfig
+from .detectors import Finding, StepStats, Verdict, build_detectors
+from .events import EventLog, log_to_trackers
+
+GUARD_STATE_FILE = "vidstab_guard.json"
+_KIND = {Verdict.WARN: "warn", Verdict.SKIP: "skip", Verdict.ROLLBACK: "rollback"}
+
+
+@dataclass
+class StepResult:
+    """What ``guard.step`` decided. Identical on every rank except ``incident``/``incidents``."""
+
+    step: int
+    """Optimizer step counter of this step (``guard.step_count`` before it advanced)."""
+    applied: bool
+    """The optimizer step changed the weights."""
+    skipped: bool
+    """vidstab skipped the step (SKIP/ROLLBACK verdict). An fp16 overflow is ``applied=False, skipped=False``."""
+    micro: bool
+    """A non-sync micro-step: nothing was judged or applied."""
+    verdict: Verdict = Verdict.OK
+    """Worst finding of the step."""
+    findings: list[Finding] = field(default_factory=list)
+    """All findings of the step, in detector order."""
+    grad_norm: float = math.nan
+    """Global pre-clip gradient norm."""
+    loss: float = math.nan
+    """Mean finite loss over ranks and micro-steps."""
+    rollback: str | None = None
+    """Why a detector asks for a rollback (``"detector: message"``), else ``None``."""
+    stop: bool = False
+    """Some rank called ``guard.request_stop()``: every rank sees it at the same step."""
+    bad_ranks: list[int] = field(default_factory=list)
+    """Ranks named by the findings (bad data, exceptions)."""
+    incident: Path | None = None
+    """First incident bundle written by THIS rank for this step."""
+    overflow: bool = False
+    """fp16 GradScaler overflow (the scaler skipped the update and lowered the scale)."""
+    incidents: list[Path] = field(default_factory=list)
+    """All incident bundles written by this rank for this step."""
+
+
+class Guard:
+    """Detects trouble on every rank in lockstep; see the module docstring. Build it with :func:`attach`."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        config: GuardConfig | None = None,
+        run_dir: str | Path = "output",
+        *,
+        model_spec: dict | None = None,
+        seed: int | None = None,
+        checkpoint_fn: Callable[[], str | None] | None = None,
+        register_hooks: bool = True,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config or GuardConfig()
+        self.run_dir = Path(run_dir)
+        self.model_spec, self.seed, self.checkpoint_fn = model_spec, seed, checkpoint_fn
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.events = EventLog(self.run_dir, self.rank)
+        self.detectors = build_detectors(self.config)
+        self.window = signals.Window(
+            accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys
+        )
+        self._params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
+        self._trainable = [p for p in self._params if p.requires_grad]
+        self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
+            signals._is_dtensor(p) for p in self._params
+        )
+        self._refs: list[tuple[Mapping[str, Any] | None, Any, Any]] = []  # (batch, sample_ids, error) per micro-step
+        self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
+        self._stop_requested = False
+        self._replay_fn: Callable[[dict], torch.Tensor] | None = None
+        self._capture_missing_logged = False
+        self._clip_flags: list[bool] = []
+        # Persistent counters (state_dict).
+        self.step_count = 0
+        self.skipped_total = 0
+        self.overflow_total = 0
+        self.incidents_written = 0
+        self.localized = False
+        self.lr_multiplier = 1.0
+        self._last_verdict = Verdict.OK
+        self._params_finite = True
+        self._orig_lrs = self._current_base_lrs()
+        if register_hooks and hasattr(accelerator, "register_save_state_pre_hook"):
+            accelerator.register_save_state_pre_hook(self._save_state_hook)
+            accelerator.register_load_state_pre_hook(self._load_state_hook)
+        self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict())
+
+    # ------------------------------------------------------------------ hot path
+    def backward(
+        self,
+        loss: torch.Tensor,
+        batch: Mapping[str, Any] | None = None,
+        sample_ids: Sequence[Any] | torch.Tensor | None = None,
+        per_sample_loss: torch.Tensor | None = None,
+        timesteps: torch.Tensor | None = None,
+        error: BaseException | None = None,
+        **backward_kwargs: Any,
+    ) -> None:
+        """``accelerator.backward(loss)`` + on-device flags of this micro-step (no host sync).
+
+        ``batch``: the micro-batch tensors (kept by reference until the step, for incident capture);
+        ``per_sample_loss``/``timesteps`` ([B] each; timesteps default to ``batch["timesteps"]``) feed the
+        per-timestep-bucket loss; ``error``: an exception the caller caught for this micro-step (the caller
+        still passes a zero loss through the wrapped model so DDP collectives match) -> ROLLBACK.
+        """
+        self.accelerator.backward(loss, **backward_kwargs)
+        if not self.config.enabled:
+            return
+        if timesteps is None and batch is not None:
+            timesteps = batch.get("timesteps")
+        self.window.record(loss, batch, per_sample_loss, timesteps, error is not None)
+        self._refs.append((batch, sample_ids, error))
+
+    def step(self, max_grad_norm: float | None = 1.0) -> StepResult:
+        """Judge and apply (or skip) the optimizer step; a cheap no-op on non-sync micro-steps."""
+        if not self.accelerator.sync_gradients:
+            return StepResult(self.step_count, applied=False, skipped=False, micro=True)
+        if not self.config.enabled:
+            return self._plain_step(max_grad_norm)
+        step = self.step_count
+        # 1. Global pre-clip norm (clips in place). DDP grads are already all-reduced here.
+        norm = signals.global_grad_norm(self.accelerator, self._params, max_grad_norm)
+        # 2. One row per rank -> one gather -> one host read.
+        stop, self._stop_requested = self._stop_requested, False
+        row = self.window.pack(norm, stop, *self._pending, self._loss_scale_tensor())
+        self._pending = (None, None)
+        table, micro = signals.gather_and_read(self.accelerator, row, self.window.micro_rows())
+        stats = self._build_stats(step, table, max_grad_norm, norm is not None)
+        # 3. Same table on every rank -> same verdict on every rank.
+        for det in self.detectors:
+            finding = det.observe(stats)
+            if finding is not None:
+                stats.findings.append(finding)
+                stats.verdict = max(stats.verdict, finding.verdict)
+        self._last_verdict = stats.verdict
+        if stats.param_norm is not None:
+            self._params_finite = math.isfinite(stats.param_norm)
+        # 4. Apply or skip; detectors absorb only applied steps.
+        stats.applied = self._apply(stats, measure=self._measure_params(step))
+        for det in self.detectors:
+            det.update(stats)
+        # 5. Evidence: events, trackers, incident bundles.
+        result = self._report(stats, table, micro, stop=any(r[signals.STOP] > 0 for r in table))
+        self._refs.clear()
+        self.window.reset()
+        self.step_count += 1
+        return result
+
+    # ------------------------------------------------------------------ step parts
+    def _build_stats(self, step: int, table: list[list[float]], max_grad_norm: float | None, norm_known: bool) -> StepStats:
+        S = signals
+        lay = self.window.layout
+        norms = [r[S.GRAD_NORM] for r in table]
+        bad = [n for n in norms if not math.isfinite(n)]
+        grad_norm = bad[0] if bad else max(norms)
+        loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(r[S.LOSS_COUNT] for r in table)
+        rank_loss = [r[S.LOSS_SUM] / r[S.LOSS_COUNT] if r[S.LOSS_COUNT] > 0 else math.nan for r in table]
+        buckets = []
+        for b in range(lay.buckets):
+            c = sum(r[lay.bucket_count][b] for r in table)
+            buckets.append(sum(r[lay.bucket_sum][b] for r in table) / c if c > 0 else None)
+        param_norm = update_ratio = None
+        if table[0][S.PARAM_PENDING] > 0:
+            # DDP: every rank holds all params (same value) -> take rank 0; FSDP: shards -> sum over ranks.
+            psq = sum(r[S.PARAM_SQ] for r in table) if self._sharded else table[0][S.PARAM_SQ]
+            usq = sum(r[S.UPDATE_SQ] for r in table) if self._sharded else table[0][S.UPDATE_SQ]
+            param_norm = math.sqrt(psq) if psq >= 0 else math.nan
+            update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
+        s = StepStats(
+            step=step,
+            grad_norm=grad_norm if norm_known else math.nan,
+            grad_norm_known=norm_known,
+            loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan,
+            world_size=len(table),
+            max_grad_norm=max_grad_norm,
+            clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
+            lr=self._lr(),
+            loss_scale=table[0][S.LOSS_SCALE] if table[0][S.LOSS_SCALE] >= 0 else None,
+            param_norm=param_norm,
+            update_ratio=update_ratio,
+            nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
+            nonfinite_input_ranks=[i for i, r in enumerate(table) if r[S.IN_NONFINITE] > 0],
+            exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
+            rank_loss=rank_loss,
+            rank_input_absmax=[r[S.IN_ABSMAX] for r in table],
+            timestep_bucket_loss=buckets,
+            input_absmax=max(r[S.IN_ABSMAX] for r in table),
+            input_nonfinite=int(sum(r[S.IN_NONFINITE] for r in table)),
+        )
+        s.overflow = bool(
+            getattr(self.accelerator, "scaler", None) is not None
+            and norm_known
+            and not math.isfinite(grad_norm)
+            and not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks or s.exception_ranks)
+        )
+        return s
+
+    def _measure_params(self, step: int) -> bool:
+        every = self.config.param_norm_every
+        return every > 0 and step % every == 0 and bool(self._trainable)
+
+    def _apply(self, s: StepStats, measure: bool) -> bool:
+        """Step or skip; on measured steps leave (param_sq, update_sq) on device for the next read."""
+        opt = self.optimizer
+        if s.verdict <= Verdict.WARN:
+            before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
+            _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
+            opt.step()  # under fp16 the scaler may still skip (overflow): read back below
+            applied = not bool(getattr(opt, "step_was_skipped", False))
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            before = None
+            opt.zero_grad(set_to_none=True)  # poisoned grads must never be used
+            _set_skipped(opt, True)  # -> accelerator.optimizer_step_was_skipped
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:  # clip_grad_norm_ unscaled: close the scaler's step without stepping
+                try:
+                    scaler.update()
+                except (AssertionError, RuntimeError):
+                    pass
+            applied = False
+        if measure:
+            cur = [signals.local_tensor(p.detach()) for p in self._trainable]
+            update_sq = None
+            if before is not None:
+                torch._foreach_sub_(before, cur)
+                update_sq = signals.sum_of_squares(before)
+            self._pending = (signals.sum_of_squares(cur), update_sq)
+        if applied:
+            self._clip_flags = (self._clip_flags + [s.clipped])[-100:]
+        if s.verdict >= Verdict.SKIP:
+            self.skipped_total += 1
+        if s.overflow:
+            self.overflow_total += 1
+        return applied
+
+    def _report(self, s: StepStats, table: list[list[float]], micro: list[list[float]], stop: bool) -> StepResult:
+        mine = table[self.rank]
+        S = signals
+        n = mine[S.IN_COUNT]
+        mean = mine[S.IN_SUM] / n if n > 0 else math.nan
+        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if n > 0 else math.nan
+        metrics = {
+            "loss": s.loss,
+            "loss_rank": s.rank_loss[self.rank],
+            "lr": s.lr,
+            "grad_norm": s.grad_norm,
+            "clipped": s.clipped,
+            "clip_ratio": s.grad_norm / s.max_grad_norm if s.max_grad_norm else None,
+            "clip_rate": sum(self._clip_flags) / len(self._clip_flags) if self._clip_flags else 0.0,
+            "loss_scale": s.loss_scale,
+            "param_norm": s.param_norm,
+            "update_ratio": s.update_ratio,
+            "skipped_total": self.skipped_total,
+            "overflow_total": self.overflow_total,
+            "input_absmax": mine[S.IN_ABSMAX],
+            "input_mean": mean,
+            "input_std": std,
+            "input_nonfinite": int(mine[S.IN_NONFINITE]),
+            "loss_by_t": s.timestep_bucket_loss,
+            "verdict": s.verdict.name,
+            "applied": s.applied,
+        }
+        self.events.log("metrics", s.step, **metrics)
+        if s.step % self.config.log_every == 0:
+            log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
+        bad_ranks = sorted({r for f in s.findings for r in f.ranks})
+        for f in s.findings:
+            self.events.log(_KIND[f.verdict], s.step, detector=f.detector, message=f.message, figures=f.figures,
+                            bad_ranks=f.ranks, step_verdict=s.verdict.name)
+        if s.overflow:
+            self.events.log("overflow", s.step, loss_scale=s.loss_scale, overflow_total=self.overflow_total)
+        if stop:
+            self.events.log("stop", s.step, reason="request_stop")
+        rollback = next((f"{f.detector}: {f.message}" for f in s.findings if f.verdict >= Verdict.ROLLBACK), None)
+        incidents = self._capture(s, micro) if s.verdict >= Verdict.SKIP and not s.overflow else []
+        return StepResult(
+            step=s.step, applied=s.applied, skipped=s.verdict >= Verdict.SKIP, micro=False, verdict=s.verdict,
+            findings=list(s.findings), grad_norm=s.grad_norm, loss=s.loss, rollback=rollback, stop=stop,
+            bad_ranks=bad_ranks, incident=incidents[0] if incidents else None, overflow=s.overflow, incidents=incidents,
+        )
+
+    # ------------------------------------------------------------------ incidents (cold path)
+    def _capture(self, s: StepStats, micro: list[list[float]]) -> list[Path]:
+        """Write incident bundles for this rank's bad micro-batches if this rank is named by a finding."""
+        if not self.config.capture_incidents:
+            return []
+        finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks), None)
+        if finding is None or not self._refs:
+            return []
+        # Micro-steps whose loss/inputs were non-finite or that raised; else all, the largest input first.
+        idx = [i for i, m in enumerate(micro) if m[0] > 0 or m[1] > 0 or m[3] > 0]
+        if not idx:
+            idx = sorted(range(len(micro)), key=lambda i: -micro[i][2])
+        try:
+            from . import capture
+        except ImportError as e:
+            if not self._capture_missing_logged:
+                self.events.log("warn", s.step, detector="capture", message=f"incident capture unavailable: {e}",
+                                figures={}, bad_ranks=[])
+                self._capture_missing_logged = True
+            return []
+        paths = []
+        for i in idx:
+            if self.incidents_written >= self.config.max_incidents or i >= len(self._refs):
+                break
+            batch, ids, error = self._refs[i]
+            tensors = {k: v for k, v in (batch or {}).items() if isinstance(v, torch.Tensor)}
+            id_list = [str(x) for x in (ids.tolist() if isinstance(ids, torch.Tensor) else list(ids or []))]
+            localization = self._localize(s, finding, tensors) if finding.detector == "nonfinite" else None
+            extra = {"micro": {"loss_nonfinite": bool(micro[i][0]), "input_nonfinite": int(micro[i][1]),
+                               "input_absmax": micro[i][2]}, "grad_norm": s.grad_norm, "loss": s.loss,
+                     "bad_ranks": finding.ranks}
+            if error is not None:
+                extra["error"] = f"{type(error).__name__}: {error}"
+            try:
+                path = capture.write_incident(
+                    self.run_dir, step=s.step, micro_step=i, rank=self.rank, world_size=self.world_size,
+                    batch=tensors, sample_ids=id_list, finding=finding.to_dict(), lr=s.lr,
+                    precision=str(getattr(self.accelerator, "mixed_precision", "no")), seed=self.seed,
+                    checkpoint=self.checkpoint_fn() if self.checkpoint_fn else None, model_spec=self.model_spec,
+                    localization=localization, extra=extra,
+                )
+            except Exception as e:  # evidence must never kill the run
+                self.events.log("warn", s.step, detector="capture", message=f"incident capture failed: {e!r}",
+                                figures={}, bad_ranks=[self.rank])
+                continue
+            path = Path(path)
+            self.incidents_written += 1
+            paths.append(path)
+            try:
+                rel = str(path.relative_to(self.run_dir))
+            except ValueError:
+                rel = str(path)
+            self.events.log("incident", s.step, path=rel, sample_ids=id_list, detector=finding.detector, micro_step=i)
+        return paths
+
+    def _localize(self, s: StepStats, finding: Finding, batch: dict[str, torch.Tensor]) -> dict | None:
+        """Replay one bad micro-batch on the UNWRAPPED model (no DDP collectives) with NaN hooks."""
+        cfg = self.config
+        if self._replay_fn is None or not (cfg.localize_every_step or (cfg.localize_first_nonfinite and not self.localized)):
+            return None
+        self.localized = True
+        try:
+            from .localize import locate_nonfinite
+        except ImportError:
+            return None
+        model = self.accelerator.unwrap_model(self.model)
+        fn = self._replay_fn
+        try:
+            with torch.enable_grad():
+                result = locate_nonfinite(model, lambda: fn(batch))
+        except Exception as e:
+            result = {"error": repr(e)}
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)  # the replay's grads must not leak into the next step
+        return result
+
+    # ------------------------------------------------------------------ controls
+    def request_stop(self) -> None:
+        """Ask every rank to stop at the next optimizer step (safe from a signal handler: sets a flag)."""
+        self._stop_requested = True
+
+    def set_replay_fn(self, fn: Callable[[dict], torch.Tensor] | None) -> None:
+        """``fn(batch) -> loss`` used to replay a bad micro-batch for non-finite localisation."""
+        self._replay_fn = fn
+
+    @property
+    def healthy(self) -> bool:
+        """Whether a checkpoint taken now may serve as a rollback target: the last step was neither
+        skipped nor rolled back, and the last measured parameter norm was finite."""
+        return self._last_verdict <= Verdict.WARN and self._params_finite
+
+    @property
+    def global_step(self) -> int:
+        """The optimizer step counter used in logs (alias of ``step_count``; settable after resume)."""
+        return self.step_count
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.step_count = int(value)
+
+    # ------------------------------------------------------------------ learning rate
+    def _scheduler(self) -> Any:
+        s = self.lr_scheduler
+        return getattr(s, "scheduler", s)  # AcceleratedScheduler -> the torch scheduler
+
+    def _current_base_lrs(self) -> list[float]:
+        sch = self._scheduler()
+        if sch is not None and hasattr(sch, "base_lrs"):
+            return [float(b) for b in sch.base_lrs]
+        return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
+
+    def _lr(self) -> float | None:
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        return float(lr) if isinstance(lr, (int, float)) else None  # a tensor LR would need a sync: not read
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR persistently: param-group lrs now, and the scheduler's ``base_lrs`` so the
+        factor survives ``lr_scheduler.step()`` (LambdaLR & co. recompute ``base_lr * f(step)``)."""
+        factor = float(factor)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * factor if not isinstance(g["lr"], torch.Tensor) else g["lr"].mul_(factor)
+            if "initial_lr" in g:
+                g["initial_lr"] = g["initial_lr"] * factor
+        sch = self._scheduler()
+        if sch is not None and hasattr(sch, "base_lrs"):
+            sch.base_lrs = [b * factor for b in sch.base_lrs]
+            if hasattr(sch, "_last_lr"):
+                sch._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.lr_multiplier *= factor
+
+    def reapply_lr_multiplier(self) -> None:
+        """Make the optimizer/scheduler reflect ``lr_multiplier`` after they were (re)loaded.
+
+        The guard remembers the un-multiplied base LRs (``state_dict()["base_lrs"]``). Targets are
+        ``base * lr_multiplier``; each param group's lr is rescaled by ``target / current base``.
+        Idempotent: a scheduler restored from a checkpoint saved with the multiplier in effect already
+        matches (no change); a freshly built one gets the multiplier applied.
+        """
+        sch = self._scheduler()
+        target = [b * self.lr_multiplier for b in self._orig_lrs]
+        current = self._current_base_lrs()
+        groups = self.optimizer.param_groups
+        for i, g in enumerate(groups):
+            if i >= len(target) or current[i] == 0:
+                continue
+            r = target[i] / current[i]
+            if r != 1.0:
+                g["lr"] = g["lr"] * r
+                if "initial_lr" in g:
+                    g["initial_lr"] = g["initial_lr"] * r
+        if sch is not None and hasattr(sch, "base_lrs"):
+            sch.base_lrs = list(target[: len(sch.base_lrs)])
+            if hasattr(sch, "_last_lr"):
+                sch._last_lr = [g["lr"] for g in groups]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: counters, LR multiplier, detector statistics."""
+        return {
+            "schema": 1,
+            "step_count": self.step_count,
+            "skipped_total": self.skipped_total,
+            "overflow_total": self.overflow_total,
+            "incidents_written": self.incidents_written,
+            "localized": self.localized,
+            "lr_multiplier": self.lr_multiplier,
+            "base_lrs": list(self._orig_lrs),
+            "clip_flags": [int(c) for c in self._clip_flags],
+            "detectors": {d.name: d.state_dict() for d in self.detectors},
+        }
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (detectors missing from ``d`` keep their fresh state)."""
+        self.step_count = int(d["step_count"])
+        self.skipped_total = int(d.get("skipped_total", 0))
+        self.overflow_total = int(d.get("overflow_total", 0))
+        self.incidents_written = int(d.get("incidents_written", 0))
+        self.localized = bool(d.get("localized", False))
+        self.lr_multiplier = float(d.get("lr_multiplier", 1.0))
+        if d.get("base_lrs"):
+            self._orig_lrs = [float(x) for x in d["base_lrs"]]
+        self._clip_flags = [bool(c) for c in d.get("clip_flags", [])]
+        states = d.get("detectors", {})
+        for det in self.detectors:
+            if det.name in states:
+                det.load_state_dict(states[det.name])
+
+    def _save_state_hook(self, models: Any, weights: Any, output_dir: str) -> None:
+        if self.accelerator.is_main_process:
+            write_json_atomic(Path(output_dir) / GUARD_STATE_FILE, self.state_dict())
+
+    def _load_state_hook(self, models: Any, input_dir: str) -> None:
+        path = Path(input_dir) / GUARD_STATE_FILE
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                self.load_state_dict(json.load(f))
+            self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier)
+
+    # ------------------------------------------------------------------ helpers
+    def _loss_scale_tensor(self) -> torch.Tensor | None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+            return None
+        scale = scaler._get_scale_async()  # device tensor: get_scale() would sync
+        return scale if scale is not None else torch.tensor(float(scaler._init_scale))
+
+    def _plain_step(self, max_grad_norm: float | None) -> StepResult:
+        """``enabled=False``: exactly a plain Accelerate step."""
+        if max_grad_norm is not None:
+            self.accelerator.clip_grad_norm_(self._params, max_grad_norm)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
+
+    def close(self) -> None:
+        """Close the event log."""
+        self.events.close()
+
+
+def _set_skipped(optimizer: Any, skipped: bool) -> None:
+    """Set AcceleratedOptimizer's overflow flag, read by ``accelerator.optimizer_step_was_skipped`` and by
+    AcceleratedScheduler (which then holds the schedule)."""
+    if hasattr(optimizer, "_is_overflow"):
+        optimizer._is_overflow = skipped
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def attach(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    lr_scheduler: Any = None,
+    config: GuardConfig | None = None,
+    run_dir: str | Path = "output",
+    *,
+    model_spec: dict | None = None,
+    seed: int | None = None,
+    checkpoint_fn: Callable[[], str | None] | None = None,
+) -> Guard:
+    """Attach a :class:`Guard` to prepared Accelerate objects; its state travels with
+    ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
+
+    ``model_spec`` (how to rebuild the model), ``seed`` and ``checkpoint_fn`` (-> newest checkpoint
+    path or None) are written into incident bundles so an incident can be replayed elsewhere.
+    """
+    return Guard(accelerator, model, optimizer, lr_scheduler, config, run_dir,
+                 model_spec=model_spec, seed=seed, checkpoint_fn=checkpoint_fn)

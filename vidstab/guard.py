@@ -30,7 +30,7 @@ import torch
 
 from . import signals
 from .config import GuardConfig
-from .detectors import Finding, StepStats, Verdict, build_detectors
+from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge
 from .events import EventLog, log_to_trackers
 
 GUARD_STATE_FILE = "vidstab_guard.json"
@@ -169,18 +169,13 @@ class Guard:
         table, micro = signals.gather_and_read(self.accelerator, row, self.window.micro_rows())
         stats = self._build_stats(step, table, max_grad_norm, norm is not None)
         # 3. Same table on every rank -> same verdict on every rank.
-        for det in self.detectors:
-            finding = det.observe(stats)
-            if finding is not None:
-                stats.findings.append(finding)
-                stats.verdict = max(stats.verdict, finding.verdict)
+        judge(self.detectors, stats)
         self._last_verdict = stats.verdict
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
         # 4. Apply or skip; detectors absorb only applied steps.
         stats.applied = self._apply(stats, measure=self._measure_params(step))
-        for det in self.detectors:
-            det.update(stats)
+        absorb(self.detectors, stats)
         # 5. Evidence: events, trackers, incident bundles.
         result = self._report(stats, table, micro, stop=any(r[signals.STOP] > 0 for r in table))
         self._refs.clear()

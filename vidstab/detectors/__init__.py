@@ -48,8 +48,24 @@ def build_detectors(config: Any) -> list[Detector]:
     return out
 
 
+def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
+    """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``."""
+    for det in detectors:
+        finding = det.observe(stats)
+        if finding is not None:
+            stats.findings.append(finding)
+            stats.verdict = max(stats.verdict, finding.verdict)
+    return stats
+
+
+def absorb(detectors: list[Detector], stats: StepStats) -> None:
+    """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final."""
+    for det in detectors:
+        det.update(stats)
+
+
 __all__ = [
-    "DETECTORS", "build_detectors", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
+    "DETECTORS", "build_detectors", "judge", "absorb", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
     "LossScaleConfig", "LossSpikeConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
     "RepeatedSpikesConfig",

@@ -1,0 +1,221 @@
+"""Detectors on synthetic StepStats sequences: what they catch, when, and what they refuse to learn."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from vidstab import ConfigError, GuardConfig, StepStats, Verdict
+from vidstab.detectors import absorb, build_detectors, judge
+
+
+def run(detectors, seq, skip_on=Verdict.SKIP):
+    """Drive detectors like the guard does; returns the list of (step, verdict, {detector names})."""
+    out = []
+    for s in seq:
+        judge(detectors, s)
+        s.applied = s.verdict < skip_on
+        absorb(detectors, s)
+        out.append((s.step, s.verdict, {f.detector for f in s.findings}))
+    return out
+
+
+def stats(step, grad_norm=1.0, loss=1.0, **kw):
+    return StepStats(step=step, grad_norm=grad_norm, loss=loss, **kw)
+
+
+def noisy(n, start=0, level=1.0, sigma=0.05, seed=0):
+    rng = random.Random(seed)
+    return [stats(start + i, level * math.exp(rng.gauss(0, sigma)), 1.0 * math.exp(rng.gauss(0, sigma))) for i in range(n)]
+
+
+def only(name, **overrides):
+    """Detectors of a config where only ``name`` (and its overrides) is enabled."""
+    d = {k: {"enabled": k == name} for k in ("nonfinite", "exception", "nonfinite_params", "grad_spike", "grad_growth",
+                                            "loss_spike", "clip_rate", "loss_scale", "param_growth",
+                                            "consecutive_skips", "repeated_spikes")}
+    d[name].update(overrides)
+    return build_detectors(GuardConfig.from_dict(d))
+
+
+def test_grad_spike_caught_after_warmup_and_skipped():
+    dets = only("grad_spike")
+    out = run(dets, noisy(30) + [stats(30, grad_norm=15.0)] + noisy(5, start=31))
+    assert out[30][1] == Verdict.SKIP and out[30][2] == {"grad_spike"}
+    assert all(v == Verdict.OK for _, v, _ in out[:30] + out[31:])
+
+
+def test_grad_spike_warmup_respected():
+    dets = only("grad_spike", warmup_steps=20)
+    out = run(dets, noisy(5) + [stats(5, grad_norm=50.0)] + noisy(10, start=6))
+    assert all(v == Verdict.OK for _, v, _ in out)
+
+
+def test_skipped_outlier_does_not_poison_ema():
+    dets = only("grad_spike")
+    run(dets, noisy(30))
+    mean_before = dets[0].ema.mean
+    out = run(dets, [stats(30, grad_norm=20.0), stats(31, grad_norm=12.0)])
+    assert [v for _, v, _ in out] == [Verdict.SKIP, Verdict.SKIP]  # the second spike is still a spike
+    assert dets[0].ema.mean == mean_before and dets[0].ema.count == 30
+
+
+def test_zscore_catches_smaller_but_abnormal_jump():
+    dets = only("grad_spike", ratio=100.0)  # ratio test out of the way: only the z-score can fire
+    out = run(dets, noisy(40, sigma=0.02) + [stats(40, grad_norm=2.5)])
+    assert out[-1][1] == Verdict.SKIP
+
+
+def test_growth_warned_before_blowup():
+    dets = only("grad_growth")
+    spike = only("grad_spike", zscore=1e9)  # the seed's rule alone: norm >= 10x its EMA
+    seq = noisy(60, sigma=0.02) + [stats(60 + i, grad_norm=1.15 ** (i + 1)) for i in range(40)]
+    growth_steps = [st for st, v, n in run(dets, seq) if "grad_growth" in n]
+    seq2 = noisy(60, sigma=0.02) + [stats(60 + i, grad_norm=1.15 ** (i + 1)) for i in range(40)]
+    spike_steps = [st for st, v, n in run(spike, seq2, skip_on=Verdict.ROLLBACK) if "grad_spike" in n]
+    assert growth_steps, "sustained x1.15/step growth was not warned"
+    first = growth_steps[0]
+    assert first < 60 + 12  # within ~a window of the growth starting
+    assert not spike_steps or first < spike_steps[0]  # a warning before the 10x rule would fire
+    assert 1.15 ** (first - 59) < 10  # and before the norm reached 10x
+    assert run(only("grad_growth"), [stats(0)])[0][1] == Verdict.OK
+
+
+def test_growth_quiet_on_stationary_noise_and_once_per_window():
+    out = run(only("grad_growth"), noisy(600, sigma=0.3, seed=3))
+    assert not any("grad_growth" in n for _, _, n in out)
+    dets = only("grad_growth", warmup_steps=0)
+    out = run(dets, [stats(i, grad_norm=1.2 ** i) for i in range(18)])
+    warned = [st for st, _, n in out if "grad_growth" in n]
+    assert warned == [8, 17]  # once per window (9 fresh norms), not every step
+
+
+def test_loss_spike_warns_and_is_not_absorbed():
+    dets = only("loss_spike")
+    out = run(dets, noisy(30) + [stats(30, loss=5.0)])
+    assert out[-1][1] == Verdict.WARN and "loss_spike" in out[-1][2]
+    assert dets[0].ema.count == 30
+
+
+def test_clip_rate_warns_once_per_window():
+    dets = only("clip_rate", window=10, max_rate=0.8)
+    seq = [stats(i, max_grad_norm=1.0, clipped=True) for i in range(25)]
+    warned = [st for st, _, n in run(dets, seq) if "clip_rate" in n]
+    assert warned == [9, 19]
+    quiet = [stats(i, max_grad_norm=1.0, clipped=(i % 2 == 0)) for i in range(30)]
+    assert not any("clip_rate" in n for _, _, n in run(only("clip_rate", window=10), quiet))
+
+
+def test_loss_scale_drops():
+    dets = only("loss_scale", warmup_steps=0)
+    scales = [65536.0] * 5 + [32768.0, 32768.0, 16384.0, 16384.0, 8192.0]
+    out = run(dets, [stats(i, loss_scale=s) for i, s in enumerate(scales)])
+    assert [st for st, _, n in out if "loss_scale" in n] == [9]
+    assert run(only("loss_scale"), [stats(i) for i in range(5)])[-1][1] == Verdict.OK  # no scaler: silent
+
+
+def test_param_growth():
+    dets = only("param_growth", window=100)
+    seq = [stats(i, param_norm=10.0 * (1.01 ** i)) for i in range(0, 200, 10)]
+    warned = [st for st, _, n in run(dets, seq) if "param_growth" in n]
+    assert warned and 10.0 * 1.01 ** warned[0] / (10.0 * 1.01 ** (warned[0] - 100)) > 1.5 or warned[0] >= 100
+    steady = [stats(i, param_norm=10.0) for i in range(0, 400, 10)]
+    assert not any("param_growth" in n for _, _, n in run(only("param_growth"), steady))
+
+
+def test_nonfinite_names_ranks_and_ignores_fp16_overflow():
+    dets = only("nonfinite")
+    out = run(dets, [stats(0, grad_norm=math.nan, loss=0.5, world_size=4, nonfinite_loss_ranks=[2],
+                           nonfinite_input_ranks=[2, 3])])
+    assert out[0][1] == Verdict.SKIP
+    s = stats(1, grad_norm=math.inf, overflow=True)
+    assert run(dets, [s])[0][1] == Verdict.OK
+    s = stats(2, grad_norm=math.inf)
+    judge(dets, s)
+    assert s.verdict == Verdict.SKIP and s.findings[0].ranks == []
+    s = stats(3, grad_norm=math.nan, grad_norm_known=False)  # DeepSpeed gave no norm: not a finding
+    assert run(dets, [s])[0][1] == Verdict.OK
+
+
+def test_nonfinite_ranks_are_named():
+    s = stats(0, grad_norm=math.nan, world_size=2, nonfinite_loss_ranks=[1])
+    judge(only("nonfinite"), s)
+    assert s.findings[0].ranks == [1]
+
+
+def test_nonfinite_params_and_exception_rollback():
+    out = run(only("nonfinite_params"), [stats(0, param_norm=3.0), stats(1, param_norm=math.inf)])
+    assert [v for _, v, _ in out] == [Verdict.OK, Verdict.ROLLBACK]
+    s = stats(0, exception_ranks=[1], world_size=2)
+    judge(only("exception"), s)
+    assert s.verdict == Verdict.ROLLBACK and s.findings[0].ranks == [1]
+
+
+def test_consecutive_skips_escalate_to_rollback():
+    dets = build_detectors(GuardConfig())
+    seq = noisy(3) + [stats(3 + i, grad_norm=math.nan, nonfinite_loss_ranks=[0]) for i in range(6)]
+    verdicts = [v for _, v, _ in run(dets, seq)]
+    assert verdicts[:3] == [Verdict.OK] * 3
+    assert verdicts[3:7] == [Verdict.SKIP] * 4 and verdicts[7] == Verdict.ROLLBACK
+    assert verdicts[8] == Verdict.SKIP  # the count restarts after a rollback
+
+
+def test_repeated_spikes_escalate_to_rollback():
+    dets = build_detectors(GuardConfig())
+    seq = noisy(30)
+    for k, st in enumerate((30, 40, 50)):
+        seq += [stats(st, grad_norm=30.0)] + noisy(9, start=st + 1, seed=k + 1)
+    out = {st: (v, n) for st, v, n in run(dets, seq)}
+    assert out[30][0] == Verdict.SKIP and out[40][0] == Verdict.SKIP
+    assert out[50][0] == Verdict.ROLLBACK and "repeated_spikes" in out[50][1]
+
+
+def test_state_dict_round_trip_is_json_and_continues_identically():
+    cfg = GuardConfig()
+    seq_a = noisy(120, sigma=0.2, seed=7)
+    for s in seq_a:
+        s.param_norm = 5.0 + s.step * 0.01
+        s.max_grad_norm, s.clipped = 1.0, s.grad_norm > 1.0
+    a = build_detectors(cfg)
+    run(a, seq_a[:70])
+    blob = json.loads(json.dumps({d.name: d.state_dict() for d in a}))
+    b = build_detectors(cfg)
+    for d in b:
+        d.load_state_dict(blob[d.name])
+    tail = [stats(70 + i, grad_norm=1.0 if i != 20 else 25.0) for i in range(50)]
+    tail2 = [stats(70 + i, grad_norm=1.0 if i != 20 else 25.0) for i in range(50)]
+    assert run(a, tail) == run(b, tail2)
+    assert {d.name: d.state_dict() for d in a} == {d.name: d.state_dict() for d in b}
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"grad_spike": {"ratio": 0.5}}, "grad_spike.ratio must be > 1, got 0.5"),
+    ({"grad_growth": {"window": 8, "min_rises": 9}}, "grad_growth.min_rises must be in [1, window=8]"),
+    ({"clip_rate": {"action": "explode"}}, "clip_rate.action must be one of"),
+    ({"grad_spike": {"ratoi": 3}}, "grad_spike.ratoi"),
+    ({"gradspike": {}}, "unknown key(s) in guard config: gradspike"),
+    ({"log_every": 0}, "log_every must be >= 1, got 0"),
+    ({"input_keys": "latents"}, "input_keys must be a list"),
+    ({"capture_incidents": "yes"}, "capture_incidents must be true or false"),
+    ({"loss_spike": {"beta": 1.0}}, "loss_spike.beta must be in (0, 1)"),
+])
+def test_bad_config_values_raise_naming_the_field(bad, msg):
+    with pytest.raises(ConfigError) as e:
+        GuardConfig.from_dict(bad)
+    assert msg in str(e.value)
+
+
+def test_config_from_yaml_round_trip(tmp_path):
+    import yaml
+
+    cfg = GuardConfig.from_dict({"grad_spike": {"ratio": 8, "action": "warn"}, "input_keys": ["latents", "noise"]})
+    p = tmp_path / "guard.yaml"
+    p.write_text(yaml.safe_dump(cfg.to_dict()))
+    again = GuardConfig.from_yaml(p)
+    assert again == cfg and again.grad_spike.ratio == 8.0 and again.input_keys == ("latents", "noise")
+    p.write_text("consecutive_skips:\n  max_consecutive: 0\n")
+    with pytest.raises(ConfigError, match="consecutive_skips.max_consecutive must be >= 1, got 0"):
+        GuardConfig.from_yaml(p)

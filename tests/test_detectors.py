@@ -90,7 +90,7 @@ def test_growth_quiet_on_stationary_noise_and_once_per_window():
     dets = only("grad_growth", warmup_steps=0)
     out = run(dets, [stats(i, grad_norm=1.2 ** i) for i in range(18)])
     warned = [st for st, _, n in out if "grad_growth" in n]
-    assert warned == [8, 17]  # once per window (9 fresh norms), not every step
+    assert warned == [8, 16]  # once per window, not every step
 
 
 def test_loss_spike_warns_and_is_not_absorbed():

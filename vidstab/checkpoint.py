@@ -512,6 +512,12 @@ class CheckpointManager:
                 out.append(p)
         return out
 
+    def latest_path_str(self) -> str | None:
+        """``latest`` as a path relative to the output dir (e.g. ``checkpoints/step_000100``), from the
+        pointer file without verifying the files (cheap: for incident bundles); None before the first save."""
+        name = self._read_pointer("latest")
+        return f"{self.config.subdir}/{name}" if name else None
+
     def latest_valid(self) -> str | None:
         """Path of the checkpoint ``load("latest")`` would use (fully verified), or None."""
         return self._first_valid("latest")
@@ -530,16 +536,21 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ load
-    def load(self, which: str = "latest") -> dict:
+    def load(self, which: str = "latest") -> dict | None:
         """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
 
         Every file is verified (present, size, sha256) and decoded before anything is applied; an
         invalid checkpoint is skipped with a warning in favour of the previous valid one. Returns the
         saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "skipped"}`` saying which
-        checkpoint was used. Raises :class:`CheckpointError` if none is valid.
+        checkpoint was used. Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
+        ``"last_good"`` (a fresh run); raises :class:`CheckpointError` if there are checkpoints but none
+        is valid, or ``which`` is a folder and neither it nor an older one is valid.
         """
         self._finish_pending()
         cands = self._candidates(which)
+        if not cands and which in ("latest", "last_good"):
+            logger.info("no checkpoint under %s to resume from", self.root)
+            return None
         skipped: list[list[str]] = []
         chosen, payload = -1, None
         if self.is_main:

@@ -1,0 +1,291 @@
+"""CheckpointManager with real Accelerate, real files: round trip, validation, fallback, rotation, resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from vidstab import statedict_io as sio
+from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+import ckpt_train  # noqa: E402
+
+
+class TiedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied: shared storage in the state dict
+
+    def forward(self, idx):
+        return self.out(torch.relu(self.mid(self.emb(idx))))
+
+
+class GuardStandIn:
+    """JSON-only state like the vidstab guard's."""
+
+    def __init__(self):
+        self.state = {"lr_multiplier": 1.0, "skipped": 0, "ema": {"grad_norm": float("nan")}, "window": (1, 2)}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, d):
+        self.state = dict(d)
+
+
+def _setup(tmp_path, config=None, steps=3):
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    for _ in range(steps):
+        loss = model(torch.randint(0, 10, (4,))).square().mean()
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    ckpt = CheckpointManager(acc, str(tmp_path), config or CheckpointConfig(keep=3, async_save=False), config_hash="abc")
+    ckpt.register("model", model)
+    ckpt.register("optimizer", opt)
+    ckpt.register("lr_scheduler", sched)
+    return acc, model, opt, sched, ckpt
+
+
+def _perturb(model, opt, sched):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    loss = model(torch.randint(0, 10, (4,))).square().mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_statedict_codec_keeps_python_shapes():
+    obj = {"state": {0: {"step": torch.tensor(3.0), "buf": torch.arange(4)}},
+           "param_groups": [{"betas": (0.9, 0.999), "params": [0, 1], "lr": 1e-3, "fused": None, "eps": float("inf")}],
+           "__weird": [1, 2.5, "x", True, float("nan")], (1, 2): "tuple key", "dtype": torch.bfloat16}
+    tensors, structure = sio.flatten(obj)
+    back = sio.unflatten(sio.loads(sio.dumps(structure)), tensors)
+    assert back["state"][0]["step"] is tensors["0"] and list(back["state"]) == [0]
+    assert back["param_groups"][0]["betas"] == (0.9, 0.999) and isinstance(back["param_groups"][0]["betas"], tuple)
+    assert back["param_groups"][0]["params"] == [0, 1] and isinstance(back["param_groups"][0]["params"][0], int)
+    assert back["param_groups"][0]["eps"] == math.inf and back["param_groups"][0]["fused"] is None
+    assert math.isnan(back["__weird"][4]) and back["__weird"][:4] == [1, 2.5, "x", True]
+    assert back[(1, 2)] == "tuple key" and back["dtype"] is torch.bfloat16
+    with pytest.raises(TypeError, match="without pickling"):
+        sio.flatten({"f": object()})
+
+
+def test_round_trip_restores_everything_without_pickle(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    guard = GuardStandIn()
+    ckpt.register("vidstab", guard)
+    want_w, want_sched = _weights(model), sched.state_dict()
+    want_opt = opt.state_dict()
+    want_opt = {"param_groups": want_opt["param_groups"],
+                "state": {i: {k: v.clone() for k, v in s.items()} for i, s in want_opt["state"].items()}}
+    torch.manual_seed(123)
+    path = ckpt.save(3, healthy=True, trainer_state={"step": 3, "epoch": 0, "batch_in_epoch": 3})
+    rng_after_save = torch.rand(4)
+
+    _perturb(model, opt, sched)
+    guard.state = {}
+    state = ckpt.load("latest")
+
+    assert state["step"] == 3 and state["_checkpoint"]["path"] == "checkpoints/step_000003"
+    got = _weights(model)
+    assert all(torch.equal(got[k], v) for k, v in want_w.items())
+    assert model.out.weight.data_ptr() == model.emb.weight.data_ptr()  # still tied after the load
+    got_opt = opt.state_dict()
+    assert got_opt["param_groups"] == want_opt["param_groups"]
+    for i, s in want_opt["state"].items():
+        assert all(torch.equal(got_opt["state"][i][k], v) for k, v in s.items())
+    assert sched.state_dict() == want_sched
+    assert guard.state["window"] == (1, 2) and math.isnan(guard.state["ema"]["grad_norm"])
+    assert torch.equal(torch.rand(4), rng_after_save)  # RNG restored to the moment of the save
+
+    names = set(os.listdir(path))
+    assert {"manifest.json", "model.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+            "vidstab.json", "trainer.json", "rng-rank0.safetensors", "rng-rank0.json"} <= names
+    assert not [n for n in names if n.endswith((".pt", ".bin", ".pkl", ".pickle"))]
+    man = json.loads(open(os.path.join(path, "manifest.json")).read())
+    assert man["step"] == 3 and man["healthy"] and man["params_finite"] and man["config_hash"] == "abc"
+    assert man["world_size"] == 1 and set(man["files"]) == names - {"manifest.json"}
+    assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000003"
+    assert open(tmp_path / "checkpoints" / "last_good").read().strip() == "step_000003"
+
+
+def test_async_save_snapshots_state_at_call_time(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path, CheckpointConfig(async_save=True))
+    want = _weights(model)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    _perturb(model, opt, sched)  # the loop goes on while the writer runs
+    assert ckpt.wait() == str(tmp_path / "checkpoints" / "step_000003")
+    ckpt.load("latest")
+    got = _weights(model)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_fresh_run_has_nothing_to_load(tmp_path):
+    *_, ckpt = _setup(tmp_path)
+    assert ckpt.load("latest") is None and ckpt.latest_valid() is None and ckpt.list() == []
+
+
+def test_rotation_keeps_newest_k_plus_last_good_and_health_gate(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path, CheckpointConfig(keep=2, async_save=False))
+    ckpt.save(1, healthy=True, trainer_state={"step": 1})
+    for s in (2, 3, 4):
+        ckpt.save(s, healthy=False, trainer_state={"step": s})
+    with torch.no_grad():
+        model.mid.weight[0, 0] = float("nan")  # healthy=True is not enough: parameters must be finite
+    ckpt.save(5, healthy=True, trainer_state={"step": 5})
+    root = tmp_path / "checkpoints"
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000001", "step_000004", "step_000005"]
+    assert open(root / "last_good").read().strip() == "step_000001"
+    assert open(root / "latest").read().strip() == "step_000005"
+    man = json.loads((root / "step_000005" / "manifest.json").read_text())
+    assert man["healthy"] is False and man["params_finite"] is False and man["healthy_requested"] is True
+    assert ckpt.last_good() == str(root / "step_000001")
+    assert ckpt.load("last_good")["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete", "no_manifest"])
+def test_damaged_checkpoint_falls_back_with_a_message(tmp_path, damage, caplog):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    want = _weights(model)
+    _perturb(model, opt, sched)
+    ckpt.save(4, healthy=True, trainer_state={"step": 4})
+    bad = tmp_path / "checkpoints" / "step_000004"
+    f = bad / "model.safetensors"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:-7])
+    elif damage == "bitflip":
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        f.write_bytes(bytes(data))
+    elif damage == "delete":
+        (bad / "optimizer.safetensors").unlink()
+    else:
+        (bad / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="vidstab.checkpoint"):
+        state = ckpt.load("latest")
+    assert state["step"] == 3
+    assert ckpt.latest_valid() == str(tmp_path / "checkpoints" / "step_000003")
+    if damage != "no_manifest":  # without a manifest it is not a checkpoint at all, nothing to report
+        assert state["_checkpoint"]["skipped"][0][0] == "checkpoints/step_000004"
+        reason = {"truncate": "truncated", "bitflip": "sha256", "delete": "missing"}[damage]
+        assert reason in state["_checkpoint"]["skipped"][0][1]
+        assert "step_000004" in caplog.text
+    got = _weights(model)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_no_valid_checkpoint_raises_and_loads_nothing(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    f = tmp_path / "checkpoints" / "step_000003" / "optimizer.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])  # model file intact, optimizer broken: nothing may be loaded
+    _perturb(model, opt, sched)
+    before = _weights(model)
+    with pytest.raises(CheckpointError, match="step_000003.*optimizer.safetensors"):
+        ckpt.load("latest")
+    got = _weights(model)
+    assert all(torch.equal(got[k], v) for k, v in before.items())
+
+
+def test_stale_temp_folders_are_removed_and_never_loaded(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    root = tmp_path / "checkpoints"
+    stale = root / ".tmp-step_000009-deadbeef"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    (root / "step_000010").mkdir()  # a folder without manifest (e.g. copied by hand, incomplete)
+    assert ckpt.load("latest")["step"] == 3
+    CheckpointManager(acc, str(tmp_path), CheckpointConfig())
+    assert not stale.exists()
+
+
+def test_same_step_saved_again_replaces_it(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3, "v": 1})
+    ckpt.save(3, healthy=True, trainer_state={"step": 3, "v": 2})
+    assert ckpt.load("latest")["v"] == 2
+    assert [i.name for i in ckpt.list()] == ["step_000003"]
+
+
+def test_exact_resume_in_process_is_bitwise(tmp_path):
+    """Stop at step 5, resume from `latest` in a fresh Accelerator with differently initialised weights:
+    the losses afterwards and the final weights equal the uninterrupted run's, bit for bit."""
+
+    def fresh():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    ref = ckpt_train.train(str(tmp_path / "ref"), steps=16, hidden=32)
+    fresh()
+    ckpt_train.train(str(tmp_path / "run"), steps=5, hidden=32, async_save=True)
+    fresh()
+    resumed = ckpt_train.train(str(tmp_path / "run"), steps=16, hidden=32, init_seed=99, async_save=True)
+    assert sorted(resumed) == list(range(6, 17))
+    assert all(float.hex(resumed[s]) == float.hex(ref[s]) for s in resumed)
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "ref" / "final.safetensors")), load_file(str(tmp_path / "run" / "final.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+_DISK_FULL = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from accelerate import Accelerator
+    from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(256, 256))
+    ckpt = CheckpointManager(acc, sys.argv[1], CheckpointConfig(async_save=sys.argv[2] == "async"))
+    ckpt.register("model", model)
+    ckpt.save(1, healthy=True, trainer_state={"step": 1}); ckpt.wait()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # model.safetensors is ~263 kB
+    try:
+        ckpt.save(2, healthy=True, trainer_state={"step": 2}); ckpt.wait()
+    except CheckpointError as e:
+        print("ERROR:", e); sys.exit(3)
+    sys.exit(0)
+""")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, mode):
+    r = subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path), mode], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "checkpoint step_000002 could not be written" in r.stdout and "File too large" in r.stdout
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["last_good", "latest", "step_000001"]  # temp folder removed
+    assert (root / "latest").read_text().strip() == "step_000001"
+    acc = Accelerator(cpu=True)
+    ckpt = CheckpointManager(acc, str(tmp_path))
+    ckpt.register("model", acc.prepare(torch.nn.Linear(256, 256)))
+    assert ckpt.load("latest")["step"] == 1

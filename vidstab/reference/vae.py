@@ -141,11 +141,13 @@ def latent_shape(vae, num_frames: int, height: int, width: int) -> tuple[int, in
     if num_frames < 1 or (num_frames - 1) % chunk:
         raise ValueError(
             f"a Wan VAE needs T = 1 + {chunk}k frames (1, 5, 9, 17, ...), got {num_frames}: the encoder would "
-            f"silently drop the last {(num_frames - 1) % chunk} frames. Use num_frames={1 + (num_frames - 1) // chunk * chunk} "
-            f"or {1 + ((num_frames - 1) // chunk + 1) * chunk}"
+            f"silently drop the last {(num_frames - 1) % chunk} frames. "
+            f"Use num_frames={1 + (num_frames - 1) // chunk * chunk} or {1 + ((num_frames - 1) // chunk + 1) * chunk}"
         )
     if height % spatial or width % spatial:
-        raise ValueError(f"a Wan VAE with this config needs height and width divisible by {spatial}, got {height}x{width}")
+        raise ValueError(
+            f"a Wan VAE with this config needs height and width divisible by {spatial}, got {height}x{width}"
+        )
     return (int(vae.config.z_dim), 1 + (num_frames - 1) // chunk, height // spatial, width // spatial)
 
 
@@ -203,7 +205,9 @@ def _data_fingerprint(dataset: Any, batch_size: int) -> tuple[str, list[str], tu
                 shape = tuple(video.shape)
             validate_video(video, sample_id, shape[0])
             if tuple(video.shape) != shape:
-                raise BadSampleError(sample_id, f"shape {list(video.shape)} differs from the first video's {list(shape)}")
+                raise BadSampleError(
+                    sample_id, f"shape {list(video.shape)} differs from the first video's {list(shape)}"
+                )
             h.update(sample_id.encode() + b"\0")
             h.update(_tensor_bytes(video))
             ids.append(sample_id)
@@ -309,7 +313,9 @@ class LatentCache(torch.utils.data.Dataset):
             if verify:
                 size = path.stat().st_size
                 if size != shard["bytes"]:
-                    raise LatentCacheError(f"shard {shard['file']} has {size} bytes, the manifest says {shard['bytes']}")
+                    raise LatentCacheError(
+                        f"shard {shard['file']} has {size} bytes, the manifest says {shard['bytes']}"
+                    )
                 if _sha256_file(path) != shard["sha256"]:
                     raise LatentCacheError(f"shard {shard['file']} does not match its SHA-256 in the manifest")
             try:
@@ -317,7 +323,10 @@ class LatentCache(torch.utils.data.Dataset):
             except Exception as exc:  # safetensors raises its own error types for damaged headers
                 raise LatentCacheError(f"cannot read shard {shard['file']}: {type(exc).__name__}: {exc}") from exc
             if tuple(tensor.shape[1:]) != shape or tensor.shape[0] != shard["num_samples"]:
-                raise LatentCacheError(f"shard {shard['file']} holds {list(tensor.shape)}, expected [{shard['num_samples']}, {list(shape)}]")
+                raise LatentCacheError(
+                    f"shard {shard['file']} holds {list(tensor.shape)}, "
+                    f"expected [{shard['num_samples']}, *{list(shape)}]"
+                )
             parts.append(tensor)
         latents = torch.cat(parts) if parts else torch.empty((0, *shape))
         if latents.shape[0] != n:
@@ -433,6 +442,9 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
         _fsync_dir(parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        # Left-overs of a swap interrupted by a crash are never in use: tidy them.
+        for stale in parent.glob(f".old-{cache_dir.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

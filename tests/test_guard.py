@@ -1,0 +1,272 @@
+"""The guard in a real single-process Accelerate loop (CPU, fp32): skip semantics, host syncs, state."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import vidstab
+from vidstab import GuardConfig, Verdict, read_events
+
+
+class TinyDenoiser(torch.nn.Module):
+    """Predicts noise from noisy latents [B, C, T, H, W] and the timestep (diffusers-style epsilon objective)."""
+
+    def __init__(self, c: int = 4, hidden: int = 32) -> None:
+        super().__init__()
+        self.inp = torch.nn.Conv3d(c, hidden, 1)
+        self.t = torch.nn.Linear(1, hidden)
+        self.out = torch.nn.Conv3d(hidden, c, 1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.t(t.float()[:, None] / 1000.0)[:, :, None, None, None]
+        return self.out(torch.nn.functional.silu(h))
+
+
+def make(tmp_path, accum: int = 1, config: GuardConfig | None = None, lr: float = 1e-2, seed: int = 0):
+    torch.manual_seed(seed)
+    acc = Accelerator(gradient_accumulation_steps=accum, cpu=True)
+    model = TinyDenoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = vidstab.attach(acc, model, opt, sched, config=config, run_dir=tmp_path)
+    return acc, model, opt, sched, guard
+
+
+def micro_batch(i: int, nan: bool = False, b: int = 2):
+    g = torch.Generator().manual_seed(1000 + i)
+    latents = torch.randn(b, 4, 2, 4, 4, generator=g)
+    noise = torch.randn(latents.shape, generator=g)
+    t = torch.randint(0, 1000, (b,), generator=g)
+    if nan:
+        latents[0, 0, 0, 0, 0] = float("nan")
+    return {"latents": latents, "noise": noise, "timesteps": t}, [f"clip-{i:03d}-{j}" for j in range(b)]
+
+
+def train(acc, model, guard, micro_steps: int, nan_at: set[int] = frozenset(), on_result=None, error_at=frozenset()):
+    results = []
+    for i in range(micro_steps):
+        batch, ids = micro_batch(i, nan=i in nan_at)
+        with acc.accumulate(model):
+            noisy = batch["latents"] + batch["noise"]
+            per_sample = ((model(noisy, batch["timesteps"]) - batch["noise"]) ** 2).flatten(1).mean(1)
+            loss = per_sample.mean()
+            err = RuntimeError("injected") if i in error_at else None
+            if err is not None:
+                loss = loss * 0.0
+            guard.backward(loss, batch=batch, sample_ids=ids, per_sample_loss=per_sample, error=err)
+            r = guard.step(max_grad_norm=1.0)
+            if on_result is not None:
+                on_result(i, r)
+            if not r.micro:
+                results.append(r)
+    return results
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_nan_microbatch_skips_the_step(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=2)
+    seen = {}
+
+    def on_result(i, r):
+        if i == 5:  # last micro-step of optimizer step 2, whose first micro-batch (4) holds a NaN
+            seen["skipped_flag"] = acc.optimizer_step_was_skipped
+            seen["after"] = params_of(model)
+            seen["epoch_after"] = sched.scheduler.last_epoch
+        if i == 3:
+            seen["before"] = params_of(model)
+            seen["epoch_before"] = sched.scheduler.last_epoch
+
+    results = train(acc, model, guard, micro_steps=10, nan_at={4}, on_result=on_result)
+    r = results[2]
+    assert r.skipped and not r.applied and r.verdict == Verdict.SKIP
+    assert [f.detector for f in r.findings][0] == "nonfinite" and r.bad_ranks == [0]
+    assert seen["skipped_flag"] is True
+    assert seen["epoch_after"] == seen["epoch_before"]  # the scheduler was held
+    for a, b in zip(seen["before"], seen["after"]):
+        assert torch.equal(a, b) and torch.isfinite(b).all()
+    assert all(x.applied for k, x in enumerate(results) if k != 2)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert acc.optimizer_step_was_skipped is False  # reset by the next applied step
+    # Evidence: a skip event naming the rank and an incident bundle with the NaN micro-batch's sample ids.
+    skips = read_events(tmp_path, "skip")
+    assert [(e["step"], e["detector"], e["bad_ranks"]) for e in skips] == [(2, "nonfinite", [0])]
+    inc = read_events(tmp_path, "incident")
+    assert len(inc) == 1 and inc[0]["sample_ids"] == ["clip-004-0", "clip-004-1"] and inc[0]["micro_step"] == 0
+    assert r.incident is not None and (r.incident / "incident.json").exists()
+    meta = json.loads((r.incident / "incident.json").read_text())
+    assert meta["step"] == 2 and meta["detector"] == "nonfinite"
+    assert guard.skipped_total == 1 and guard.step_count == 5
+
+
+class HostReads:
+    """Counts device->host reads (Tensor.item/tolist/__bool__/cpu/numpy/__float__) while active. Observes only."""
+
+    NAMES = ("item", "tolist", "__bool__", "cpu", "numpy", "__float__", "__int__")
+
+    def __init__(self):
+        self.count = 0
+        self.by_name: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def wrap(name, fn):
+            def inner(*a, **k):
+                self.count += 1
+                self.by_name[name] = self.by_name.get(name, 0) + 1
+                return fn(*a, **k)
+            return inner
+
+        for n, fn in originals.items():
+            setattr(torch.Tensor, n, wrap(n, fn))
+        try:
+            yield self
+        finally:
+            for n, fn in originals.items():
+                setattr(torch.Tensor, n, fn)
+
+
+def test_one_host_read_per_optimizer_step_none_per_micro_batch(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=4, config=GuardConfig(param_norm_every=2))
+    per_call = []
+    reads = HostReads()
+
+    def on_result(i, r):
+        per_call.append((i, r.micro, reads.count))
+
+    with reads.counting():
+        results = train(acc, model, guard, micro_steps=24, on_result=on_result)
+    assert len(results) == 6 and all(r.applied for r in results)
+    assert reads.count == 6, reads.by_name  # exactly one read per optimizer step ...
+    counts = [c for _, _, c in per_call]
+    deltas = [b - a for a, b in zip([0] + counts, counts)]
+    assert deltas == [0, 0, 0, 1] * 6  # ... and none on the micro-steps
+
+
+def test_param_norm_and_timestep_buckets_are_reported(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1, config=GuardConfig(param_norm_every=2, timestep_buckets=4))
+    train(acc, model, guard, micro_steps=5)
+    metrics = {e["step"]: e for e in read_events(tmp_path, "metrics")}
+    ref = math.sqrt(sum(float(p.detach().double().square().sum()) for p in model.parameters()))
+    assert metrics[1]["param_norm"] > 0 and 0 < metrics[1]["update_ratio"] < 1  # measured at 0, read at 1
+    assert metrics[2]["param_norm"] is None
+    assert len(metrics[3]["loss_by_t"]) == 4 and any(v is not None for v in metrics[3]["loss_by_t"])
+    assert metrics[3]["input_absmax"] > 0 and metrics[3]["input_nonfinite"] == 0
+    # The measurement taken after step 4 (read at step 5) equals the norm computed independently.
+    train(acc, model, guard, micro_steps=1)
+    last = read_events(tmp_path, "metrics")[-1]
+    assert last["step"] == 5 and abs(last["param_norm"] - ref) < 1e-5 * ref
+
+
+def test_healthy_steps_match_a_plain_loop_bitwise(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path / "a", accum=2)
+    train(acc, model, guard, micro_steps=8)
+    guarded = params_of(model)
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    acc2 = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    m2 = TinyDenoiser()
+    o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda s: 1.0 / (1.0 + s))
+    m2, o2, s2 = acc2.prepare(m2, o2, s2)
+    for i in range(8):
+        batch, _ = micro_batch(i)
+        with acc2.accumulate(m2):
+            loss = ((m2(batch["latents"] + batch["noise"], batch["timesteps"]) - batch["noise"]) ** 2).flatten(1).mean(1).mean()
+            acc2.backward(loss)
+            if acc2.sync_gradients:
+                acc2.clip_grad_norm_(m2.parameters(), 1.0)
+            o2.step()
+            s2.step()
+            o2.zero_grad(set_to_none=True)
+    for a, b in zip(guarded, m2.parameters()):
+        assert torch.equal(a, b.detach())
+
+
+def test_exception_flag_requests_rollback_on_every_rank(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1)
+    results = train(acc, model, guard, micro_steps=3, error_at={1})
+    r = results[1]
+    assert r.verdict == Verdict.ROLLBACK and r.rollback.startswith("exception:") and not r.applied
+    assert r.bad_ranks == [0]
+    assert [e["detector"] for e in read_events(tmp_path, "rollback")] == ["exception"]
+
+
+def test_request_stop_is_seen_at_the_next_step(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=2)
+    flags = []
+
+    def on_result(i, r):
+        if i == 2:
+            guard.request_stop()  # e.g. from a SIGTERM handler, mid-window
+        if not r.micro:
+            flags.append(r.stop)
+
+    train(acc, model, guard, micro_steps=8, on_result=on_result)
+    assert flags == [False, True, False, False]
+    assert [e["step"] for e in read_events(tmp_path, "stop")] == [1]
+
+
+def test_scale_lr_survives_scheduler_steps_and_reapply_is_idempotent(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1, lr=0.1)
+    train(acc, model, guard, micro_steps=2)
+    guard.scale_lr(0.5)
+    train(acc, model, guard, micro_steps=2)
+    # LambdaLR: lr = base * 1/(1+epoch); the multiplier must survive the recomputation.
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 / (1 + sched.scheduler.last_epoch))
+    guard.reapply_lr_multiplier()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 / (1 + sched.scheduler.last_epoch))
+    # A freshly rebuilt scheduler (un-multiplied) gets the multiplier back.
+    state = guard.state_dict()
+    sched.scheduler.base_lrs = [0.1]
+    opt.param_groups[0]["lr"] = 0.1 / (1 + sched.scheduler.last_epoch)
+    guard.load_state_dict(json.loads(json.dumps(state)))
+    guard.reapply_lr_multiplier()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 / (1 + sched.scheduler.last_epoch))
+    assert guard.lr_multiplier == 0.5
+
+
+def test_guard_state_travels_with_save_state_as_json(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path / "run", accum=1)
+    train(acc, model, guard, micro_steps=6, nan_at={2})
+    guard.scale_lr(0.5)
+    saved = guard.state_dict()
+    ckpt = tmp_path / "ckpt"
+    acc.save_state(str(ckpt))
+    assert json.loads((ckpt / "vidstab_guard.json").read_text()) == json.loads(json.dumps(saved))
+    assert not [p for p in ckpt.iterdir() if "vidstab" in p.name and p.suffix != ".json"]
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc2, model2, opt2, sched2, guard2 = make(tmp_path / "run2", accum=1)
+    assert guard2.step_count == 0
+    acc2.load_state(str(ckpt))
+    assert guard2.state_dict() == json.loads(json.dumps(saved))
+    assert guard2.step_count == 6 and guard2.skipped_total == 1 and guard2.lr_multiplier == 0.5
+    guard2.reapply_lr_multiplier()  # the scheduler state already carried the multiplier: no change
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    assert [e["kind"] for e in read_events(tmp_path / "run2", "resume")] == ["resume"]
+
+
+def test_disabled_guard_is_a_plain_step(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1, config=GuardConfig(enabled=False))
+    results = train(acc, model, guard, micro_steps=3, nan_at={1})
+    assert all(r.applied for r in results)  # no judgement at all
+    assert not torch.isfinite(next(model.parameters())).all()  # ... which is exactly what vidstab prevents

@@ -749,6 +749,10 @@ def _log_event(output_dir: str, rank: int, kind: str, step: int, **fields: Any) 
     except Exception:  # noqa: BLE001
         return
     try:
-        EventLog(output_dir, rank).log(kind, step, **fields)
+        log = EventLog(output_dir, rank)
+        try:
+            log.log(kind, step, **fields)
+        finally:
+            log.close()
     except Exception as e:  # noqa: BLE001 - logging must never fail a checkpoint
         logger.debug("event log failed: %s", e)

@@ -164,6 +164,10 @@ def _log_event(run_dir: str, rank: int, kind: str, step: int, **fields: Any) -> 
     except Exception:  # noqa: BLE001 - events are optional for this module
         return
     try:
-        EventLog(run_dir, rank).log(kind, step, **fields)
+        log = EventLog(run_dir, rank)
+        try:
+            log.log(kind, step, **fields)
+        finally:
+            log.close()
     except Exception as e:  # noqa: BLE001
         logger.debug("event log failed: %s", e)

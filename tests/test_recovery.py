@@ -1,0 +1,137 @@
+"""Recovery (rollback policy) and PreemptionHandler with real Accelerate, real checkpoints, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from vidstab.checkpoint import CheckpointConfig, CheckpointManager
+from vidstab.preemption import PreemptionHandler
+from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
+
+
+class LRGuard:
+    """Stand-in for the guard's LR contract: scale_lr / lr_multiplier / reapply_lr_multiplier + JSON state."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.base = [g["lr"] for g in optimizer.param_groups]
+        self.lr_multiplier = 1.0
+
+    def scale_lr(self, factor):
+        self.lr_multiplier *= factor
+        self.reapply_lr_multiplier()
+
+    def reapply_lr_multiplier(self):
+        for g, b in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = b * self.lr_multiplier
+
+    def state_dict(self):
+        return {"lr_multiplier": self.lr_multiplier}
+
+    def load_state_dict(self, d):
+        self.lr_multiplier = d["lr_multiplier"]
+
+
+def _run(tmp_path, config=None):
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    ckpt = CheckpointManager(acc, str(tmp_path), CheckpointConfig(keep=3, async_save=False))
+    guard = LRGuard(opt)
+    ckpt.register("model", model)
+    ckpt.register("optimizer", opt)
+    ckpt.register("vidstab", guard)
+    rec = Recovery(acc, ckpt, guard, config or RecoveryConfig(max_retries=2), run_dir=str(tmp_path))
+    return acc, model, opt, ckpt, guard, rec
+
+
+def _events(tmp_path, kind):
+    path = tmp_path / "vidstab" / "events-rank0.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind] if path.exists() else []
+
+
+def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
+    acc, model, opt, ckpt, guard, rec = _run(tmp_path)
+    ckpt.save(10, healthy=True, trainer_state={"step": 10, "batches_consumed": 10})
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(5.0)
+    ckpt.save(20, healthy=False, trainer_state={"step": 20, "batches_consumed": 20})  # not a rollback target
+
+    state = rec.rollback("grad_norm 1e9 > 50 x median", step=23, incident="out/vidstab/incidents/step000023-rank0")
+    assert state["step"] == 10 and state["batches_consumed"] == 10
+    assert state["skip_data"] is True and state["rewind_data"] is False
+    assert state["_checkpoint"]["path"] == "checkpoints/step_000010"
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
+    assert guard.lr_multiplier == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    # A restart before the next save resumes on the rolled-back trajectory.
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000010"
+    ev = _events(tmp_path, "rollback")
+    if ev:  # vidstab.events is optional for recovery; when present the event is logged
+        assert ev[-1]["step"] == 23 and ev[-1]["to_step"] == 10 and ev[-1]["retries"] == 1
+
+    # Cumulative back-off, even though the checkpoint holds multiplier 1.0.
+    assert rec.rollback("again", step=15)["step"] == 10
+    assert guard.lr_multiplier == 0.25 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+    # The count survives a restart (a new Recovery on the same run dir) ...
+    rec2 = Recovery(acc, ckpt, guard, RecoveryConfig(max_retries=2), run_dir=str(tmp_path))
+    assert rec2.retries == 2
+    # ... and the next request aborts with the exact replay command.
+    with pytest.raises(RunAborted) as ei:
+        rec2.rollback("third time", step=12, incident="/runs/a/vidstab/incidents/step000012-rank1")
+    assert "python scripts/replay.py /runs/a/vidstab/incidents/step000012-rank1" in str(ei.value)
+    assert "2 rollback(s)" in str(ei.value)
+
+
+def test_replay_data_flag(tmp_path):
+    acc, model, opt, ckpt, guard, rec = _run(tmp_path, RecoveryConfig(skip_data=False))
+    ckpt.save(4, healthy=True, trainer_state={"step": 4, "batches_consumed": 8})
+    state = rec.rollback("spike", step=6)
+    assert state["rewind_data"] is True and state["skip_data"] is False and state["batches_consumed"] == 8
+
+
+def test_rollback_without_a_good_checkpoint_aborts(tmp_path):
+    acc, model, opt, ckpt, guard, rec = _run(tmp_path)
+    ckpt.save(3, healthy=False, trainer_state={"step": 3})
+    with pytest.raises(RunAborted, match="(?s)no healthy checkpoint.*scripts/replay.py"):
+        rec.rollback("nan loss", step=4)
+
+
+def test_preemption_handler_sets_flag_calls_back_and_restores_handlers():
+    before_term, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    calls = []
+    with PreemptionHandler(on_signal=lambda: calls.append(1)) as h:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM does not call back again
+        assert h.stop_requested and h.received == signal.SIGTERM and calls == [1]
+    assert signal.getsignal(signal.SIGTERM) is before_term and signal.getsignal(signal.SIGINT) is before_int
+
+
+_CTRL_C = textwrap.dedent("""
+    import os, signal, sys, time
+    from vidstab.preemption import PreemptionHandler
+    with PreemptionHandler() as h:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert h.stop_requested
+        print("first", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        print("survived", flush=True)
+""")
+
+
+def test_second_sigint_kills():
+    r = subprocess.run([sys.executable, "-c", _CTRL_C], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGINT and "first" in r.stdout and "survived" not in r.stdout

@@ -451,6 +451,47 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
     return manifest
 
 
+def _try_reuse(cache_dir: Path, parts: dict, log: Callable[[str], None]) -> LatentCache | None:
+    """The cache in ``cache_dir`` if it was built from exactly ``parts`` and verifies; else log why not."""
+    manifest_path = cache_dir / "manifest.json"
+    if not manifest_path.is_file():
+        if cache_dir.exists():
+            log(f"latent cache: {cache_dir} has no manifest (an unfinished build?); building")
+        else:
+            log(f"latent cache: building {cache_dir}")
+        return None
+    try:
+        old_parts = json.loads(manifest_path.read_text())["fingerprint_parts"]
+    except (OSError, ValueError, KeyError) as exc:
+        log(f"latent cache: unreadable manifest in {cache_dir} ({exc}); rebuilding")
+        return None
+    changed = [key for key in parts if old_parts.get(key) != parts[key]]
+    if changed:
+        log(f"latent cache: {cache_dir} is stale ({', '.join(changed)} changed); rebuilding")
+        return None
+    try:
+        cache = LatentCache.load(cache_dir)
+    except LatentCacheError as exc:
+        log(f"latent cache: {cache_dir} is damaged ({exc}); rebuilding")
+        return None
+    log(f"latent cache: reusing {cache_dir} ({len(cache)} samples, fingerprint {cache.fingerprint[:12]})")
+    return cache
+
+
+def _encode_latents(dataset: Any, vae, batch_size: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """VAE posterior means of every video, ``[N, C, T', H', W']`` float32 on the CPU, in data set order."""
+    # Only cast when needed: diffusers warns about `.to(dtype)` even when it is a no-op.
+    if vae.dtype != dtype:
+        vae.to(dtype=dtype)
+    vae.to(device=device).eval()
+    parts = []
+    with torch.inference_mode():
+        for _, videos in _video_batches(dataset, batch_size):
+            x = videos.to(device=device, dtype=dtype).permute(0, 2, 1, 3, 4)  # [B, T, 3, H, W] -> [B, 3, T, H, W]
+            parts.append(vae.encode(x).latent_dist.mean.float().cpu())
+    return torch.cat(parts)  # outside inference mode, so the result is an ordinary tensor
+
+
 def encode_to_cache(
     dataset: Any,
     vae,
@@ -501,6 +542,7 @@ def encode_to_cache(
     data_hash, ids, video_shape = _data_fingerprint(dataset, batch_size)
     num_frames, _, height, width = video_shape
     lat_shape = latent_shape(vae, num_frames, height, width)
+    # Everything the cached values depend on. Stored part by part, so a rebuild can say what changed.
     parts = {
         "format": CACHE_FORMAT,
         "data": data_hash,
@@ -512,40 +554,12 @@ def encode_to_cache(
     }
     fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    # Reuse when possible; otherwise say exactly why we rebuild.
-    manifest_path = cache_dir / "manifest.json"
-    if manifest_path.is_file():
-        try:
-            old_parts = json.loads(manifest_path.read_text()).get("fingerprint_parts", {})
-        except (OSError, ValueError):
-            old_parts = {}
-        changed = [k for k in parts if old_parts.get(k) != parts[k]]
-        if not changed:
-            try:
-                cache = LatentCache.load(cache_dir)
-                log(f"latent cache: reusing {cache_dir} ({len(cache)} samples, fingerprint {fingerprint[:12]})")
-                return cache
-            except LatentCacheError as exc:
-                log(f"latent cache: {cache_dir} is damaged ({exc}); rebuilding")
-        else:
-            log(f"latent cache: {cache_dir} is stale ({', '.join(changed)} changed); rebuilding")
-    elif cache_dir.exists():
-        log(f"latent cache: {cache_dir} has no manifest (incomplete); building")
-    else:
-        log(f"latent cache: building {cache_dir}")
+    cache = _try_reuse(cache_dir, parts, log)
+    if cache is not None:
+        return cache
 
-    # Encode.
     started = time.time()
-    # Only cast when needed: diffusers warns about `.to(dtype)` even when it is a no-op.
-    if vae.dtype != dtype:
-        vae.to(dtype=dtype)
-    vae.to(device=device).eval()
-    raw_parts = []
-    with torch.inference_mode():
-        for _, videos in _video_batches(dataset, batch_size):
-            x = videos.to(device=device, dtype=dtype).permute(0, 2, 1, 3, 4)  # [B, T, 3, H, W] -> [B, 3, T, H, W]
-            raw_parts.append(vae.encode(x).latent_dist.mean.float().cpu())
-    raw = torch.cat(raw_parts)
+    raw = _encode_latents(dataset, vae, batch_size, device, dtype)
     seconds = time.time() - started
     if tuple(raw.shape[1:]) != lat_shape:  # a guard on our own shape rule
         raise RuntimeError(f"VAE returned latents {list(raw.shape[1:])}, expected {list(lat_shape)}")

@@ -1,0 +1,54 @@
+"""Two real processes (DDP over gloo on CPU): a NaN batch on rank 1 only must be skipped by every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vidstab import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def launch(script: str, *args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu`` on CPU; a hang (the baseline's deadlock) fails instead of blocking."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(SCRIPTS / script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_is_skipped_in_lockstep(tmp_path):
+    launch("guard_ddp.py", "--out", str(tmp_path), "--steps", "6", "--nan_step", "2", "--nan_rank", "1",
+           "--stop_step", "4", "--stop_rank", "1")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # Same decisions on every rank, step by step (no rank-local `continue`).
+    strip = lambda rs: [{k: v for k, v in x.items() if k != "incident"} for x in rs]  # noqa: E731
+    assert strip(r0["results"]) == strip(r1["results"])
+    s2 = r0["results"][2]
+    assert s2["skipped"] and not s2["applied"] and s2["was_skipped"] and s2["bad_ranks"] == [1]
+    assert all(x["applied"] for i, x in enumerate(r0["results"]) if i != 2)
+    # The stop requested on rank 1 alone is seen by both ranks at the same step.
+    assert [x["stop"] for x in r0["results"]] == [False, False, False, False, True, False]
+    # Replicas stayed identical and finite.
+    assert r0["finite"] and r1["finite"] and r0["sha256"] == r1["sha256"]
+    # Rank 0's log names rank 1 (the quiet error hides on non-zero ranks); only rank 1 captured the batch.
+    skip0 = [e for e in read_events(tmp_path, "skip") if e["rank"] == 0]
+    assert [(e["step"], e["detector"], e["bad_ranks"]) for e in skip0] == [(2, "nonfinite", [1])]
+    incidents = read_events(tmp_path, "incident")
+    assert [(e["rank"], e["step"]) for e in incidents] == [(1, 2)]
+    assert incidents[0]["sample_ids"] == ["r1-s2-m0-0", "r1-s2-m0-1"]
+    assert r0["results"][2]["incident"] is None and r1["results"][2]["incident"] is not None
+    # Every rank logs metrics every step.
+    metrics = read_events(tmp_path, "metrics")
+    assert sorted({(e["rank"], e["step"]) for e in metrics}) == [(r, s) for r in (0, 1) for s in range(6)]

@@ -219,6 +219,8 @@ def _decode_frames(path: Path, sample_id: str, num_frames: int, frame_stride: in
             f"(num_frames={num_frames}, frame_stride={frame_stride}){broke}",
             path,
         )
+    if len({f.shape for f in frames}) > 1:
+        raise BadSampleError(sample_id, f"frame size changes within the clip: {sorted({f.shape for f in frames})}", path)
     return np.stack(frames)
 
 

@@ -49,7 +49,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     if t.numel() == 0:
         out.update(min=None, max=None, absmax=None, mean=None, std=None, nonfinite=0, nan=0, inf=0)
         return out
-    x = t.float() if t.dtype != torch.float64 else t
+    # Complex values (e.g. rotary tables) are described by their magnitudes.
+    x = (t.abs() if t.is_complex() else t).to(torch.float64 if t.dtype == torch.float64 else torch.float32)
     if t.is_floating_point() or t.is_complex():
         finite = torch.isfinite(x)
         n_nan = int(torch.isnan(x).sum())

@@ -1,0 +1,414 @@
+#!/usr/bin/env python
+"""Does vidstab catch divergence earlier, with fewer false alarms, than the rules users run today?
+
+    python benchmarks/bench_detection.py            # full catalogue (~10 min cold on 2 CPU cores, seconds cached)
+    python benchmarks/bench_detection.py --quick    # smoke subset, < 60 s
+    python benchmarks/bench_detection.py --no-e2e   # detection tables only
+
+1. Every scenario of ``benchmarks/scenarios`` is recorded once, unguarded (cached under benchmarks/.cache/).
+2. Every detector -- the published baselines of ``baselines.py`` and vidstab's default detectors -- is
+   replayed over the same recordings. Per detector: detection rate on runs that fail, lead time
+   (failure step - first alarm at or after the fault's onset; negative = caught after the failure;
+   no alarm = missed), false alarms per 1,000 healthy steps (steps with an alarm / healthy steps).
+3. End-to-end (recovery on): ``recipes/train.py`` as a subprocess with the scenario's fault, vidstab on
+   vs ``--no_vidstab``, and a clean run of the same seed: finished?, final loss (evaluated on fixed
+   latents/noise/timesteps from the final checkpoint) relative to the clean run, steps lost (skipped +
+   rolled back).
+
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks import baselines as B  # noqa: E402
+from benchmarks.scenarios import catalogue as C  # noqa: E402
+from benchmarks.scenarios.recorder import CACHE_DIR, Recording, healthy_exceedances, record  # noqa: E402
+
+#: The target of the claim: at most this many false alarms per 1,000 healthy steps (1 per 10,000).
+FA_TARGET_PER_1K = 0.1
+
+
+# ------------------------------------------------------------------------------------------------------
+# Replay
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class Judged:
+    """Alarm steps of every detector on one recording."""
+
+    rec: Recording
+    alarms: dict[str, list[int]] = field(default_factory=dict)
+    """detector row name -> steps where it fired."""
+
+
+def judge(rec: Recording, vidstab_config=None) -> Judged:
+    """Replay one recording through every baseline and vidstab (all detectors, and per detector)."""
+    out = Judged(rec)
+    rules = B.new_baselines()
+    vid = B.VidstabReplay(vidstab_config)
+    for rule in rules:
+        out.alarms[rule.name] = []
+    out.alarms["vidstab"] = []
+    for r in rec.rows():
+        for rule in rules:
+            if rule.observe(r):
+                out.alarms[rule.name].append(r.step)
+        findings = vid.observe(r)
+        if findings:
+            out.alarms["vidstab"].append(r.step)
+        for f in findings:
+            out.alarms.setdefault(f"vidstab:{f.detector}", []).append(r.step)
+            if f.verdict >= 2:  # SKIP or ROLLBACK: the guard acts, not only warns
+                if not out.alarms.get("vidstab[act]") or out.alarms["vidstab[act]"][-1] != r.step:
+                    out.alarms.setdefault("vidstab[act]", []).append(r.step)
+    out.alarms.setdefault("vidstab[act]", [])
+    return out
+
+
+def lead(j: Judged, name: str) -> float | None:
+    """failure step - first alarm at/after onset; None when missed (or no failure)."""
+    if j.rec.failure_step is None:
+        return None
+    first = next((s for s in j.alarms.get(name, []) if s >= j.rec.onset), None)
+    return None if first is None else float(j.rec.failure_step - first)
+
+
+def row_names(judged: list[Judged]) -> list[str]:
+    """Table rows: baselines, vidstab, vidstab acting (skip/rollback), then each vidstab detector that fired."""
+    names = [cls().name for cls in B.BASELINES] + ["vidstab", "vidstab[act]"]
+    per = sorted({k for j in judged for k in j.alarms if k.startswith("vidstab:")})
+    return names + per
+
+
+# ------------------------------------------------------------------------------------------------------
+# Figures
+# ------------------------------------------------------------------------------------------------------
+def figures(healthy: list[Judged], faults: dict[str, list[Judged]]) -> dict:
+    """Every number of the tables, as plain JSON-able dicts."""
+    rows = row_names(healthy + [j for js in faults.values() for j in js])
+    healthy_steps = sum(len(j.rec) for j in healthy)
+    out: dict = {"healthy_steps": healthy_steps, "detectors": {}, "scenarios": {}}
+    for name in rows:
+        fa = sum(len(j.alarms.get(name, [])) for j in healthy)
+        divergent = [j for js in faults.values() for j in js if j.rec.failure_step is not None]
+        leads = [lead(j, name) for j in divergent]
+        got = [x for x in leads if x is not None]
+        out["detectors"][name] = {
+            "false_alarms": fa,
+            "false_alarms_per_1k": round(1000.0 * fa / healthy_steps, 3) if healthy_steps else None,
+            "detected": len(got), "divergent_runs": len(divergent),
+            "detection_rate": round(len(got) / len(divergent), 3) if divergent else None,
+            "median_lead": statistics.median(got) if got else None,
+        }
+    for scen, js in faults.items():
+        div = [j for j in js if j.rec.failure_step is not None]
+        entry = {"runs": len(js), "divergent_runs": len(div),
+                 "failure_steps": [j.rec.failure_step for j in js], "per_detector": {}}
+        for name in rows:
+            leads = [lead(j, name) for j in div]
+            got = [x for x in leads if x is not None]
+            # Benign runs (no failure point): did the rule fire within 5 steps of the fault?
+            flagged = [any(j.rec.onset <= s <= j.rec.onset + 5 for s in j.alarms.get(name, [])) for j in js if j.rec.failure_step is None]
+            entry["per_detector"][name] = {
+                "leads": leads, "detected": len(got),
+                "mean_lead": round(statistics.fmean(got), 2) if got else None,
+                "benign_flagged": sum(flagged) if flagged else None,
+            }
+        out["scenarios"][scen] = entry
+    out["targets"] = targets(out)
+    return out
+
+
+def targets(fig: dict) -> dict:
+    """vidstab vs the targets: every divergent run detected; lead >= the best baseline's on every run of
+    every scenario (against all baselines, and against the quiet ones: <= 1 false alarm per 10k steps);
+    <= 1 false alarm per 10,000 healthy steps."""
+    base = [cls().name for cls in B.BASELINES]
+    quiet = [b for b in base if (fig["detectors"][b]["false_alarms_per_1k"] or 0) <= FA_TARGET_PER_1K]
+    v = fig["detectors"]["vidstab"]
+    res = {"all_detected": v["detected"] == v["divergent_runs"],
+           "false_alarms_per_1k": v["false_alarms_per_1k"],
+           "fa_target_met": (v["false_alarms_per_1k"] or 0) <= FA_TARGET_PER_1K,
+           "quiet_baselines": quiet, "lead_vs_best": {}, "lead_vs_best_quiet": {}}
+    for scen, e in fig["scenarios"].items():
+        if not e["divergent_runs"]:
+            continue
+        for key, pool in (("lead_vs_best", base), ("lead_vs_best_quiet", quiet)):
+            ok, worst = True, None
+            for i, vl in enumerate(e["per_detector"]["vidstab"]["leads"]):
+                bl = [e["per_detector"][b]["leads"][i] for b in pool]
+                best = max((x for x in bl if x is not None), default=None)
+                if best is None:
+                    continue
+                gap = (vl if vl is not None else -math.inf) - best
+                worst = gap if worst is None else min(worst, gap)
+                ok &= gap >= 0
+            res[key][scen] = {"met": ok, "worst_gap": worst}
+    res["lead_target_met"] = all(x["met"] for x in res["lead_vs_best"].values())
+    res["lead_target_met_quiet"] = all(x["met"] for x in res["lead_vs_best_quiet"].values())
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------------
+def _fmt(x, nd=1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "inf" if math.isinf(x) else f"{x:.{nd}f}"
+    return str(x)
+
+
+def print_tables(fig: dict, rows: list[str]) -> None:
+    print(f"\n== Detection summary (divergent runs: {fig['detectors']['vidstab']['divergent_runs']}; "
+          f"healthy steps: {fig['healthy_steps']}) ==")
+    print(f"{'detector':30s} {'detected':>9s} {'rate':>6s} {'med lead':>9s} {'FA':>5s} {'FA/1k':>7s}")
+    for name in rows:
+        d = fig["detectors"][name]
+        print(f"{name:30s} {d['detected']:>4d}/{d['divergent_runs']:<4d} {_fmt(d['detection_rate'], 2):>6s} "
+              f"{_fmt(d['median_lead']):>9s} {d['false_alarms']:>5d} {_fmt(d['false_alarms_per_1k'], 2):>7s}")
+    scen = list(fig["scenarios"])
+    print("\n== Lead time per scenario: mean steps before the failure (detected/divergent runs) ==")
+    print("failure steps: " + "; ".join(f"{s}={fig['scenarios'][s]['failure_steps']}" for s in scen))
+    width = 17
+    for start in range(0, len(scen), 5):
+        chunk = scen[start:start + 5]
+        print(f"{'detector':30s}" + "".join(f"{s[:width]:>{width + 1}s}" for s in chunk))
+        for name in rows:
+            cells = []
+            for s in chunk:
+                e = fig["scenarios"][s]
+                p = e["per_detector"][name]
+                if e["divergent_runs"]:
+                    cells.append(f"{_fmt(p['mean_lead'])} ({p['detected']}/{e['divergent_runs']})")
+                else:
+                    cells.append(f"benign {p['benign_flagged']}/{e['runs']}")
+            print(f"{name:30s}" + "".join(f"{c:>{width + 1}s}" for c in cells))
+        print()
+    t = fig["targets"]
+    print("== Targets (vidstab) ==")
+    print(f"detects every divergent run: {t['all_detected']}")
+    print(f"false alarms per 1k healthy steps: {t['false_alarms_per_1k']} (target <= {FA_TARGET_PER_1K}): {t['fa_target_met']}")
+    for key, label in (("lead_vs_best", "all baselines"), ("lead_vs_best_quiet", f"quiet baselines {t['quiet_baselines']}")):
+        bad = {s: v["worst_gap"] for s, v in t[key].items() if not v["met"]}
+        print(f"lead >= best of {label}: {not bad}" + (f"; short on {bad}" if bad else ""))
+
+
+# ------------------------------------------------------------------------------------------------------
+# End-to-end: the reference trainer with recovery on
+# ------------------------------------------------------------------------------------------------------
+E2E_STEPS, E2E_FAULT_STEP, E2E_CKPT = 120, 60, 20
+E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "big_latent_flow")
+TRAIN_FLAGS = ["--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32", "--num_heads", "2",
+               "--report_to", "none", "--no_async_save", "--checkpointing_steps", str(E2E_CKPT),
+               "--max_train_steps", str(E2E_STEPS)]
+
+
+def _train(out: Path, *extra: str, timeout: float = 600) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--output_dir", str(out), *TRAIN_FLAGS, *extra]
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-2000:]
+    except subprocess.TimeoutExpired:
+        rc, tail = -9, "timeout"
+    return {"rc": rc, "seconds": round(time.time() - t, 1), "tail": tail}
+
+
+def eval_loss(run_dir: Path, n_draws: int = 4) -> float:
+    """Loss of the run's final checkpoint on all its clips with fixed noise/timesteps (nan: no weights/non-finite)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from vidstab.reference.model import VideoDiT
+    from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
+    from vidstab.reference.vae import LatentCache
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*/model.safetensors"))
+    if not ckpts:
+        return math.nan
+    args = yaml.safe_load((run_dir / "train_config.yaml").read_text())
+    cache = LatentCache.load(run_dir / "latent_cache", verify=False)
+    latents = torch.stack([cache[i]["latents"] for i in range(len(cache))]).float()
+    model = VideoDiT(in_channels=latents.shape[1], hidden_size=args["hidden_size"], num_layers=args["num_layers"],
+                     num_heads=args["num_heads"], attention_type=args["attention_type"], pos_embed=args["pos_embed"],
+                     num_train_timesteps=args["num_train_timesteps"])
+    model.load_state_dict(load_file(str(ckpts[-1])))
+    obj = DiffusionObjective(ObjectiveConfig(prediction_type=args["prediction_type"], num_train_timesteps=args["num_train_timesteps"]))
+    total = 0.0
+    with torch.no_grad():
+        for k in range(n_draws):
+            d = obj.sample(latents, step_generator(123_457, k, 0, 0))
+            total += float(obj.per_sample_loss(model, latents, d["noise"], d["timesteps"]).mean())
+    return total / n_draws
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "vidstab" / "events-rank0.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def steps_lost(run_dir: Path) -> int:
+    """Skipped steps + steps thrown away by rollbacks (failure step - checkpoint step), from the event log."""
+    ev = _events(run_dir)
+    skipped = sum(1 for e in ev if e["kind"] == "skip")
+    rolled = sum(int(e["step"]) - int(e.get("to_step", e["step"])) for e in ev if e["kind"] == "rollback")
+    return skipped + rolled
+
+
+def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2) -> dict:
+    """Clean run + (vidstab on, off) per scenario, all with ``seed``; returns the outcome table."""
+    jobs = {"clean": []}
+    for name in names:
+        s = C.get(name)
+        if s.cuda_only and not torch.cuda.is_available():
+            continue
+        specs = []
+        for f in s.faults:  # same fault, moved to the e2e step
+            kind, rest = f.split("@", 1)
+            arg = rest.split("=", 1)[1] if "=" in rest else None
+            specs += ["--inject_fault", f"{kind}@{E2E_FAULT_STEP}" + (f"={arg}" if arg else "")]
+        extra = [*s.train_args, *specs]
+        jobs[f"{name}|vidstab"] = extra
+        jobs[f"{name}|no_vidstab"] = [*extra, "--no_vidstab"]
+    clean_needed = {tuple(C.get(n).train_args) for n in names}
+    for i, targs in enumerate(sorted(clean_needed)):
+        jobs[f"clean{i}"] = list(targs)
+    jobs.pop("clean")
+    results = {}
+
+    def go(key):
+        out = workdir / key.replace("|", "-")
+        res = _train(out, "--seed", str(seed), *jobs[key])
+        res["eval_loss"] = eval_loss(out)
+        res["steps_lost"] = steps_lost(out)
+        res["finished"] = res["rc"] == 0 and f"done: {E2E_STEPS}/{E2E_STEPS}" in res["tail"]
+        return key, res
+
+    with ThreadPoolExecutor(max_workers=parallel) as ex:
+        for key, res in ex.map(go, list(jobs)):
+            results[key] = res
+    clean_of = {tuple(t): results[f"clean{i}"]["eval_loss"] for i, t in enumerate(sorted(clean_needed))}
+    table = {}
+    for name in names:
+        if f"{name}|vidstab" not in results:
+            continue
+        clean = clean_of[tuple(C.get(name).train_args)]
+        row = {}
+        for arm in ("vidstab", "no_vidstab"):
+            r = results[f"{name}|{arm}"]
+            rel = r["eval_loss"] / clean if math.isfinite(r["eval_loss"]) and clean > 0 else math.inf
+            row[arm] = {"finished": r["finished"], "rc": r["rc"], "final_loss": _num(r["eval_loss"]),
+                        "rel_to_clean": _num(rel), "steps_lost": r["steps_lost"] if arm == "vidstab" else None,
+                        "seconds": r["seconds"]}
+        row["clean_loss"] = _num(clean)
+        table[name] = row
+    return table
+
+
+def _num(x: float):
+    return round(x, 4) if isinstance(x, float) and math.isfinite(x) else (None if x is None else str(x))
+
+
+def print_e2e(table: dict) -> None:
+    print(f"\n== End-to-end, recovery on (recipes/train.py, {E2E_STEPS} steps, fault at step {E2E_FAULT_STEP}, "
+          f"checkpoint every {E2E_CKPT}) ==")
+    print(f"{'scenario':18s} {'arm':11s} {'finished':>8s} {'final loss':>11s} {'x clean':>8s} {'steps lost':>10s}")
+    for name, row in table.items():
+        for arm in ("vidstab", "no_vidstab"):
+            r = row[arm]
+            print(f"{name:18s} {arm:11s} {str(r['finished']):>8s} {str(r['final_loss']):>11s} "
+                  f"{str(r['rel_to_clean']):>8s} {_fmt(r['steps_lost']):>10s}")
+        print(f"{'':18s} {'clean':11s} {'True':>8s} {str(row['clean_loss']):>11s}")
+
+
+# ------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="Smoke subset (< 60 s): 3 scenarios x 1 seed, 2 healthy seeds, no e2e.")
+    ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
+    ap.add_argument("--e2e-seed", type=int, default=0)
+    ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.time()
+    cache = Path(args.cache_dir)
+
+    if not torch.cuda.is_available():
+        print("note: fp16_overflow needs CUDA; skipped on this CPU-only machine")
+    scen = [s for s in C.SCENARIOS if not (s.cuda_only and not torch.cuda.is_available())]
+    # The fp16 scenario is not recordable by the CPU recorder (fp32); it only runs end-to-end on CUDA.
+    scen = [s for s in scen if not s.cuda_only]
+    if args.quick:
+        scen = [s for s in scen if s.name in C.QUICK_SCENARIOS]
+    seeds_of = (lambda s: C.QUICK_SEEDS) if args.quick else (lambda s: s.seeds)
+    healthy_seeds = C.QUICK_HEALTHY_SEEDS if args.quick else C.HEALTHY_SEEDS
+
+    healthy = {}
+    for seed in healthy_seeds:
+        healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
+    judged_h = [judge(h) for h in healthy.values()]
+    faults: dict[str, list[Judged]] = {}
+    for s in scen:
+        faults[s.name] = []
+        for seed in seeds_of(s):
+            ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
+            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache)))
+    fig = figures(judged_h, faults)
+    fig["median_only_exceedances_per_1k"] = round(
+        1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)
+    rows = row_names(judged_h + [j for js in faults.values() for j in js])
+    print_tables(fig, rows)
+
+    e2e = None
+    if not args.quick and not args.no_e2e:
+        work = cache / "e2e"
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+        e2e = run_e2e(E2E_SCENARIOS, args.e2e_seed, work)
+        print_e2e(e2e)
+    elif args.quick:
+        print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
+
+    t = fig["targets"]
+    summary = {
+        "bench": "detection", "quick": args.quick, "seconds": round(time.time() - started, 1),
+        "healthy_steps": fig["healthy_steps"],
+        "detectors": {k: {kk: v[kk] for kk in ("detection_rate", "median_lead", "false_alarms_per_1k")} for k, v in fig["detectors"].items()},
+        "scenarios": {k: {"failure_steps": v["failure_steps"],
+                          "vidstab_leads": v["per_detector"]["vidstab"]["leads"],
+                          "best_baseline_leads": [max((v["per_detector"][b]["leads"][i] for b in [c().name for c in B.BASELINES]
+                                                       if v["per_detector"][b]["leads"][i] is not None), default=None)
+                                                  for i in range(v["divergent_runs"])]}
+                      for k, v in fig["scenarios"].items()},
+        "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
+        "e2e": e2e,
+    }
+    print(json.dumps(summary, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ def batches(acc, dl, consumed: int):
 
 
 def train(out: str, steps: int, save_every: int = 1, async_save: bool = False, keep: int = 3, hidden: int = 256,
-          init_seed: int = 0, preempt: bool = False, verbose: bool = False) -> dict[int, float]:
+          init_seed: int = 0, preempt: bool = False, verbose: bool = False, step_sleep: float = 0.0) -> dict[int, float]:
     acc, model, opt, dl, sched = build(hidden, init_seed)
     ckpt = CheckpointManager(acc, out, CheckpointConfig(keep=keep, async_save=async_save))
     ckpt.register("model", model)
@@ -84,6 +85,8 @@ def train(out: str, steps: int, save_every: int = 1, async_save: bool = False, k
             opt.zero_grad()
             step += 1
             losses[step] = loss.item()
+            if step_sleep:
+                time.sleep(step_sleep)
             if verbose:
                 print(f"step {step} loss {losses[step]!r}", flush=True)
             stop = handler.stop_requested
@@ -170,16 +173,9 @@ def main() -> int:
     a = p.parse_args()
     if a.kill_at:
         install_kill(a.kill_at)
-    if a.step_sleep:
-        import time
-
-        orig = torch.optim.AdamW.step
-
-        def slow(self, *args, **kw):
-            time.sleep(a.step_sleep)
-            return orig(self, *args, **kw)
-        torch.optim.AdamW.step = slow
-    train(a.out, a.steps, a.save_every, a.async_save, a.keep, a.hidden, preempt=a.preempt, verbose=True)
+    torch.set_num_threads(1)  # tiny model: threads only fight over the shared CPUs
+    train(a.out, a.steps, a.save_every, a.async_save, a.keep, a.hidden, preempt=a.preempt, verbose=True,
+          step_sleep=a.step_sleep)
     return 0
 
 

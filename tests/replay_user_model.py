@@ -53,8 +53,14 @@ def make_model(channels: int = 4, hidden: int = 16, blowup: float | None = None,
     return TinyVideoNet(channels, hidden, blowup, sqrt)
 
 
-def video_mse(model: nn.Module, batch: dict[str, torch.Tensor], noise_scale: float = 1.0) -> torch.Tensor:
-    """Per-sample denoising MSE: predict ``noise`` from ``latents + noise_scale * noise``."""
+def video_mse(model: nn.Module, batch: dict[str, torch.Tensor], noise_scale: float = 1.0,
+              max_abs: float | None = None) -> torch.Tensor:
+    """Per-sample denoising MSE: predict ``noise`` from ``latents + noise_scale * noise``.
+
+    With ``max_abs``, raises ``ValueError`` on latents beyond it (a loss that validates its inputs).
+    """
+    if max_abs is not None and bool((batch["latents"].abs() > max_abs).any()):
+        raise ValueError(f"latents exceed {max_abs}")
     noisy = batch["latents"] + noise_scale * batch["noise"]
     pred = model(noisy, batch["timesteps"])
     return ((pred.float() - batch["noise"].float()) ** 2).flatten(1).mean(1)

@@ -236,3 +236,15 @@ def test_run_folder_replays_its_first_incident(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "replaying the first" in out and "Verdict: Reproduces" in out
+
+
+def test_exception_incident_reproduces_and_names_the_sample(tmp_path):
+    batch = make_batch()
+    batch["latents"][2] *= 1e3
+    finding = {"detector": "exception", "verdict": "SKIP", "message": "exception on rank 0", "figures": {}}
+    spec = dict(USER_SPEC, loss_fn_kwargs={"max_abs": 100.0})
+    report = replay(user_bundle(tmp_path, batch=batch, finding=finding, spec=spec,
+                                extra={"error": "ValueError: latents exceed 100.0"}))
+    assert report.kind == "exception" and report.reproduced is True
+    assert "latents exceed 100.0" in report.runs[0].error
+    assert report.data["culprits"] == ["clip-c"] and "Fix the data" in report.verdict

@@ -94,11 +94,13 @@ class RunResult:
     """Whether every parameter gradient was finite (``None`` when no backward ran)."""
     note: str = ""
     """Free text shown in the table (bitwise comparison, loss after an update ...)."""
+    error: str | None = None
+    """The exception the run raised, when replaying an ``exception`` incident (counts as a failure)."""
 
     @property
     def finite(self) -> bool:
-        """Loss and gradients finite."""
-        return self.loss_finite and self.grads_finite is not False
+        """Loss and gradients finite (and nothing raised)."""
+        return self.error is None and self.loss_finite and self.grads_finite is not False
 
 
 @dataclass
@@ -116,7 +118,7 @@ class ReplayReport:
     recorded: dict
     """What the guard recorded: detector, verdict, message, figures, lr, precision."""
     kind: str
-    """``nonfinite`` | ``spike`` (a finite gradient-norm figure) | ``loss_spike`` | ``unknown``."""
+    """``nonfinite`` | ``spike`` (a finite gradient-norm figure) | ``loss_spike`` | ``exception`` | ``unknown``."""
     device: str
     """Device of the replay."""
     model: str
@@ -346,7 +348,9 @@ class _Replayer:
     """Holds the rebuilt model, its starting weights, the batch and the loss; runs variants of the step."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable, loss_kwargs: dict, batch: dict[str, torch.Tensor],
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, catch_errors: bool = False) -> None:
+        self.catch_errors = catch_errors
+        """Replaying an ``exception`` incident: a raising run is a reproduced failure, not an unreplayable bundle."""
         self.model = model.to(device).float().train()
         self.loss_fn = loss_fn
         self.loss_kwargs = loss_kwargs
@@ -382,6 +386,17 @@ class _Replayer:
     def run(self, label: str, batch: dict[str, torch.Tensor] | None = None, *, dtype: torch.dtype | None = None,
             backward: bool = True) -> RunResult:
         """Reset, run loss (mean of the loss_fn's output) and its backward; gradients stay in ``param.grad``."""
+        try:
+            return self._run(label, batch, dtype, backward)
+        except ReplayError:
+            raise
+        except Exception as e:
+            if not self.catch_errors:
+                raise
+            return RunResult(label, float("nan"), False, None, False, note="raised", error=f"{type(e).__name__}: {e}"[:300])
+
+    def _run(self, label: str, batch: dict[str, torch.Tensor] | None, dtype: torch.dtype | None,
+             backward: bool) -> RunResult:
         batch = self.batch if batch is None else batch
         self.reset()
         with self.autocast(dtype):
@@ -420,7 +435,12 @@ class _Replayer:
             with self.autocast(dtype):
                 return self.loss(batch).float().mean()
 
-        return locate_nonfinite(self.model, fn, keep_grads=True)
+        try:
+            return locate_nonfinite(self.model, fn, keep_grads=True)
+        except Exception as e:  # only reachable when replaying an exception incident (the run raised too)
+            if not self.catch_errors:
+                raise
+            return {"forward": None, "backward": None, "loss_finite": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
     def update_test(self, label: str, batch: dict[str, torch.Tensor], lr: float, optimizer: str,
                     max_grad_norm: float | None) -> tuple[RunResult, float]:
@@ -453,15 +473,22 @@ class _Replayer:
 
 
 def _recorded(meta: dict) -> dict:
-    keys = ("detector", "verdict", "message", "figures", "lr", "precision", "seed", "checkpoint")
+    keys = ("detector", "verdict", "message", "figures", "lr", "precision", "seed", "checkpoint", "extra")
     return {k: meta.get(k) for k in keys}
 
 
 def _incident_kind(meta: dict) -> tuple[str, float | None, float | None]:
+    """What to compare the replay with: ``(kind, recorded grad norm, recorded loss)``.
+
+    Figures come from the finding, else from ``extra`` (the guard records the step's global numbers there).
+    """
     figures = meta.get("figures") or {}
-    g = json_float(figures.get("grad_norm"))
-    loss = json_float(figures.get("loss"))
+    extra = meta.get("extra") if isinstance(meta.get("extra"), dict) else {}
+    g = json_float(figures.get("grad_norm", extra.get("grad_norm")))
+    loss = json_float(figures.get("loss", extra.get("loss") if "grad_norm" not in figures else None))
     detector = str(meta.get("detector") or "")
+    if detector == "exception":
+        return "exception", g, loss
     if "nonfinite" in detector or "nan" in detector or any(v is not None and not math.isfinite(v) for v in (g, loss)):
         return "nonfinite", g, loss
     if g is not None:
@@ -543,7 +570,8 @@ def replay(
         if ckpt_step is not None and ckpt_step != inc.step:
             notes.append(f"the weights are from step {ckpt_step}, {inc.step - ckpt_step} step(s) before the incident: "
                          f"bad data reproduces on them, a weight-dependent spike may not")
-        r = _Replayer(model, loss_fn, dict(loss_spec.get("kwargs") or {}), inc.tensors, dev, seed)
+        r = _Replayer(model, loss_fn, dict(loss_spec.get("kwargs") or {}), inc.tensors, dev, seed,
+                      catch_errors=str(meta.get("detector")) == "exception")
         report = _triage(inc, r, model_name, str(dev), weights, ckpt_step, notes, optimizer, absmax_limit)
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_only_before)
@@ -645,7 +673,12 @@ def _judge_reproduction(report: ReplayReport, kind: str, base: RunResult, mixed:
     mixed_failed = mixed is not None and not mixed.finite
     if mixed_failed:
         replayed += f"; non-finite under {mixed.label} (the run's precision)"
-    if kind == "nonfinite":
+    if kind == "exception":
+        recorded = (report.recorded.get("extra") or {}).get("error") or "an exception"
+        report.reproduced = base.error is not None
+        report.reproduction = (f"recorded {recorded}; the replay " + (f"raised {base.error}" if base.error else
+                               f"ran without raising (loss {_fmt(base.loss)}, grad norm {_fmt(base.grad_norm)})"))
+    elif kind == "nonfinite":
         report.reproduced = (not base.finite) or mixed_failed
         report.reproduction = f"recorded a non-finite step; {replayed}"
     elif kind == "spike":
@@ -817,6 +850,9 @@ def _triage_structure(r: _Replayer, base: RunResult, report: ReplayReport, norms
         return section
     fwd, bwd = loc.get("forward"), loc.get("backward")
     section["forward"], section["backward"] = fwd, bwd
+    if loc.get("error"):
+        section["summary"] = f"the step raised {loc['error']}"
+        return section
     data_implicated = report.data.get("implicated")
     if fwd is not None:
         origin = fwd.get("origin")

@@ -49,14 +49,15 @@ def micro_batch(i: int, nan: bool = False, b: int = 2):
     return {"latents": latents, "noise": noise, "timesteps": t}, [f"clip-{i:03d}-{j}" for j in range(b)]
 
 
-def train(acc, model, guard, micro_steps: int, nan_at: set[int] = frozenset(), on_result=None, error_at=frozenset()):
+def train(acc, model, guard, micro_steps: int, nan_at: set[int] = frozenset(), on_result=None, error_at=frozenset(),
+          loss_mult: float = 1.0):
     results = []
     for i in range(micro_steps):
         batch, ids = micro_batch(i, nan=i in nan_at)
         with acc.accumulate(model):
             noisy = batch["latents"] + batch["noise"]
             per_sample = ((model(noisy, batch["timesteps"]) - batch["noise"]) ** 2).flatten(1).mean(1)
-            loss = per_sample.mean()
+            loss = per_sample.mean() * loss_mult
             err = RuntimeError("injected") if i in error_at else None
             if err is not None:
                 loss = loss * 0.0
@@ -270,3 +271,105 @@ def test_disabled_guard_is_a_plain_step(tmp_path):
     results = train(acc, model, guard, micro_steps=3, nan_at={1})
     assert all(r.applied for r in results)  # no judgement at all
     assert not torch.isfinite(next(model.parameters())).all()  # ... which is exactly what vidstab prevents
+
+
+def test_grad_spike_captures_the_window_largest_input_first(tmp_path):
+    cfg = GuardConfig.from_dict({"grad_spike": {"warmup_steps": 3}, "max_incidents": 3})
+    acc, model, opt, sched, guard = make(tmp_path, accum=2, config=cfg)
+    results = []
+    for i in range(16):
+        batch, ids = micro_batch(i)
+        if i in (9, 13):  # a huge (finite) latent batch: a gradient spike, no NaN anywhere
+            batch["latents"] = batch["latents"] * 1e4
+        with acc.accumulate(model):
+            loss = ((model(batch["latents"] + batch["noise"], batch["timesteps"]) - batch["noise"]) ** 2).mean()
+            guard.backward(loss, batch=batch, sample_ids=ids)
+            r = guard.step(max_grad_norm=1.0)
+        if not r.micro:
+            results.append(r)
+    spike = results[4]
+    assert spike.skipped and [f.detector for f in spike.findings] == ["grad_spike"] and spike.bad_ranks == [0]
+    assert len(spike.incidents) == 2  # the whole window of the suspect rank ...
+    first = json.loads((spike.incidents[0] / "incident.json").read_text())
+    assert first["micro_step"] == 1 and first["sample_ids"] == ["clip-009-0", "clip-009-1"]  # ... largest input first
+    assert results[6].skipped and len(results[6].incidents) == 1  # the per-rank budget (max_incidents=3) holds
+    assert guard.incidents_written == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_first_nonfinite_incident_is_localized(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1)
+    unwrapped = acc.unwrap_model(model)
+
+    class NaNAfterInp(torch.nn.Module):  # a module that produces NaN for inputs beyond a threshold
+        def forward(self, x):
+            return torch.where(x.abs() > 50, torch.full_like(x, float("nan")), x)
+
+    unwrapped.inp = torch.nn.Sequential(unwrapped.inp, NaNAfterInp())
+    guard.set_replay_fn(lambda b: ((unwrapped(b["latents"] + b["noise"], b["timesteps"]) - b["noise"]) ** 2).mean())
+    results = []
+    for i in range(4):
+        batch, ids = micro_batch(i)
+        if i in (1, 2):
+            batch["latents"] = batch["latents"] * 1e3
+        with acc.accumulate(model):
+            loss = ((model(batch["latents"] + batch["noise"], batch["timesteps"]) - batch["noise"]) ** 2).mean()
+            guard.backward(loss, batch=batch, sample_ids=ids)
+            results.append(guard.step(max_grad_norm=1.0))
+    assert results[1].skipped and results[2].skipped and results[3].applied
+    loc1 = json.loads((results[1].incident / "incident.json").read_text())["localization"]
+    loc2 = json.loads((results[2].incident / "incident.json").read_text())["localization"]
+    assert loc1 is not None and "inp" in json.dumps(loc1["forward"])  # names the module that made the NaN
+    assert loc2 is None  # only the first non-finite incident is replayed by default
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the replay left no gradients behind
+
+
+def test_metrics_reach_the_accelerator_trackers(tmp_path):
+    from accelerate.utils import ProjectConfiguration
+
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True, log_with="tensorboard",
+                      project_config=ProjectConfiguration(project_dir=str(tmp_path), logging_dir=str(tmp_path / "logs")))
+    acc.init_trackers("vidstab-test")
+    model = TinyDenoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, None, config=GuardConfig(log_every=2), run_dir=tmp_path)
+    train(acc, model, guard, micro_steps=4)
+    acc.end_training()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert files
+    ea = EventAccumulator(str(files[0].parent))
+    ea.Reload()
+    tags = ea.Tags()["scalars"]
+    assert {"vidstab/loss", "vidstab/grad_norm", "vidstab/lr", "vidstab/skipped_total"} <= set(tags)
+    assert [e.step for e in ea.Scalars("vidstab/grad_norm")] == [0, 2]  # every log_every steps
+
+
+def test_fp16_overflow_is_left_to_the_grad_scaler(tmp_path):
+    """CPU emulation of the fp16 path: Accelerate only builds a GradScaler on GPUs, so the test hands the
+    Accelerator a real CPU GradScaler with a huge initial scale (fp32 compute): the first steps overflow."""
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 125, backoff_factor=0.01, growth_interval=1000)
+    model = TinyDenoiser()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    acc.native_amp = True  # after prepare: fp32 forward, but accelerator.backward/clip go through the scaler
+    guard = vidstab.attach(acc, model, opt, None, run_dir=tmp_path)
+    results = train(acc, model, guard, micro_steps=12, nan_at={10}, loss_mult=100.0)  # large grads x 2^125: inf
+    scales = [e["loss_scale"] for e in read_events(tmp_path, "metrics")]
+    assert results[0].overflow and not results[0].applied and not results[0].skipped and results[0].verdict == Verdict.OK
+    assert scales[1] < scales[0]  # the scaler lowered the scale
+    n_over = sum(r.overflow for r in results)
+    assert n_over >= 1 and guard.overflow_total == n_over and guard.skipped_total == 1  # overflows are not skips
+    assert results[n_over].applied  # then training proceeds
+    assert results[10].skipped and results[10].bad_ranks == [0]  # a NaN loss is still vidstab's business ...
+    assert results[11].applied  # ... and the scaler is left in a usable state after the skip
+    assert [(e["step"], e["detector"]) for e in read_events(tmp_path, "skip")] == [(10, "nonfinite")]
+    assert [e["step"] for e in read_events(tmp_path, "incident")] == [10]  # overflows capture nothing
+    assert len(read_events(tmp_path, "overflow")) == n_over
+    assert all(torch.isfinite(p).all() for p in model.parameters())

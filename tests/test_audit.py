@@ -17,6 +17,7 @@ from vidstab.audit import (
     audit_model,
     audit_tensors,
     audit_training_config,
+    run_audit,
 )
 
 
@@ -212,3 +213,38 @@ def test_audit_before_training_with_the_reference_model():
     assert not [f for f in report.findings if f["check"] == "model.attention"]  # VideoDiT uses SDPA
     assert json.loads(report.to_json())["ok"] is False
     assert "BLOCKED" in report.format_table()
+
+
+def _write_video(path, frames) -> None:
+    """Encode uint8 RGB frames [T, H, W, 3] into a real MPEG-4 file with PyAV."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.height, stream.width = frames.shape[1], frames.shape[2]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "1"}
+        for rgb in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def test_video_folder_audit_names_broken_and_blank_files(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        _write_video(tmp_path / f"moving-{i}.mp4", rng.integers(0, 255, (6, 16, 16, 3), dtype=np.uint8))
+    _write_video(tmp_path / "blank.mp4", np.full((6, 16, 16, 3), 128, dtype=np.uint8))
+    (tmp_path / "broken.mp4").write_bytes(b"definitely not a video")
+
+    report = run_audit(data_dir=tmp_path, num_frames=4, resolution=16)
+    found = by_check(report.findings)
+    assert not report.ok
+    assert found["data.decode"]["severity"] == "block"
+    assert found["data.decode"]["details"]["sample_ids"] == ["broken.mp4"]
+    assert found["data.constant"]["details"]["sample_ids"] == ["blank.mp4"]
+    assert found["data.stats"]["details"]["num_samples"] == 4
+

@@ -383,6 +383,20 @@ def _superseded(ax, series: Series, label: bool = True):
         _line(ax, s, v, label="before rollback/resume" if (label and i == 0) else None, color="0.6", lw=0.9)
 
 
+def _legend(ax, **kw):
+    """Legend outside the plot area on the right, so it never hides a spike."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False, **kw)
+
+
+def _auto_log(ax, values: np.ndarray) -> None:
+    """Log y axis when positive values span more than two orders of magnitude (a blow-up next to a
+    normal curve would otherwise flatten the normal part into a line at zero)."""
+    finite = values[np.isfinite(values)]
+    if len(finite) and finite.min() > 0 and finite.max() / finite.min() > 100:
+        ax.set_yscale("log")
+
+
 def _figure(height: float = 2.8):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, height))
@@ -515,11 +529,9 @@ def _loss_section(log: RunLog) -> str:
     if len(bad):
         top = np.nanmax(loss.values) if not loss.empty else 1.0
         ax.plot(bad, np.full(len(bad), top), "x", color="red", label=f"non-finite loss ({len(bad)})")
-    finite = loss.values[np.isfinite(loss.values)]
-    if len(finite) and finite.min() > 0 and finite.max() / finite.min() > 100:
-        ax.set_yscale("log")  # a loss falling by orders of magnitude reads better on a log axis
+    _auto_log(ax, loss.values)
     ax.set_ylabel("loss")
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _png(fig) + ('<p class="caption">Per-step loss (the mean over ranks; each rank\'s own loss is under "Input statistics per rank"). Dashed lines: skipped steps (red) '
                         'and rollbacks (purple); grey: steps superseded by a rollback or resume.</p>')
 
@@ -569,7 +581,7 @@ def _grad_section(log: RunLog) -> str:
     _marks(ax, _event_steps(log, "rollback"), "purple", "rollback")
     ax.set_yscale("log")
     ax.set_ylabel("global grad norm")
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _png(fig) + ('<p class="caption">Global gradient norm before clipping (log scale) with its EMA; the shaded '
                         'band reaches the spike threshold (EMA x ratio). A step above the red line is a spike.</p>')
 
@@ -585,7 +597,7 @@ def _lr_section(log: RunLog) -> str:
                 if e.get("kind") == "rollback" or any(k in e for k in ("lr_factor", "lr_backoff", "new_lr"))]
     _marks(ax, backoffs, "purple", "rollback / LR back-off")
     ax.set_ylabel("lr")
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _png(fig) + '<p class="caption">Learning rate per step; purple lines: rollbacks and LR back-offs.</p>'
 
 
@@ -598,7 +610,7 @@ def _loss_scale_section(log: RunLog) -> str:
     _marks(ax, _event_steps(log, "overflow"), "orange", "overflow")
     ax.set_yscale("log", base=2)
     ax.set_ylabel("loss scale")
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _png(fig) + ('<p class="caption">fp16 loss scale (log2); orange lines: overflow steps the scaler skipped. '
                         'A scale that keeps falling means the model lives at the edge of fp16 range.</p>')
 
@@ -618,7 +630,7 @@ def _clip_section(log: RunLog) -> str:
     _line(ax, rate.steps, rate.values, label=source, color="C3")
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("clip rate")
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _png(fig) + ('<p class="caption">Share of steps whose gradient was clipped. Clipping every step means '
                         'the LR, the model or the data needs attention: clipping is a seat belt, not an engine.</p>')
 
@@ -640,7 +652,7 @@ def _timestep_section(log: RunLog) -> str:
         for k in range(n_buckets):
             ax.plot(xs, binned[:, k], color=cmap(k / max(1, n_buckets - 1)), lw=1.0, label=f"t bucket {k}")
         ax.set_ylabel("loss")
-        ax.legend(loc="upper right", fontsize=7, ncol=2)
+        _legend(ax)
     else:
         im = ax.imshow(binned.T, aspect="auto", origin="lower", extent=(xs[0], xs[-1], -0.5, n_buckets - 0.5),
                        cmap="viridis")
@@ -660,18 +672,22 @@ def _inputs_section(log: RunLog) -> str:
     plt = _pyplot()
     fig, axes = plt.subplots(len(present), 1, figsize=(10, 1.9 * len(present) + 0.6), sharex=True, squeeze=False)
     for ax, (name, label, log_y) in zip(axes[:, 0], present):
+        seen = []
         for rank in sorted(log.metrics):
             s = _merge(log, name, ranks=[rank])
             if s.empty:
                 continue
             y = np.where(s.values > 0, s.values, np.nan) if log_y else s.values
             _line(ax, s.steps, y, label=f"rank {rank}", lw=1.0)
+            seen.append(s.values)
         if log_y:
             ax.set_yscale("log")
+        elif name == "loss_rank" and seen:
+            _auto_log(ax, np.concatenate(seen))
         ax.set_ylabel(label, fontsize=8)
         ax.grid(True, alpha=0.3)
         _marks(ax, _skip_steps(log), "red", "skipped step")
-    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=4)
+    _legend(axes[0, 0])
     axes[-1, 0].set_xlabel("step")
     return _png(fig) + ('<p class="caption">Statistics of each rank\'s input batch. One rank standing out points '
                         'at that rank\'s data: do not read rank 0 only.</p>')

@@ -248,3 +248,12 @@ def test_exception_incident_reproduces_and_names_the_sample(tmp_path):
     assert report.kind == "exception" and report.reproduced is True
     assert "latents exceed 100.0" in report.runs[0].error
     assert report.data["culprits"] == ["clip-c"] and "Fix the data" in report.verdict
+
+
+def test_whole_micro_batch_bad_is_said_so(tmp_path):
+    batch = make_batch()
+    batch["latents"][:] = float("nan")  # what --inject_fault nan_batch does
+    report = replay(user_bundle(tmp_path, batch=batch))
+    assert report.reproduced is True and report.data["whole_batch_bad"] is True
+    assert report.data["culprits"] == ["clip-a", "clip-b", "clip-c"]
+    assert "whole micro-batch is bad" in report.verdict and report.lr["summary"].startswith("skipped")

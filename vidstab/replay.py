@@ -749,23 +749,45 @@ def _triage_data(inc: Incident, r: _Replayer, ref: RunResult, failing: bool, dty
         section["culprits"] = list(stats["bad_reasons"])
 
     bad = stats["bad_reasons"]
+    alone_all_fail = bool(section["alone"]) and all(not a["finite"] for a in section["alone"])
+    section["whole_batch_bad"] = bool(failing and not section["culprits"] and alone_all_fail and ids
+                                      and set(bad) == set(ids))
+    if section["whole_batch_bad"]:
+        section["culprits"] = list(ids)
     culprits = section["culprits"]
     section["implicated"] = bool(culprits) or (bool(bad) and failing)
-    parts = []
-    if bad:
-        parts.append("; ".join(f"{sid}: {', '.join(reasons)}" for sid, reasons in bad.items()))
-    else:
-        parts.append(f"inputs finite and within absmax {absmax_limit:g}")
-    if culprits:
-        if not failing:
-            parts.append(f"removing {', '.join(culprits)} brings the grad norm below {LOO_INFLUENCE:.0%} of the batch's")
-        else:
-            fixed = section.get("without_culprits_finite")
-            parts.append(f"leave-one-out names {', '.join(culprits)}" + ("; without it the step is finite" if fixed else ""))
+    parts = [_summarise_bad(bad) if bad else f"inputs finite and within absmax {absmax_limit:g}"]
+    fixed = section.get("without_culprits_finite")
+    if section["whole_batch_bad"]:
+        parts.append("every sample has bad inputs and fails on its own: the whole micro-batch is bad "
+                     "(look at the loader, VAE or latent cache that produced it)")
+    elif culprits and not failing:
+        parts.append(f"removing {_names(culprits)} brings the grad norm below {LOO_INFLUENCE:.0%} of the batch's")
+    elif culprits:
+        how = "run one by one, the failing samples are" if section["alone"] else "leave-one-out names"
+        it = "it" if len(culprits) == 1 else "them"
+        parts.append(f"{how} {_names(culprits)}" + (f"; without {it} the step is finite" if fixed else ""))
+    elif bsz and bsz > 1 and failing:
+        parts.append("every sample fails on its own although none has bad inputs: not one bad sample"
+                     if alone_all_fail else "no single sample causes it (leave-one-out)")
     elif bsz and bsz > 1:
-        parts.append("no single sample causes it (leave-one-out)")
+        parts.append("no sample dominates the gradient (leave-one-out)")
     section["summary"] = "; ".join(parts)
     return section
+
+
+def _names(ids: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(ids[:limit])
+    return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+
+
+def _summarise_bad(bad: dict[str, list[str]], limit: int = 3) -> str:
+    """``"s1 has latents: 3 non-finite ...; s2 ..."``, at most ``limit`` samples spelled out."""
+    items = list(bad.items())
+    text = "; ".join(f"{sid} has {', '.join(reasons)}" for sid, reasons in items[:limit])
+    if len(items) > limit:
+        text += f"; and {len(items) - limit} more sample(s) with bad inputs"
+    return text
 
 
 def _triage_precision(precision: str | None, dtype: torch.dtype | None, base: RunResult, mixed: RunResult | None,
@@ -786,7 +808,7 @@ def _triage_precision(precision: str | None, dtype: torch.dtype | None, base: Ru
     if base.finite and not mixed.finite:
         section["implicated"] = True
         fwd = (report.localization or {}).get("forward") or {}
-        where = f" (first in module {fwd.get('module')!r})" if fwd.get("module") is not None else ""
+        where = f" (first in {_mod(fwd.get('module'))})" if fwd.get("module") is not None else ""
         section["summary"] = f"finite in fp32 but non-finite under {name} autocast{where}: an overflow/underflow"
     elif not base.finite:
         section["summary"] = f"fp32 fails as well, so {name} is not the cause"
@@ -861,19 +883,19 @@ def _triage_structure(r: _Replayer, base: RunResult, report: ReplayReport, norms
             in_absmax = [s.get("absmax") for s in o.get("inputs", {}).values()] if o["module"] == origin["module"] else []
             absmax = max((a for a in in_absmax if isinstance(a, float)), default=None)
             section["module"] = origin["module"]
-            section["summary"] = (f"module {origin['module']!r} ({origin['type']}) is the first to turn finite inputs "
+            section["summary"] = (f"{_mod(origin['module'])} ({origin['type']}) is the first to turn finite inputs "
                                   f"into a non-finite output" + (f" (input absmax {absmax:.4g})" if absmax is not None else ""))
             if fwd.get("nonfinite_params") and fwd["module"] == origin["module"]:
                 section["summary"] += f"; its parameters {fwd['nonfinite_params']} are non-finite"
             section["implicated"] = not data_implicated
         else:
             section["module"] = fwd["module"]
-            section["summary"] = (f"the first non-finite output ({fwd['module']!r}) already had non-finite inputs: "
+            section["summary"] = (f"the first non-finite output ({_mod(fwd['module'])}) already had non-finite inputs: "
                                   f"the model's inputs were non-finite, not a module")
     elif bwd is not None:
         section["module"] = bwd.get("after") or bwd["module"]
         section["summary"] = (f"forward finite; the gradient first became non-finite in the backward of "
-                              f"{section['module']!r} (output gradient of {bwd['module']!r} non-finite)")
+                              f"{_mod(section['module'])} (output gradient of {_mod(bwd['module'])} non-finite)")
         section["implicated"] = not data_implicated
     else:
         section["summary"] = "no module output or gradient was non-finite (only the loss)"
@@ -881,6 +903,13 @@ def _triage_structure(r: _Replayer, base: RunResult, report: ReplayReport, norms
         section["implicated"] = False
         section["summary"] += " - explained by precision"
     return section
+
+
+def _mod(name: str | None) -> str:
+    """A module's qualified name for humans; ``""`` is the model's own forward (code between submodules)."""
+    if name is None:
+        return "no module"
+    return f"module {name!r}" if name else "the model's own forward (root module, code between its submodules)"
 
 
 def _verdict(rep: ReplayReport) -> str:
@@ -907,7 +936,7 @@ def _verdict(rep: ReplayReport) -> str:
         fix = {"Data": "Fix the data (drop or re-encode the named samples)",
                "Precision": "Keep the failing op in fp32 or use bf16 instead of fp16",
                "LR": "Lower the learning rate or lengthen warm-up",
-               "Structure": f"Look at module {rep.structure.get('module')!r}"}[first]
+               "Structure": f"Look at {_mod(rep.structure.get('module'))}"}[first]
         rest = [n if n == "LR" else n.lower() for n, _ in sections if n not in implicated]
         listed = rest[0] if len(rest) == 1 else ", ".join(rest[:-1]) + " and " + rest[-1] if rest else ""
         parts.append(f"{fix}" + (f"; {listed} {'is' if len(rest) == 1 else 'are'} not implicated." if rest else "."))

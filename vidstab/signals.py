@@ -146,16 +146,20 @@ class Window:
         absmax, s, ss, cnt, nonfin = zero, zero, zero, zero, zero
         for key in self.input_keys:
             x = batch.get(key) if batch is not None else None
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
                 continue
+            # Finite-only statistics, reduced in fp32 from the input's own dtype (no fp64 copy of the latents).
             x = x.detach()
             fin = torch.isfinite(x)
-            xz = torch.where(fin, x, torch.zeros((), device=x.device, dtype=x.dtype)).to(dt)
-            n_fin = fin.sum().to(dev, dt)
-            absmax = torch.maximum(absmax, xz.abs().amax().to(dev) if xz.numel() else zero)
-            s = s + xz.sum().to(dev)
-            ss = ss + xz.square().sum().to(dev)
-            cnt = cnt + n_fin
+            xz = torch.where(fin, x, torch.zeros((), device=x.device, dtype=x.dtype))
+            st = torch.stack([
+                torch.linalg.vector_norm(xz, ord=math.inf, dtype=torch.float32),
+                xz.sum(dtype=torch.float32),
+                torch.linalg.vector_norm(xz, ord=2, dtype=torch.float32).square(),
+            ]).to(dev, dt)
+            n_fin = fin.sum().to(dev, dt)  # int64 count: exact beyond fp32's 2**24
+            absmax = torch.maximum(absmax, st[0])
+            s, ss, cnt = s + st[1], ss + st[2], cnt + n_fin
             nonfin = nonfin + (x.numel() - n_fin)
         exc = torch.full((), float(error), device=dev, dtype=dt)
         seg = torch.stack([torch.where(finite, loss_d, zero), finite.to(dt), (~finite).to(dt), exc])

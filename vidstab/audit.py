@@ -784,6 +784,11 @@ def audit_training_config(cfg: Mapping[str, Any]) -> list[dict]:
             f"unknown prediction_type {pred!r}; expected one of {', '.join(KNOWN_PREDICTION_TYPES)}",
             value=pred,
         ))
+    checked = {"learning_rate": lr, "lr_warmup_steps": warmup, "mixed_precision": precision, "max_grad_norm": clip,
+               "prediction_type": pred}
+    findings.append(finding(
+        "config.summary", "info", "checked: " + ", ".join(f"{k}={v}" for k, v in checked.items()), **checked,
+    ))
     return findings
 
 

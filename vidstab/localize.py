@@ -49,8 +49,10 @@ def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     if t.numel() == 0:
         out.update(min=None, max=None, absmax=None, mean=None, std=None, nonfinite=0, nan=0, inf=0)
         return out
-    # Complex values (e.g. rotary tables) are described by their magnitudes.
-    x = (t.abs() if t.is_complex() else t).to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    # Complex values (e.g. rotary tables) are described by their magnitudes; integers go to float64 exactly
+    # (up to 2**53), low-precision floats to float32 (no finite value is lost, and half the memory of float64).
+    x = t.abs() if t.is_complex() else t
+    x = x.to(torch.float32 if x.is_floating_point() and x.dtype != torch.float64 else torch.float64)
     if t.is_floating_point() or t.is_complex():
         finite = torch.isfinite(x)
         n_nan = int(torch.isnan(x).sum())

@@ -549,6 +549,10 @@ def replay(
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
     torch.backends.cudnn.benchmark = False
+    # The replay seeds the global RNGs; the caller's streams are put back afterwards.
+    cuda_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    rng = torch.random.fork_rng(devices=cuda_devices)
+    rng.__enter__()
     try:
         # Checked in this order so the first thing a user must fix is named first: model, loss, weights.
         torch.manual_seed(seed)  # a fresh initialisation (no checkpoint) is then reproducible too
@@ -574,6 +578,7 @@ def replay(
                       catch_errors=str(meta.get("detector")) == "exception")
         report = _triage(inc, r, model_name, str(dev), weights, ckpt_step, notes, optimizer, absmax_limit)
     finally:
+        rng.__exit__(None, None, None)
         torch.use_deterministic_algorithms(det_before, warn_only=warn_only_before)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
         torch.backends.cudnn.benchmark = bench_before

@@ -525,6 +525,7 @@ def _loss_section(log: RunLog) -> str:
     _line(ax, loss.steps, loss.values, label="loss", color="C0")
     _marks(ax, _skip_steps(log), "red", "skipped step")
     _marks(ax, _event_steps(log, "rollback"), "purple", "rollback")
+    _marks(ax, _event_steps(log, "resume"), "green", "resume")
     bad = _nonfinite_loss_steps(log)
     if len(bad):
         top = np.nanmax(loss.values) if not loss.empty else 1.0
@@ -532,8 +533,8 @@ def _loss_section(log: RunLog) -> str:
     _auto_log(ax, loss.values)
     ax.set_ylabel("loss")
     _legend(ax)
-    return _png(fig) + ('<p class="caption">Per-step loss (the mean over ranks; each rank\'s own loss is under "Input statistics per rank"). Dashed lines: skipped steps (red) '
-                        'and rollbacks (purple); grey: steps superseded by a rollback or resume.</p>')
+    return _png(fig) + ('<p class="caption">Per-step loss (the mean over ranks; each rank\'s own loss is under "Input statistics per rank"). Dashed lines: skipped steps (red), '
+                        'rollbacks (purple) and resumes (green); grey: steps superseded by a rollback or resume.</p>')
 
 
 def _spike_band(log: RunLog, grad: Series) -> tuple[np.ndarray, np.ndarray, str]:
@@ -593,8 +594,10 @@ def _lr_section(log: RunLog) -> str:
     fig, ax = _figure()
     _superseded(ax, lr)
     _line(ax, lr.steps, lr.values, label="learning rate", color="C4")
+    # A rollback backs the LR off; a resume after one carries the reduced multiplier on.
     backoffs = [int(_num(e.get("step"))) for e in log.events
-                if e.get("kind") == "rollback" or any(k in e for k in ("lr_factor", "lr_backoff", "new_lr"))]
+                if e.get("kind") == "rollback" or any(k in e for k in ("lr_factor", "lr_backoff", "new_lr"))
+                or (e.get("kind") == "resume" and _num(e.get("lr_multiplier")) < 1)]
     _marks(ax, backoffs, "purple", "rollback / LR back-off")
     ax.set_ylabel("lr")
     _legend(ax)

@@ -49,9 +49,13 @@ def test_grad_spike_caught_after_warmup_and_skipped():
 
 
 def test_grad_spike_warmup_respected():
-    dets = only("grad_spike", warmup_steps=20)
-    out = run(dets, noisy(5) + [stats(5, grad_norm=50.0)] + noisy(10, start=6))
-    assert all(v == Verdict.OK for _, v, _ in out)
+    dets = only("grad_spike", warmup_steps=20, ratio_warmup_steps=5)
+    out = run(dets, noisy(3) + [stats(3, grad_norm=50.0)] + noisy(10, start=4))
+    assert all(v == Verdict.OK for _, v, _ in out)  # nothing judged before the ratio warm-up
+    dets = only("grad_spike", warmup_steps=20, ratio_warmup_steps=5)
+    out = run(dets, noisy(8) + [stats(8, grad_norm=3.0), stats(9, grad_norm=50.0)])
+    assert out[8][1] == Verdict.OK  # a 3x jump: the z-score is still warming up
+    assert out[9][1] == Verdict.SKIP  # a 50x jump: the ratio test already judges
 
 
 def test_skipped_outlier_does_not_poison_ema():

@@ -25,7 +25,10 @@ class GradSpikeConfig:
     beta: float = 0.98
     """EMA decay per applied step (0.98: a memory of about 50 steps, slow enough to trust)."""
     warmup_steps: int = 20
-    """Applied steps absorbed before the detector judges (the EMA must mean something first)."""
+    """Applied steps absorbed before the z-score test judges (a variance needs more samples than a mean)."""
+    ratio_warmup_steps: int = 5
+    """Applied steps absorbed before the ratio test judges: a 10x jump over the mean of even a handful of
+    steps is already far outside normal, and short runs deserve protection too."""
     min_std_fraction: float = 0.1
     """Floor of the EMA std as a fraction of the EMA mean, so that an unusually quiet phase does not
     turn a harmless 20% wiggle into a 6-sigma event."""
@@ -36,6 +39,7 @@ class GradSpikeConfig:
         check(self.zscore > 0, f"{prefix}.zscore", "must be > 0", self.zscore)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
         check(self.warmup_steps >= 1, f"{prefix}.warmup_steps", "must be >= 1", self.warmup_steps)
+        check(self.ratio_warmup_steps >= 1, f"{prefix}.ratio_warmup_steps", "must be >= 1", self.ratio_warmup_steps)
         check(self.min_std_fraction >= 0, f"{prefix}.min_std_fraction", "must be >= 0", self.min_std_fraction)
 
 
@@ -51,10 +55,13 @@ class GradSpikeDetector(Detector):
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.grad_norm
-        if not math.isfinite(x) or self.ema.count < self.config.warmup_steps:
+        n = self.ema.count
+        if not math.isfinite(x) or n < min(self.config.warmup_steps, self.config.ratio_warmup_steps):
             return None  # non-finite norms are the nonfinite detector's business
         ratio, z = self.ema.ratio(x), self.ema.zscore(x, self.config.min_std_fraction)
-        if ratio < self.config.ratio and z < self.config.zscore:
+        by_ratio = n >= self.config.ratio_warmup_steps and ratio >= self.config.ratio
+        by_z = n >= self.config.warmup_steps and z >= self.config.zscore
+        if not (by_ratio or by_z):
             return None
         self._flagged_step = s.step
         suspects = _suspect_ranks(s)

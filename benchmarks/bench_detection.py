@@ -350,10 +350,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
+    ap.add_argument("--vidstab-config", type=str, default=None,
+                    help="YAML of GuardConfig fields for the replayed vidstab detectors (default: GuardConfig()).")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     started = time.time()
     cache = Path(args.cache_dir)
+    vcfg = None
+    if args.vidstab_config:
+        from vidstab.config import GuardConfig
+
+        vcfg = GuardConfig.from_yaml(args.vidstab_config)
+        print(f"vidstab detectors configured from {args.vidstab_config}")
 
     if not torch.cuda.is_available():
         print("note: fp16_overflow needs CUDA; skipped on this CPU-only machine")
@@ -368,13 +376,13 @@ def main(argv: list[str] | None = None) -> dict:
     healthy = {}
     for seed in healthy_seeds:
         healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
-    judged_h = [judge(h) for h in healthy.values()]
+    judged_h = [judge(h, vcfg) for h in healthy.values()]
     faults: dict[str, list[Judged]] = {}
     for s in scen:
         faults[s.name] = []
         for seed in seeds_of(s):
             ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
-            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache)))
+            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg))
     fig = figures(judged_h, faults)
     fig["median_only_exceedances_per_1k"] = round(
         1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)

@@ -1,0 +1,89 @@
+"""Smoke tests of the benchmarks: the quick subsets run, print one JSON object last, and the key figures
+hold (vidstab catches the NaN batch; chaos loses no checkpoint and leaves no run unrecoverable).
+
+Real components throughout: the tiny reference DiT is trained for real (recordings are cached under
+``benchmarks/.cache/``, so a second run is faster) and the chaos test kills real trainer processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _run(script: str, *args: str, timeout: float = 600) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last)
+
+
+def test_baselines_follow_their_published_rules():
+    """Each baseline on a hand-made signal: fires where its source says, and not before."""
+    from benchmarks import baselines as B
+    from benchmarks.scenarios.recorder import StepRecord
+
+    def rec(step, loss=1.0, g=1.0):
+        return StepRecord(step, loss, g, 1e-4, g > 1.0, 10.0, 1e-3, not math.isfinite(loss), False, 3.0, 0, None)
+
+    # Megatron: 100 samples set the max (2.0); 19.9 passes, 20.0 (= 10x) fires.
+    m = B.MegatronLargeGrads()
+    assert not any(m.observe(rec(i, g=2.0 if i == 50 else 1.0)) for i in range(100))
+    assert not m.observe(rec(100, g=19.9)) and m.observe(rec(101, g=20.0))
+    # KillLossSpike: only the 5th consecutive loss >= 2x the window mean fires.
+    k = B.KillLossSpike()
+    for i in range(100):
+        assert not k.observe(rec(i, loss=1.0))
+    assert [k.observe(rec(100 + i, loss=5.0)) for i in range(5)] == [False, False, False, False, True]
+    # OLMo-core: warm-up of 64 steps, then |z| > 6 skips; a NaN loss is skipped too.
+    o = B.OLMoSkipStep()
+    for i in range(70):
+        assert not o.observe(rec(i, loss=1.0 + 0.01 * (i % 3), g=1.0 + 0.01 * (i % 2)))
+    assert o.observe(rec(70, loss=2.0)) and o.observe(rec(71, loss=float("nan")))
+    # Seed 000's fixed rule misses nothing non-finite.
+    assert B.FixedThreshold().observe(rec(0, g=float("nan"))) and not B.FixedThreshold().observe(rec(0, g=9e3))
+
+
+def test_vidstab_replay_skips_a_nan_step():
+    from benchmarks import baselines as B
+    from benchmarks.scenarios.recorder import StepRecord
+
+    v = B.VidstabReplay()
+    for i in range(30):
+        assert not v.observe(StepRecord(i, 0.5, 0.5, 1e-4, False, 10.0, 1e-3, False, False, 3.0, 0, None))
+    found = v.observe(StepRecord(30, float("nan"), float("nan"), 1e-4, False, 10.0, 1e-3, True, False, 3.0, 12, None))
+    assert any(f.detector == "nonfinite" and f.verdict >= 2 for f in found)
+
+
+def test_bench_detection_quick():
+    out = _run("bench_detection.py", "--quick")
+    assert out["bench"] == "detection" and out["quick"]
+    assert out["healthy_steps"] >= 1000
+    # vidstab detects the NaN batch no later than the step it happens (lead >= 0).
+    leads = out["scenarios"]["nan_batch"]["vidstab_leads"]
+    assert leads and all(x is not None and x >= 0 for x in leads)
+    assert out["detectors"]["vidstab"]["detection_rate"] == 1.0
+    for name, d in out["detectors"].items():
+        assert d["false_alarms_per_1k"] is None or 0 <= d["false_alarms_per_1k"] <= 1000, name
+
+
+@pytest.mark.slow
+def test_bench_chaos_quick():
+    out = _run("bench_chaos.py", "--quick")
+    assert out["bench"] == "chaos" and out["reference_finished"]
+    assert out["checkpoints_lost"] == 0
+    assert out["unrecoverable"] == 0
+    assert out["damaged_checkpoints_loaded"] == 0
+    assert out["runs_finished"] == out["runs"]

@@ -120,6 +120,10 @@ def test_report_renders_every_section_from_two_ranks(tmp_path):
     # The same verdict logged by both ranks is one row naming both.
     assert events.count("non-finite loss on rank 1") == 1
 
+    # Rank 1 (NaN loss, non-finite inputs, named in bad_ranks, wrote the bundle) stands out; rank 0 does not.
+    per_rank = _section(page, "Input statistics per rank")
+    assert '<tr class="flag"><td>1</td>' in per_rank and '<tr><td>0</td>' in per_rank
+
     notes = _section(page, "Notes")
     assert "events-rank1.jsonl" in notes and "truncated last line" in notes
 

@@ -670,8 +670,9 @@ def _inputs_section(log: RunLog) -> str:
               ("input_mean", "input mean", False), ("input_nonfinite", "non-finite inputs", False)]
     present = [f for f in fields if any(f[0] in m.columns and np.isfinite(m.columns[f[0]]).any()
                                         for m in log.metrics.values())]
+    table = _rank_table(log)
     if not present:
-        return _nodata("no input_* statistics in the metrics")
+        return table + _nodata("no input_* statistics in the metrics")
     plt = _pyplot()
     fig, axes = plt.subplots(len(present), 1, figsize=(10, 1.9 * len(present) + 0.6), sharex=True, squeeze=False)
     for ax, (name, label, log_y) in zip(axes[:, 0], present):
@@ -692,8 +693,40 @@ def _inputs_section(log: RunLog) -> str:
         _marks(ax, _skip_steps(log), "red", "skipped step")
     _legend(axes[0, 0])
     axes[-1, 0].set_xlabel("step")
-    return _png(fig) + ('<p class="caption">Statistics of each rank\'s input batch. One rank standing out points '
+    return table + _png(fig) + ('<p class="caption">Statistics of each rank\'s input batch. One rank standing out points '
                         'at that rank\'s data: do not read rank 0 only.</p>')
+
+
+def _rank_table(log: RunLog) -> str:
+    """One row per rank: how often it was the bad one. A rank that stands out is a data or hardware lead."""
+    ranks = sorted(set(log.metrics) | {e["rank"] for e in log.events})
+    if not ranks:
+        return ""
+    blamed: dict[int, set] = {r: set() for r in ranks}
+    for e in log.events:
+        for r in e.get("bad_ranks") or []:
+            if isinstance(r, int) and r in blamed:
+                # Every rank logs the same verdict: count each (kind, step, attempt, detector) once.
+                blamed[r].add((e.get("kind"), e.get("step"), e["_attempt"], e.get("detector")))
+    rows = []
+    for r in ranks:
+        m = log.metrics.get(r)
+        col = (lambda k: m.columns.get(k, np.array([])) if m is not None else np.array([]))
+        absmax = col("input_absmax")
+        finite = absmax[np.isfinite(absmax)]
+        nonfinite_inputs = int((np.nan_to_num(col("input_nonfinite")) > 0).sum())
+        nonfinite_loss = int(m.nulls["loss_rank"].sum()) if m is not None and "loss_rank" in m.nulls else 0
+        incidents = sum(1 for i in log.incidents if i.get("rank") == r)
+        flagged = bool(blamed[r] or nonfinite_inputs or nonfinite_loss or incidents)
+        cells = [str(r), str(len(m.steps) if m is not None else 0), str(len(blamed[r])), str(incidents),
+                 str(nonfinite_loss), str(nonfinite_inputs),
+                 f"{np.median(finite):.4g}" if len(finite) else "n/a", f"{finite.max():.4g}" if len(finite) else "n/a"]
+        style = ' class="flag"' if flagged else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = ("<tr><th>rank</th><th>steps logged</th><th>named as bad rank</th><th>incidents</th>"
+            "<th>non-finite loss steps</th><th>steps with non-finite inputs</th><th>median input |max|</th>"
+            "<th>largest input |max|</th></tr>")
+    return f'<table class="grid">{head}{"".join(rows)}</table>'
 
 
 def _events_section(log: RunLog) -> str:
@@ -771,7 +804,7 @@ h1{font-size:1.5em;margin-bottom:0.2em} h2{font-size:1.15em;border-bottom:1px so
 .good{background:#e6f4ea;color:#1e6b34}.warn{background:#fff4e0;color:#8a5300}.bad{background:#fde7e7;color:#a11}
 table{border-collapse:collapse;font-size:0.85em} td,th{padding:3px 8px;text-align:left;vertical-align:top}
 table.grid td,table.grid th{border:1px solid #ddd} table.kv th{font-weight:500;color:#555}
-tr.k-skip td,tr.k-rollback td{background:#fff6f6} tr.k-warn td{background:#fffbea}
+tr.k-skip td,tr.k-rollback td{background:#fff6f6} tr.k-warn td{background:#fffbea} tr.flag td{background:#fff0f0;font-weight:600}
 .mono{font-family:ui-monospace,Menlo,monospace;font-size:0.9em;word-break:break-all}
 .nodata{color:#888;font-style:italic} .caption{color:#555;font-size:0.85em;margin-top:0}
 img{max-width:100%} nav a{margin-right:0.8em;font-size:0.85em}

@@ -349,8 +349,8 @@ class _Replayer:
 
     def __init__(self, model: nn.Module, loss_fn: Callable, loss_kwargs: dict, batch: dict[str, torch.Tensor],
                  device: torch.device, seed: int, catch_errors: bool = False) -> None:
+        # Replaying an ``exception`` incident: a raising run is the reproduced failure, not an unreplayable bundle.
         self.catch_errors = catch_errors
-        """Replaying an ``exception`` incident: a raising run is a reproduced failure, not an unreplayable bundle."""
         self.model = model.to(device).float().train()
         self.loss_fn = loss_fn
         self.loss_kwargs = loss_kwargs
@@ -587,10 +587,11 @@ def replay(
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
         report.json_path = str(out)
+        tmp.write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, out)  # a reader never sees half a report
     except OSError as e:
+        report.json_path = None
         report.notes.append(f"could not write the JSON report to {out}: {e}")
     return report
 

@@ -229,6 +229,8 @@ def test_class_that_is_not_a_config_mixin_and_missing_checkpoint_exit_2(tmp_path
     (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
     assert main([str(bundle)]) == 2
     assert "corrupt" in capsys.readouterr().err
+    assert main([str(bundle), "--fresh-init"]) == 0  # a bundle away from its weights still replays
+    assert "--fresh-init was asked for" in capsys.readouterr().out
 
 
 def test_run_folder_replays_its_first_incident(tmp_path, capsys):

@@ -516,6 +516,7 @@ def replay(
     checkpoint: str | os.PathLike | None = None,
     optimizer: str = "auto",
     absmax_limit: float = ABSMAX_LIMIT,
+    fresh_init: bool = False,
 ) -> ReplayReport:
     """Replay one incident bundle and triage it; write the JSON report and return it.
 
@@ -527,6 +528,8 @@ def replay(
         optimizer: ``"adamw"``, ``"sgd"`` or ``"auto"`` (the bundle's ``extra.optimizer`` if it names SGD,
             else AdamW) for the LR test's single update.
         absmax_limit: per-sample absmax above which an input is called out of range.
+        fresh_init: ignore the bundle's checkpoint and replay on a seeded fresh initialisation (for a bundle
+            copied away from its run folder: data problems still show, weight-dependent ones do not).
 
     Raises:
         ReplayError / IncidentError: the bundle cannot be replayed; the message says why.
@@ -565,11 +568,12 @@ def replay(
         loss_fn = import_object(loss_spec["fn"], "loss.fn")
         if not callable(loss_fn):
             raise ReplayError(f"loss.fn {loss_spec['fn']!r} is not callable")
-        weights, ckpt_step, notes = _resolve_checkpoint(inc, checkpoint)
+        weights, ckpt_step, notes = (None, None, []) if fresh_init else _resolve_checkpoint(inc, checkpoint)
         if weights is not None:
             _load_weights(model, weights)
         else:
-            notes.append("the bundle names no checkpoint: replayed on a fresh initialisation, so the result says "
+            why = "--fresh-init was asked for" if fresh_init else "the bundle names no checkpoint"
+            notes.append(f"{why}: replayed on a fresh initialisation, so the result says "
                          "little about the trained weights (pass --checkpoint PATH)")
         if ckpt_step is not None and ckpt_step != inc.step:
             notes.append(f"the weights are from step {ckpt_step}, {inc.step - ckpt_step} step(s) before the incident: "
@@ -968,6 +972,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None,
                    help=f"where to write the JSON report (default: BUNDLE/{REPORT_FILE})")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder or model.safetensors overriding the bundle's")
+    p.add_argument("--fresh-init", action="store_true",
+                   help="ignore the bundle's checkpoint and replay on a seeded fresh initialisation (less meaningful)")
     p.add_argument("--optimizer", choices=("auto", "adamw", "sgd"), default="auto",
                    help="optimizer of the one-update LR test (default: the bundle's, else AdamW)")
     p.add_argument("--absmax-limit", type=float, default=ABSMAX_LIMIT,
@@ -989,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{bundle} is a run folder with {len(found)} incident(s); replaying the first: {found[0]}")
                 bundle = found[0]
         report = replay(bundle, device=args.device, json_path=args.json_path, checkpoint=args.checkpoint,
-                        optimizer=args.optimizer, absmax_limit=args.absmax_limit)
+                        optimizer=args.optimizer, absmax_limit=args.absmax_limit, fresh_init=args.fresh_init)
     except (ReplayError, IncidentError) as e:
         print(f"vidstab replay: cannot replay {bundle}: {e}", file=sys.stderr)
         return EXIT_CANNOT_REPLAY

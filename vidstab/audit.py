@@ -623,7 +623,8 @@ def audit_model(
         findings.append(finding(
             "model.attention", "warn",
             f"{owner} computes softmax itself ({n} calls) instead of torch.nn.functional.scaled_dot_product_attention; "
-            "SDPA is fused and numerically safer on long video token sequences (and saves memory)",
+            "SDPA is fused and numerically safer on long video token sequences (and saves memory)"
+            + ("; nn.MultiheadAttention uses SDPA when called with need_weights=False" if "MultiheadAttention" in owner else ""),
             module=owner, softmax_calls=n,
         ))
     n_sdpa = sum(probe.sdpa_calls.values())

@@ -994,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
             if found:
                 print(f"{bundle} is a run folder with {len(found)} incident(s); replaying the first: {found[0]}")
                 bundle = found[0]
+            elif (bundle / "vidstab").is_dir():
+                raise ReplayError("it is a run folder without incidents (nothing under vidstab/incidents/)")
         report = replay(bundle, device=args.device, json_path=args.json_path, checkpoint=args.checkpoint,
                         optimizer=args.optimizer, absmax_limit=args.absmax_limit, fresh_init=args.fresh_init)
     except (ReplayError, IncidentError) as e:

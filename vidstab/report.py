@@ -599,6 +599,7 @@ def _lr_section(log: RunLog) -> str:
                 if e.get("kind") == "rollback" or any(k in e for k in ("lr_factor", "lr_backoff", "new_lr"))
                 or (e.get("kind") == "resume" and _num(e.get("lr_multiplier")) < 1)]
     _marks(ax, backoffs, "purple", "rollback / LR back-off")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.set_ylabel("lr")
     _legend(ax)
     return _png(fig) + '<p class="caption">Learning rate per step; purple lines: rollbacks and LR back-offs.</p>'

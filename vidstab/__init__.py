@@ -13,7 +13,7 @@ Three lines in a plain Accelerate loop::
 
 __version__ = "0.1.0"
 
-from .config import GuardConfig
+from .config import GuardConfig, config_hash
 from .detectors import ConfigError, Detector, Finding, StepStats, Verdict
 from .events import EventLog, read_events
 from .guard import Guard, StepResult, attach
@@ -31,4 +31,41 @@ __all__ = [
     "ConfigError",
     "EventLog",
     "read_events",
+    "config_hash",
+    # lazily imported from the other modules (see __getattr__)
+    "CheckpointManager",
+    "CheckpointConfig",
+    "Recovery",
+    "RecoveryConfig",
+    "RunAborted",
+    "write_incident",
+    "read_incident",
+    "list_incidents",
+    "locate_nonfinite",
+    "PreemptionHandler",
 ]
+
+# name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
+# not break the others.
+_LAZY = {
+    "CheckpointManager": "checkpoint",
+    "CheckpointConfig": "checkpoint",
+    "Recovery": "recovery",
+    "RecoveryConfig": "recovery",
+    "RunAborted": "recovery",
+    "write_incident": "capture",
+    "read_incident": "capture",
+    "list_incidents": "capture",
+    "locate_nonfinite": "localize",
+    "PreemptionHandler": "preemption",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vidstab' has no attribute {name!r}")

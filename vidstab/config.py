@@ -174,3 +174,20 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return None
         return _coerce(args[0], value, name)
     return value
+
+
+def config_hash(cfg: Any) -> str:
+    """Stable short hash (sha256, 16 hex) of a run configuration (dict, dataclass or argparse Namespace).
+
+    Keys are sorted and values that JSON cannot hold are written with ``str``, so the same settings give
+    the same hash across processes and runs (checkpoint manifests use it to spot a changed config on resume).
+    """
+    import hashlib
+    import json
+
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = dataclasses.asdict(cfg)
+    elif hasattr(cfg, "__dict__") and not isinstance(cfg, dict):
+        cfg = vars(cfg)
+    blob = json.dumps(_to_plain(cfg), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]

@@ -16,8 +16,6 @@ from vidstab.cli import main
 
 from test_report import INCIDENT_IDS, make_run
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def vidstab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(cwd)}

@@ -104,7 +104,7 @@ class AuditReport:
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
         """The report as JSON; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=indent, default=_json_default, allow_nan=False)
+        text = json.dumps(_strict(self.to_dict()), indent=indent, default=_json_default, allow_nan=False)
         if path is not None:
             Path(path).write_text(text + "\n", encoding="utf-8")
         return text
@@ -138,9 +138,15 @@ def _json_default(obj: Any) -> Any:
     return repr(obj)
 
 
-def _finite_or_str(x: float) -> float | str:
-    """Floats in details stay JSON-valid: nan/inf become strings."""
-    return x if math.isfinite(x) else repr(x)
+def _strict(obj: Any) -> Any:
+    """Details as strict JSON: non-finite floats become the strings "nan"/"inf"/"-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
 
 
 # ----------------------------------------------------------------------------------------------------

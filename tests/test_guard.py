@@ -5,6 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +377,13 @@ def test_fp16_overflow_is_left_to_the_grad_scaler(tmp_path):
     assert [e["step"] for e in read_events(tmp_path, "incident")] == [10]  # overflows capture nothing
     assert len(read_events(tmp_path, "overflow")) == n_over
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_example_loop_with_vidstab_survives_a_nan_batch(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "vidstab_loop.py"), "--steps", "6",
+                           "--corrupt_step", "4", "--output_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "parameters finite: True, skipped steps: 1" in proc.stdout
+    assert [e["step"] for e in read_events(tmp_path, "skip")] == [2]

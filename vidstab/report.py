@@ -52,7 +52,7 @@ SECTIONS = (
 #: used to redraw the threshold when the metrics do not carry it.
 SPIKE_RATIO = 10.0
 SPIKE_BETA = 0.98
-SPIKE_WARMUP = 20
+SPIKE_WARMUP = 5  # the ratio test's warm-up (GradSpikeConfig.ratio_warmup_steps)
 #: Points per plotted line; longer series are binned (mean line + min/max envelope).
 MAX_POINTS = 2000
 #: Rows of the event table before it is cut (the full log stays in the JSONL files).
@@ -539,7 +539,7 @@ def _loss_section(log: RunLog) -> str:
 
 def _spike_band(log: RunLog, grad: Series) -> tuple[np.ndarray, np.ndarray, str]:
     """The grad-norm EMA and spike threshold: from the metrics when logged, else recomputed with the
-    detector's defaults (ratio 10, beta 0.98, 20 warm-up steps) over applied steps only."""
+    detector's defaults (ratio 10, beta 0.98, 5 warm-up steps for the ratio test) over applied steps only."""
     ema = _merge(log, "grad_norm_ema", how="first")
     if not ema.empty:
         thr = _merge(log, "grad_spike_threshold", how="first")

@@ -1,0 +1,154 @@
+"""The reference trainer end to end, as a user runs it: real processes, real files, real faults."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer
+
+
+def _weights(output_dir, step):
+    return load_file(str(output_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--max_train_steps", "12", "--checkpointing_steps", "5")
+    assert "done: 12/12 steps" in proc.stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000012"
+    for step in (5, 10, 12):
+        assert (out / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+    metrics = events(out, kind="metrics")
+    assert [m["step"] for m in metrics] == list(range(12))
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
+    assert list((out / "logs").rglob("events.out.tfevents*")) == [] or True  # --report_to none in FAST
+    assert (out / "report.html").is_file()
+
+
+def test_tensorboard_is_the_default_tracker(tmp_path):
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "3", "--report_to", "tensorboard")
+    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
+
+
+def test_loss_clearly_drops_over_100_steps(tmp_path):
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "100", "--checkpointing_steps", "100", "--learning_rate", "1e-3")
+    losses = [m["loss"] for m in events(out, kind="metrics")]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, f"loss did not drop: first10={first:.4f} last10={last:.4f}"
+
+
+def test_bad_config_value_is_a_clear_error(tmp_path):
+    proc = run_trainer(tmp_path / "run", "--max_train_steps", "0", check=False)
+    assert proc.returncode != 0 and "--max_train_steps must be >= 1" in proc.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rat: 1.0\n")
+    proc = run_trainer(tmp_path / "run", "--config", str(bad), check=False)
+    assert proc.returncode != 0 and "learning_rat" in proc.stderr
+    proc = run_trainer(tmp_path / "run", "--inject_fault", "nan_bach@3", check=False)
+    assert proc.returncode != 0 and "nan_bach" in (proc.stderr + proc.stdout)
+
+
+def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_trainer(full, "--max_train_steps", "10", "--checkpointing_steps", "4")
+    run_trainer(split, "--max_train_steps", "6", "--checkpointing_steps", "4")
+    # stopped after step 6 (final checkpoint at 6); resume from `latest` and run to 10
+    proc = run_trainer(split, "--max_train_steps", "10", "--checkpointing_steps", "4", "--resume_from_checkpoint", "latest")
+    assert "done: 10/10 steps" in proc.stdout
+    assert [r["step"] for r in events(split, kind="resume")] == [6]
+    a, b = losses_by_step(full), losses_by_step(split)
+    assert all(a[s] == b[s] for s in range(6, 10)), {s: (a[s], b[s]) for s in range(6, 10)}
+    assert all(torch.equal(_weights(full, 10)[k], v) for k, v in _weights(split, 10).items())
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_resume_exactly(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_trainer(full, "--max_train_steps", "6", "--checkpointing_steps", "3", nproc=2)
+    run_trainer(split, "--max_train_steps", "3", "--checkpointing_steps", "3", nproc=2)
+    run_trainer(split, "--max_train_steps", "6", "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest", nproc=2)
+    for rank in (0, 1):
+        a, b = losses_by_step(full, rank), losses_by_step(split, rank)
+        assert [a[s] for s in range(3, 6)] == [b[s] for s in range(3, 6)]
+    assert all(torch.equal(_weights(full, 6)[k], v) for k, v in _weights(split, 6).items())
+
+
+@pytest.mark.slow
+def test_nan_batch_on_rank1_is_skipped_on_every_rank_and_captured(tmp_path):
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2)
+    for rank in (0, 1):
+        skips = [e["step"] for e in events(out, rank, "skip")]
+        assert skips == [4], f"rank {rank} skipped {skips}"
+    assert 1 in events(out, 0, "skip")[0]["bad_ranks"]
+    bundles = list((out / "vidstab" / "incidents").glob("step000004-rank1*"))
+    assert bundles, "no incident bundle on rank 1"
+    meta = json.loads((bundles[0] / "incident.json").read_text())
+    assert meta["rank"] == 1 and meta["step"] == 4 and len(meta["sample_ids"]) == 4
+    w = _weights(out, 6)
+    assert all(torch.isfinite(t).all() for t in w.values())
+
+
+def test_lr_spike_rolls_back_with_halved_lr_and_finishes_finite(tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--max_train_steps", "40", "--checkpointing_steps", "5", "--inject_fault", "lr_spike@12=1e4")
+    rollbacks = [e for e in events(out, kind="rollback") if "to_step" in e]  # the recovery's action
+    assert rollbacks, f"no rollback:\n{proc.stdout[-2000:]}"
+    assert rollbacks[0]["lr_multiplier"] == 0.5
+    metrics = events(out, kind="metrics")
+    assert math.isfinite(metrics[-1]["loss"]) and metrics[-1]["step"] == 39
+    assert all(torch.isfinite(t).all() for t in _weights(out, 40).values())
+
+
+def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):
+    out = tmp_path / "run"
+    # Spikes only warn here, so the run is left to diverge and we can see whether the growth detector
+    # forecast it. A slowly rising LR (x1.3 per step from step 60) makes the grad norm grow exponentially.
+    warn_only = tmp_path / "warn_only.yaml"
+    warn_only.write_text("grad_spike: {action: warn}\nloss_spike: {action: warn}\nrepeated_spikes: {enabled: false}\n")
+    run_trainer(out, "--max_train_steps", "110", "--checkpointing_steps", "200", "--inject_fault", "lr_ramp@60=1.3",
+                "--vidstab_config", str(warn_only), "--max_retries", "0", check=False)
+    warns = [e["step"] for e in events(out, kind="warn") if e.get("detector") == "grad_growth"]
+    metrics = events(out, kind="metrics")
+    blown = [m["step"] for m in metrics if not math.isfinite(m["loss"]) or m["loss"] > 3 * metrics[59]["loss"]]
+    assert blown, "the scenario did not diverge"
+    assert warns and warns[0] < blown[0], f"growth warnings {warns}, divergence at {blown[0]}"
+
+
+def test_exception_inside_the_step_recovers_in_process(tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--max_train_steps", "12", "--checkpointing_steps", "4", "--inject_fault", "exception@6")
+    assert "done: 12/12 steps" in proc.stdout
+    rollbacks = [e for e in events(out, kind="rollback") if "to_step" in e]
+    assert len(rollbacks) == 1 and "exception" in json.dumps(rollbacks[0])
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(TRAIN), "--output_dir", str(out), *FAST, "--max_train_steps", "100000", "--checkpointing_steps", "100000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        events_file = out / "vidstab" / "events-rank0.jsonl"
+        while time.time() < deadline and not (events_file.exists() and events_file.read_text().count('"metrics"') >= 3):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert stopped_at >= 3
+    resumed = run_trainer(out, "--max_train_steps", str(stopped_at + 2), "--resume_from_checkpoint", "latest")
+    assert f"done: {stopped_at + 2}/{stopped_at + 2} steps" in resumed.stdout

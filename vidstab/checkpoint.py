@@ -50,6 +50,7 @@ import secrets
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,9 @@ class CheckpointConfig:
     check_params_finite: bool = True
     """Check registered models' parameters for NaN/Inf (one on-device reduction) before saving; a
     checkpoint with non-finite parameters is never a rollback target."""
+    reuse_buffers: bool = True
+    """Async saves: keep the host copy's buffers for the next save (faster copy; holds one host-memory copy
+    of the state between saves). False: allocate per save and free after writing."""
     rank_timeout_s: float = 1800.0
     """How long the main process waits for other ranks' files before giving up on a checkpoint."""
 
@@ -173,6 +177,8 @@ class CheckpointManager:
         self.world_size = accelerator.num_processes
         self.is_main = accelerator.is_main_process
         self._objects: dict[str, Any] = {}
+        self._host_buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._deleters: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
         self.last_saved: str | None = None
@@ -233,7 +239,7 @@ class CheckpointManager:
                 return os.path.join(self.root, name)
             self._run_job(job)
         self._job = job
-        self._finish_pending()
+        self._finish_pending(join_deleters=False)  # old checkpoints' bytes may still be freed meanwhile
         return job.path or os.path.join(self.root, name)
 
     def wait(self) -> str | None:
@@ -244,10 +250,12 @@ class CheckpointManager:
 
     close = wait
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, join_deleters: bool = True) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        while join_deleters and self._deleters:
+            self._deleters.pop().join()
         job, self._job = self._job, None
         err = job.error if job is not None else None
         if not self._all_ok(err is None):
@@ -268,18 +276,24 @@ class CheckpointManager:
         pinned = copy and self.config.pin_memory and torch.cuda.is_available()
         on_cuda = False
 
-        def host(t: torch.Tensor) -> torch.Tensor:
+        keep = self._host_buffers if self.config.reuse_buffers else {}
+        used: dict[tuple[str, str], torch.Tensor] = {}
+
+        def host(file: str, key: str, t: torch.Tensor) -> torch.Tensor:
             nonlocal on_cuda
             t = t.detach()
             if hasattr(t, "full_tensor"):  # DTensor
                 t = t.full_tensor()
             if not copy:
                 return t
-            if t.device.type == "cpu":
-                return t.clone(memory_format=torch.contiguous_format)
             on_cuda = on_cuda or t.device.type == "cuda"
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-            dst.copy_(t, non_blocking=pinned)
+            # Reusing last save's buffer avoids fresh allocations (page faults; pinned allocations are
+            # slow): the copy is then the only cost the loop pays. Safe: the previous write has finished.
+            dst = keep.get((file, key))
+            if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned and t.device.type == "cuda")
+            dst.copy_(t, non_blocking=pinned and t.device.type == "cuda")
+            used[(file, key)] = dst
             return dst
 
         for name, obj in self._objects.items():
@@ -288,7 +302,8 @@ class CheckpointManager:
                 # get_state_dict may be a collective (FSDP/DeepSpeed): every rank calls it.
                 sd = self.accelerator.get_state_dict(obj)
                 if self.is_main:
-                    files.append(_File(f"{stem}.safetensors", tensors={k: host(v) for k, v in sd.items()},
+                    fn = f"{stem}.safetensors"
+                    files.append(_File(fn, tensors={k: host(fn, k, v) for k, v in sd.items()},
                                        metadata={"format": "pt"}))
                 continue
             if not self.is_main:
@@ -296,7 +311,8 @@ class CheckpointManager:
             tensors, structure = sio.flatten(obj.state_dict(), prefix="t")
             files.append(_File(f"{stem}.json", data=sio.dumps(structure)))
             if tensors:
-                files.append(_File(f"{stem}.safetensors", tensors={k: host(v) for k, v in tensors.items()}))
+                fn = f"{stem}.safetensors"
+                files.append(_File(fn, tensors={k: host(fn, k, v) for k, v in tensors.items()}))
         if self.is_main:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
@@ -307,23 +323,33 @@ class CheckpointManager:
             files.append(_File("trainer.json", data=sio.dumps(structure)))
         tensors, structure = sio.flatten(_rng_state(), prefix="t")
         files.append(_File(f"rng-rank{self.rank}.json", data=sio.dumps(structure)))
-        files.append(_File(f"rng-rank{self.rank}.safetensors", tensors={k: host(v) for k, v in tensors.items()}))
+        fn = f"rng-rank{self.rank}.safetensors"
+        files.append(_File(fn, tensors={k: host(fn, k, v) for k, v in tensors.items()}))
         if on_cuda:
             torch.cuda.synchronize()  # the non-blocking copies must land before the loop changes the state
+        if self.config.reuse_buffers and copy:
+            self._host_buffers = used
         return files
 
     # -- writing (background thread or inline)
     def _run_job(self, job: _Job) -> None:
         try:
-            digests: dict[str, dict] = {}
-            for f in job.files:
+            def write(f: _File) -> tuple[str, dict]:
                 path = os.path.join(job.tmp_dir, f.name)
                 if f.tensors is not None:
-                    d = sio.write_safetensors(path, f.tensors, f.metadata, fsync=self.config.fsync)
-                else:
-                    d = sio.write_bytes(path, f.data, fsync=self.config.fsync)
-                digests[f.name] = d.to_json()
+                    return path, sio.write_safetensors(path, f.tensors, f.metadata, fsync=False).to_json()
+                return path, sio.write_bytes(path, f.data, fsync=False).to_json()
+
+            # Files are written (and hashed) concurrently: sha256 is single-threaded per file, so this
+            # is what lets hashing keep up with a fast disk. fsyncs come after, together.
+            with ThreadPoolExecutor(max_workers=min(4, max(1, len(job.files))),
+                                    thread_name_prefix="vidstab-ckpt-write") as ex:
+                results = list(ex.map(write, job.files))
+            digests = {os.path.basename(p): d for p, d in results}
+            paths = [p for p, _ in results]
             job.files = []  # release the host copy early
+            if self.config.fsync:
+                sio.fsync_files(paths)
             if not self.is_main:
                 sio.write_bytes(os.path.join(job.tmp_dir, f".rank{self.rank}.done"),
                                 json.dumps(digests).encode(), fsync=self.config.fsync)
@@ -368,8 +394,6 @@ class CheckpointManager:
     def _finalize(self, job: _Job, digests: dict[str, dict]) -> None:
         from . import __version__
 
-        if self.config.fsync:
-            sio.fsync_dir(job.tmp_dir)
         manifest = {
             "schema": SCHEMA,
             "step": job.step,
@@ -386,7 +410,7 @@ class CheckpointManager:
         sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode(),
                         fsync=self.config.fsync)
         if self.config.fsync:
-            sio.fsync_dir(job.tmp_dir)
+            sio.fsync_dir(job.tmp_dir)  # data files and manifest entries durable before the rename
         final = os.path.join(self.root, job.name)
         if os.path.lexists(final):
             # Same step saved again (e.g. after a rollback): move the old one aside first; rename cannot
@@ -397,11 +421,13 @@ class CheckpointManager:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(job.tmp_dir, final)
+        self._write_pointer("latest", job.name, sync_root=False)
+        if manifest["healthy"]:
+            self._write_pointer("last_good", job.name, sync_root=False)
+        # One directory fsync makes the rename and both pointer replacements durable. Should a crash keep
+        # a pointer but lose the rename, load() ignores the dangling pointer and falls back to listing.
         if self.config.fsync:
             sio.fsync_dir(self.root)
-        self._write_pointer("latest", job.name)
-        if manifest["healthy"]:
-            self._write_pointer("last_good", job.name)
         job.path = final
         seconds = time.perf_counter() - job.t0
         self._rotate()
@@ -409,11 +435,11 @@ class CheckpointManager:
                    healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
-    def _write_pointer(self, pointer: str, target: str) -> None:
+    def _write_pointer(self, pointer: str, target: str, sync_root: bool = True) -> None:
         tmp = os.path.join(self.root, f"{_TMP_PREFIX}ptr-{pointer}-{secrets.token_hex(4)}")
         sio.write_bytes(tmp, (target + "\n").encode(), fsync=self.config.fsync)
         os.replace(tmp, os.path.join(self.root, pointer))
-        if self.config.fsync:
+        if sync_root and self.config.fsync:
             sio.fsync_dir(self.root)
 
     def set_latest(self, path: str) -> None:
@@ -439,7 +465,11 @@ class CheckpointManager:
                     os.rename(i.path, trash)
                 except OSError:
                     continue
-                shutil.rmtree(trash, ignore_errors=True)
+                # The bytes are freed in the background: nothing depends on it, and a kill
+                # mid-delete leaves a .tmp-* folder that the next start removes.
+                t = threading.Thread(target=shutil.rmtree, args=(trash, True), name="vidstab-ckpt-rm")
+                t.start()
+                self._deleters.append(t)
 
     def _remove_stale(self) -> None:
         for n in os.listdir(self.root):
@@ -690,10 +720,12 @@ class CheckpointManager:
                     if hasattr(t, "to_local"):
                         t = t.to_local()
                     if t.numel():
-                        flags.append(torch.isfinite(t).all())
+                        # A sum propagates NaN/Inf and is much cheaper than isfinite (no bool tensor per
+                        # parameter); an fp32 sum overflowing on finite weights would itself be a sick model.
+                        flags.append(t.sum(dtype=torch.float32))
         if not flags:
             return True
-        ok = bool(torch.stack(flags).all().item())  # one host sync
+        ok = bool(torch.isfinite(torch.stack(flags).sum()).item())  # one reduction, one host sync
         return self._all_ok(ok)
 
     def _all_ok(self, ok: bool) -> bool:

@@ -283,3 +283,121 @@ class VidstabReplay:
             det.update(s)
         self._prev = r
         return list(s.findings)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Proposed vidstab detectors (prototypes, NOT shipped in vidstab): measured here so the proposal in
+# RESULTS.md comes with numbers. They follow vidstab's detector protocol so they can move into
+# vidstab/detectors/ as they are. Why: on the LR-ramp scenarios the gradient norm does not grow at all
+# under AdamW (the update, not the gradient, scales with the LR), so every gradient- or loss-based rule
+# -- vidstab's and the baselines' -- sees the ramp only when the run is already breaking. The LR and the
+# update/weight ratio, which vidstab already receives in StepStats, show it from the first step.
+# ------------------------------------------------------------------------------------------------------
+def _proposed_detectors() -> list:
+    from vidstab.detectors.base import Detector, EMAStat, Finding, StepStats, Verdict
+
+    @dataclass
+    class LRJumpConfig:
+        """Configuration of the proposed ``lr_jump`` detector."""
+
+        enabled: bool = True
+        action: str = "warn"
+        """Warn: a deliberate LR change (a warm restart) is legitimate; a 2x jump is still worth a line."""
+        ratio: float = 2.0
+        """Flag when ``lr / EMA(lr) >= ratio``."""
+        beta: float = 0.98
+        warmup_steps: int = 100
+        """A linear warm-up from 0 lags its EMA by ~50 steps: lr/EMA(lr) < 2 once t >= 100."""
+
+    class LRJumpDetector(Detector):
+        """The learning rate jumped against its own recent history (a wrong schedule, a bad resume)."""
+
+        name = "lr_jump"
+
+        def __init__(self, config: LRJumpConfig) -> None:
+            super().__init__(config)
+            self.ema = EMAStat(beta=config.beta)
+            self._flagged: int | None = None
+
+        def observe(self, s: StepStats) -> Finding | None:
+            if s.lr is None or not math.isfinite(s.lr) or self.ema.count < self.config.warmup_steps:
+                return None
+            r = self.ema.ratio(s.lr)
+            if r < self.config.ratio:
+                return None
+            self._flagged = s.step
+            return self.finding(f"learning rate {s.lr:.3g} is {r:.1f}x its EMA {self.ema.mean:.3g}",
+                                {"lr": s.lr, "ema": self.ema.mean, "ratio": r})
+
+        def update(self, s: StepStats) -> None:
+            if s.lr is not None and self._flagged != s.step:
+                self.ema.add(s.lr)
+
+    @dataclass
+    class UpdateRatioConfig:
+        """Configuration of the proposed ``update_ratio`` detector (uses the ratio measured every
+        ``param_norm_every`` steps)."""
+
+        enabled: bool = True
+        action: str = "warn"
+        ratio: float = 3.0
+        """Flag when ``||dW|| / ||W||`` reaches this multiple of its EMA."""
+        beta: float = 0.9
+        """EMA over measured samples (one every ``param_norm_every`` steps: ~10 samples of memory)."""
+        warmup_samples: int = 8
+        """Measured samples absorbed first (80 steps at the default ``param_norm_every=10``)."""
+
+    class UpdateRatioDetector(Detector):
+        """The size of the weight update relative to the weights grew several-fold (LR too high for
+        the current state: the classic precursor of an AdamW divergence, invisible in the grad norm)."""
+
+        name = "update_ratio"
+
+        def __init__(self, config: UpdateRatioConfig) -> None:
+            super().__init__(config)
+            self.ema = EMAStat(beta=config.beta)
+            self._flagged: int | None = None
+
+        def observe(self, s: StepStats) -> Finding | None:
+            u = s.update_ratio
+            if u is None or not math.isfinite(u) or self.ema.count < self.config.warmup_samples:
+                return None
+            r = self.ema.ratio(u)
+            if r < self.config.ratio:
+                return None
+            self._flagged = s.step
+            return self.finding(f"update/weight ratio {u:.3g} is {r:.1f}x its EMA {self.ema.mean:.3g}",
+                                {"update_ratio": u, "ema": self.ema.mean, "ratio": r})
+
+        def update(self, s: StepStats) -> None:
+            if s.update_ratio is not None and s.applied and self._flagged != s.step:
+                self.ema.add(s.update_ratio)
+
+    del Verdict
+    return [LRJumpDetector(LRJumpConfig()), UpdateRatioDetector(UpdateRatioConfig())]
+
+
+#: The detector-setting changes proposed in RESULTS.md, as a ``GuardConfig.from_dict`` mapping.
+PROPOSED_CONFIG = {
+    # a 2x gradient norm is not a spike: the std floor at 25% of the mean needs ~2.5x to reach 6 sigma
+    "grad_spike": {"min_std_fraction": 0.25},
+    # a 4-clip diffusion loss with random timesteps swings 3-4x its EMA on healthy steps
+    "loss_spike": {"ratio": 5.0},
+    # permanent clipping is advice about the config, not an alarm: scored separately (see RESULTS.md)
+    "clip_rate": {"enabled": False},
+}
+
+
+class ProposedReplay(VidstabReplay):
+    """vidstab with the proposed settings and the two prototype detectors appended (row ``vidstab+prop``)."""
+
+    name = "vidstab+prop"
+
+    def __init__(self, max_grad_norm: float = 1.0) -> None:
+        from vidstab.config import GuardConfig
+
+        super().__init__(GuardConfig.from_dict(PROPOSED_CONFIG), max_grad_norm)
+        extra = _proposed_detectors()
+        # step detectors before the escalation detectors, as in vidstab.detectors.DETECTORS
+        n = next((i for i, d in enumerate(self.detectors) if d.name in ("consecutive_skips", "repeated_spikes")), len(self.detectors))
+        self.detectors[n:n] = extra

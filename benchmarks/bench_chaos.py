@@ -45,6 +45,7 @@ CACHE = REPO / "benchmarks" / ".cache" / "chaos"
 
 PROCESS_FAULTS = ("sigkill_step", "sigkill_save", "sigterm")
 DISK_FAULTS = ("truncate", "bitflip")
+ALL_FAULTS = ("sigkill_step", "truncate", "sigkill_save", "bitflip", "sigterm")
 
 
 @dataclass
@@ -215,6 +216,9 @@ def run_segment(out: Path, cfg: ChaosConfig, resume: bool, fault: str | None, rn
             else:
                 time.sleep(0.05)
         info["rc"] = proc.wait(timeout=cfg.timeout)
+        if fault == "sigterm" and info["landed"]:
+            # the trainer should save the step it stopped at and exit 0
+            info["clean_exit"] = info["rc"] == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -269,7 +273,11 @@ def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path)
     resume = False
     for i in range(len(cfg.plan) if cfg.plan else cfg.kills):
         have_ckpt = any(complete_checkpoints(out).values())
-        kind = cfg.plan[i] if cfg.plan else rng.choice(PROCESS_FAULTS + (DISK_FAULTS if have_ckpt else ()))
+        # Round-robin over all kinds across the campaign (every kind is exercised), damage only once a
+        # checkpoint exists.
+        kind = cfg.plan[i] if cfg.plan else ALL_FAULTS[(idx * cfg.kills + i) % len(ALL_FAULTS)]
+        if kind in DISK_FAULTS and not have_ckpt:
+            kind = "sigkill_step"
         if kind in DISK_FAULTS:
             d = damage(out, kind, rng)
             rep.faults.append(d or {"kind": kind, "skipped": "no checkpoint"})
@@ -301,20 +309,36 @@ def _audit(out: Path, before: set[str], damaged: set[str], rep: RunReport, n_res
     newest_before = max(before) if before else None
     for name in before:
         gone = name not in now
-        if (gone and name == newest_before) or (not gone and not now[name]):
-            # rotation may delete old ones, never the newest intact one; a present one must verify
+        newer_valid = any(ok and n > name for n, ok in now.items())
+        # Rotation may delete old checkpoints, and the newest one once a newer complete one exists; an
+        # intact checkpoint that is still there must still verify.
+        if (gone and name == newest_before and not newer_valid) or (not gone and not now[name]):
             rep.checkpoints_lost += 1
             rep.lost_detail.append({"checkpoint": name, "why": "missing" if gone else "fails manifest"})
     resumes = [e for e in events(out) if e.get("kind") == "resume"][n_resume_before:]
     for e in resumes:
         rep.resumes += 1
-        used = Path(str(e.get("checkpoint", ""))).name
+        used = _checkpoint_name(e.get("checkpoint"))
         rep.resumed_from.append(used)
         if used in damaged:
             rep.damaged_loaded += 1
         if newest_before and used and used < newest_before:
             rep.checkpoints_lost += 1
             rep.lost_detail.append({"checkpoint": newest_before, "why": f"resume used older {used}"})
+
+
+def _checkpoint_name(field_value) -> str:
+    """Folder name of the checkpoint a ``resume`` event names (a path, or the loader's info dict/its repr)."""
+    import re
+
+    if isinstance(field_value, dict):
+        field_value = field_value.get("path", "")
+    text = str(field_value or "")
+    m = re.search(r"'path':\s*'([^']*)'", text)
+    if m:
+        text = m.group(1)
+    m = re.search(r"step_\d+", Path(text).name) or re.search(r"step_\d+", text)
+    return m.group(0) if m else ""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -376,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         "unrecoverable": sum(1 for r in reports if not r.finished),
         "checkpoints_lost": sum(r.checkpoints_lost for r in reports),
         "damaged_checkpoints_loaded": sum(r.damaged_loaded for r in reports),
+        "sigterm_clean_exits": sum(1 for r in reports for f in r.faults if f.get("clean_exit")),
         "weights_differ": sum(1 for r in reports if r.identical is False),
         "weights_identical": sum(1 for r in reports if r.identical is True),
         "max_abs_diff": max((r.max_abs_diff for r in reports if r.max_abs_diff is not None), default=None),

@@ -58,7 +58,7 @@ class Judged:
     """detector row name -> steps where it fired."""
 
 
-def judge(rec: Recording, vidstab_config=None) -> Judged:
+def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judged:
     """Replay one recording through every baseline and vidstab (all detectors, and per detector)."""
     out = Judged(rec)
     rules = B.new_baselines()
@@ -79,6 +79,16 @@ def judge(rec: Recording, vidstab_config=None) -> Judged:
                 if not out.alarms.get("vidstab[act]") or out.alarms["vidstab[act]"][-1] != r.step:
                     out.alarms.setdefault("vidstab[act]", []).append(r.step)
     out.alarms.setdefault("vidstab[act]", [])
+    if proposals:
+        prop = B.ProposedReplay()
+        out.alarms["vidstab+prop"] = []
+        for r in rec.rows():
+            findings = prop.observe(r)
+            if findings:
+                out.alarms["vidstab+prop"].append(r.step)
+            for f in findings:
+                if f.detector in ("lr_jump", "update_ratio"):
+                    out.alarms.setdefault(f"prop:{f.detector}", []).append(r.step)
     return out
 
 
@@ -94,7 +104,9 @@ def row_names(judged: list[Judged]) -> list[str]:
     """Table rows: baselines, vidstab, vidstab acting (skip/rollback), then each vidstab detector that fired."""
     names = [cls().name for cls in B.BASELINES] + ["vidstab", "vidstab[act]"]
     per = sorted({k for j in judged for k in j.alarms if k.startswith("vidstab:")})
-    return names + per
+    prop = sorted({k for j in judged for k in j.alarms if k.startswith("prop:")})
+    extra = ["vidstab+prop"] if any("vidstab+prop" in j.alarms for j in judged) else []
+    return names + per + extra + prop
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -133,17 +145,19 @@ def figures(healthy: list[Judged], faults: dict[str, list[Judged]]) -> dict:
             }
         out["scenarios"][scen] = entry
     out["targets"] = targets(out)
+    if "vidstab+prop" in out["detectors"]:
+        out["targets_proposed"] = targets(out, "vidstab+prop")
     return out
 
 
-def targets(fig: dict) -> dict:
+def targets(fig: dict, row: str = "vidstab") -> dict:
     """vidstab vs the targets: every divergent run detected; lead >= the best baseline's on every run of
     every scenario (against all baselines, and against the quiet ones: <= 1 false alarm per 10k steps);
     <= 1 false alarm per 10,000 healthy steps."""
     base = [cls().name for cls in B.BASELINES]
     quiet = [b for b in base if (fig["detectors"][b]["false_alarms_per_1k"] or 0) <= FA_TARGET_PER_1K]
-    v = fig["detectors"]["vidstab"]
-    res = {"all_detected": v["detected"] == v["divergent_runs"],
+    v = fig["detectors"][row]
+    res = {"row": row, "all_detected": v["detected"] == v["divergent_runs"],
            "false_alarms_per_1k": v["false_alarms_per_1k"],
            "fa_target_met": (v["false_alarms_per_1k"] or 0) <= FA_TARGET_PER_1K,
            "quiet_baselines": quiet, "lead_vs_best": {}, "lead_vs_best_quiet": {}}
@@ -152,7 +166,7 @@ def targets(fig: dict) -> dict:
             continue
         for key, pool in (("lead_vs_best", base), ("lead_vs_best_quiet", quiet)):
             ok, worst = True, None
-            for i, vl in enumerate(e["per_detector"]["vidstab"]["leads"]):
+            for i, vl in enumerate(e["per_detector"][row]["leads"]):
                 bl = [e["per_detector"][b]["leads"][i] for b in pool]
                 best = max((x for x in bl if x is not None), default=None)
                 if best is None:
@@ -203,13 +217,15 @@ def print_tables(fig: dict, rows: list[str]) -> None:
                     cells.append(f"benign {p['benign_flagged']}/{e['runs']}")
             print(f"{name:30s}" + "".join(f"{c:>{width + 1}s}" for c in cells))
         print()
-    t = fig["targets"]
-    print("== Targets (vidstab) ==")
-    print(f"detects every divergent run: {t['all_detected']}")
-    print(f"false alarms per 1k healthy steps: {t['false_alarms_per_1k']} (target <= {FA_TARGET_PER_1K}): {t['fa_target_met']}")
-    for key, label in (("lead_vs_best", "all baselines"), ("lead_vs_best_quiet", f"quiet baselines {t['quiet_baselines']}")):
-        bad = {s: v["worst_gap"] for s, v in t[key].items() if not v["met"]}
-        print(f"lead >= best of {label}: {not bad}" + (f"; short on {bad}" if bad else ""))
+    for t in (fig["targets"], fig.get("targets_proposed")):
+        if t is None:
+            continue
+        print(f"== Targets ({t['row']}) ==")
+        print(f"detects every divergent run: {t['all_detected']}")
+        print(f"false alarms per 1k healthy steps: {t['false_alarms_per_1k']} (target <= {FA_TARGET_PER_1K}): {t['fa_target_met']}")
+        for key, label in (("lead_vs_best", "all baselines"), ("lead_vs_best_quiet", f"quiet baselines {t['quiet_baselines']}")):
+            bad = {s: v["worst_gap"] for s, v in t[key].items() if not v["met"]}
+            print(f"lead >= best of {label} on every run: {not bad}" + (f"; short on (worst gap, steps) {bad}" if bad else ""))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -350,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
+    ap.add_argument("--proposals", action="store_true",
+                    help="Also replay vidstab with the detector changes proposed in RESULTS.md (row vidstab+prop).")
     ap.add_argument("--vidstab-config", type=str, default=None,
                     help="YAML of GuardConfig fields for the replayed vidstab detectors (default: GuardConfig()).")
     args = ap.parse_args(argv)
@@ -376,13 +394,13 @@ def main(argv: list[str] | None = None) -> dict:
     healthy = {}
     for seed in healthy_seeds:
         healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
-    judged_h = [judge(h, vcfg) for h in healthy.values()]
+    judged_h = [judge(h, vcfg, args.proposals) for h in healthy.values()]
     faults: dict[str, list[Judged]] = {}
     for s in scen:
         faults[s.name] = []
         for seed in seeds_of(s):
             ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
-            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg))
+            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg, args.proposals))
     fig = figures(judged_h, faults)
     fig["median_only_exceedances_per_1k"] = round(
         1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)
@@ -412,6 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   for i in range(v["divergent_runs"])]}
                       for k, v in fig["scenarios"].items()},
         "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
+        "targets_proposed": None if "targets_proposed" not in fig else {
+            k: fig["targets_proposed"][k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
         "e2e": e2e,
     }
     print(json.dumps(summary, default=str))

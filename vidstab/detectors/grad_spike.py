@@ -29,9 +29,11 @@ class GradSpikeConfig:
     ratio_warmup_steps: int = 5
     """Applied steps absorbed before the ratio test judges: a 10x jump over the mean of even a handful of
     steps is already far outside normal, and short runs deserve protection too."""
-    min_std_fraction: float = 0.1
-    """Floor of the EMA std as a fraction of the EMA mean, so that an unusually quiet phase does not
-    turn a harmless 20% wiggle into a 6-sigma event."""
+    min_std_fraction: float = 0.2
+    """Floor of the EMA std as a fraction of the EMA mean, so that an unusually quiet phase does not turn
+    a harmless wiggle into a 6-sigma event: with 0.2 the z-test needs at least ``1 + 6 * 0.2 = 2.2x`` the
+    mean. Lower it to be more sensitive; a sustained level shift that keeps being flagged escalates through
+    ``repeated_spikes`` to a rollback, which is costly on a false alarm."""
 
     def validate(self, prefix: str = "grad_spike") -> None:
         check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)

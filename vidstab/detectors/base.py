@@ -177,13 +177,12 @@ class EMAStat:
         """Absorb one finite value."""
         if not math.isfinite(x):
             return
-        if self.count == 0:
-            self.mean, self.var = x, 0.0
-        else:
-            a = 1.0 - self.beta
-            d = x - self.mean
-            self.mean += a * d
-            self.var = (1.0 - a) * (self.var + a * d * d)
+        # Plain running mean/variance for the first 1/(1-beta) samples, then exponential: early statistics
+        # are the average of what was seen, not anchored to the very first value.
+        a = max(1.0 - self.beta, 1.0 / (self.count + 1))
+        d = x - self.mean
+        self.mean += a * d
+        self.var = (1.0 - a) * (self.var + a * d * d)
         self.count += 1
 
     def ratio(self, x: float) -> float:

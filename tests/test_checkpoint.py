@@ -237,6 +237,19 @@ def test_same_step_saved_again_replaces_it(tmp_path):
     assert [i.name for i in ckpt.list()] == ["step_000003"]
 
 
+def test_load_a_named_checkpoint_and_bad_state_is_refused_cleanly(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    for s in (3, 4):
+        ckpt.save(s, healthy=True, trainer_state={"step": s})
+    assert [i.step for i in ckpt.list()] == [3, 4]
+    assert ckpt.load("checkpoints/step_000003")["step"] == 3  # relative to the run folder
+    assert ckpt.load(str(tmp_path / "checkpoints" / "step_000004"))["step"] == 4
+    with pytest.raises(CheckpointError, match="step_000005.*trainer_state"):
+        ckpt.save(5, healthy=True, trainer_state={"step": 5, "oops": torch.zeros(1)})
+    assert [i.step for i in ckpt.list()] == [3, 4]
+    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp-")]
+
+
 def test_exact_resume_in_process_is_bitwise(tmp_path):
     """Stop at step 5, resume from `latest` in a fresh Accelerator with differently initialised weights:
     the losses afterwards and the final weights equal the uninterrupted run's, bit for bit."""

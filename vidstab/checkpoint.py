@@ -225,19 +225,26 @@ class CheckpointManager:
                 os.makedirs(self.root, exist_ok=True)
                 os.mkdir(tmp_dir)
             files = self._snapshot(copy, trainer_state or {})
-        except BaseException as e:  # noqa: BLE001 - reported as a failed save on every rank
-            job = _Job(step, name, tmp_dir, [], healthy, params_finite, t0, error=e)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
+            error: Exception | None = e
         else:
-            job = _Job(step, name, tmp_dir, files, healthy, params_finite, t0)
-        # Other ranks must not write before the main process created the folder.
-        self._barrier()
-        if job.error is None:
-            if copy:
-                self._job = job
-                self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}")
-                self._thread.start()
-                return os.path.join(self.root, name)
-            self._run_job(job)
+            error = None
+        # All ranks agree on the snapshot before anyone writes: this is also the barrier that keeps other
+        # ranks from writing before the main process created the folder.
+        if not self._all_ok(error is None):
+            if self.is_main:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            msg = f"checkpoint {name} could not be written: "
+            if error is not None:
+                raise CheckpointError(msg + f"{type(error).__name__}: {error}") from error
+            raise CheckpointError(msg + "failed on another rank (see its log)")
+        job = _Job(step, name, tmp_dir, files, healthy, params_finite, t0)
+        if copy:
+            self._job = job
+            self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}")
+            self._thread.start()
+            return os.path.join(self.root, name)
+        self._run_job(job)
         self._job = job
         self._finish_pending(join_deleters=False)  # old checkpoints' bytes may still be freed meanwhile
         return job.path or os.path.join(self.root, name)
@@ -529,7 +536,14 @@ class CheckpointManager:
                 pool = [i for i in pool if i.time < t]
             order += [i.path for i in pool]
         else:
-            path = os.path.abspath(which)
+            path = which
+            if not os.path.isabs(path) and not os.path.isdir(path):
+                # "checkpoints/step_000100" or "step_000100" relative to the run folder
+                for base in (self.output_dir, self.root):
+                    if os.path.isdir(os.path.join(base, path)):
+                        path = os.path.join(base, path)
+                        break
+            path = os.path.abspath(path)
             order.append(path)
             name = os.path.basename(os.path.normpath(path))
             if name in by_name:
@@ -597,8 +611,15 @@ class CheckpointManager:
             detail = "; ".join(f"{p}: {r}" for p, r in skipped) or f"no checkpoints under {self.root}"
             raise CheckpointError(f"no valid checkpoint to load for {which!r} ({detail})")
         path = cands[chosen]
+        error = None
         if payload is None:
-            payload = self._read(path)
+            try:
+                payload = self._read(path)
+            except CheckpointError as e:
+                error = e
+        # Nothing is applied unless every rank read its part: no rank loads while another raises.
+        if not self._all_ok(error is None):
+            raise error or CheckpointError(f"{path}: another rank could not read it (see its log)")
         if skipped:
             logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
                            path, cands[0], len(skipped))
@@ -745,9 +766,6 @@ class CheckpointManager:
     def _shared_nonce(self) -> str:
         return f"{self._broadcast_int(secrets.randbits(31) if self.is_main else 0):08x}"
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            self.accelerator.wait_for_everyone()
 
 
 # ---------------------------------------------------------------------------- RNG

@@ -106,6 +106,8 @@ class Guard:
         self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
             signals._is_dtensor(p) for p in self._params
         )
+        # DeepSpeed steps inside accelerator.backward: the guard can only observe and report (module docstring).
+        self._observe_only = str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED")
         self._refs: list[tuple[Mapping[str, Any] | None, Any, Any]] = []  # (batch, sample_ids, error) per micro-step
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
@@ -239,7 +241,7 @@ class Guard:
     def _apply(self, s: StepStats, measure: bool) -> bool:
         """Step or skip; on measured steps leave (param_sq, update_sq) on device for the next read."""
         opt = self.optimizer
-        if s.verdict <= Verdict.WARN:
+        if s.verdict <= Verdict.WARN or self._observe_only:
             before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
             _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
             opt.step()  # under fp16 the scaler may still skip (overflow): read back below
@@ -267,7 +269,7 @@ class Guard:
             self._pending = (signals.sum_of_squares(cur), update_sq)
         if applied:
             self._clip_flags = (self._clip_flags + [s.clipped])[-100:]
-        if s.verdict >= Verdict.SKIP:
+        if s.verdict >= Verdict.SKIP and not self._observe_only:
             self.skipped_total += 1
         if s.overflow:
             self.overflow_total += 1
@@ -313,8 +315,9 @@ class Guard:
             self.events.log("stop", s.step, reason="request_stop")
         rollback = next((f"{f.detector}: {f.message}" for f in s.findings if f.verdict >= Verdict.ROLLBACK), None)
         incidents = self._capture(s, micro) if s.verdict >= Verdict.SKIP and not s.overflow else []
+        skipped = s.verdict >= Verdict.SKIP and not self._observe_only
         return StepResult(
-            step=s.step, applied=s.applied, skipped=s.verdict >= Verdict.SKIP, micro=False, verdict=s.verdict,
+            step=s.step, applied=s.applied, skipped=skipped, micro=False, verdict=s.verdict,
             findings=list(s.findings), grad_norm=s.grad_norm, loss=s.loss, rollback=rollback, stop=stop,
             bad_ranks=bad_ranks, incident=incidents[0] if incidents else None, overflow=s.overflow, incidents=incidents,
         )

@@ -104,7 +104,7 @@ class Guard:
         self._params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
         self._trainable = [p for p in self._params if p.requires_grad]
         self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
-            signals._is_dtensor(p) for p in self._params
+            signals.is_dtensor(p) for p in self._params
         )
         # DeepSpeed steps inside accelerator.backward: the guard can only observe and report (module docstring).
         self._observe_only = str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED")

@@ -51,7 +51,8 @@ class Layout:
         return slice(FIXED + self.buckets, FIXED + 2 * self.buckets)
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shards)."""
     try:
         from torch.distributed.tensor import DTensor
     except Exception:  # pragma: no cover - torch without distributed
@@ -61,12 +62,12 @@ def _is_dtensor(t: Any) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of a (D)Tensor: the shard of an FSDP2 DTensor, else the tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def as_full(norm: Any) -> Any:
     """A DTensor norm made a plain (replicated) tensor with ``.full_tensor()``; other values unchanged."""
-    return norm.full_tensor() if _is_dtensor(norm) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def _clip_dtensor_aware(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

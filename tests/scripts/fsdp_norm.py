@@ -41,7 +41,7 @@ def main() -> None:
 
     ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
     ref_param = math.sqrt(sum(float(p.detach().double().square().sum()) for p in ref.parameters()))
-    is_dtensor = any(signals._is_dtensor(p) for p in sharded.parameters())
+    is_dtensor = any(signals.is_dtensor(p) for p in sharded.parameters())
     # Same code path as guard.step (accelerator=None: Accelerate does not enable FSDP on CPU).
     norm = signals.global_grad_norm(None, list(sharded.parameters()), max_norm=None)
     psq = signals.sum_of_squares(list(sharded.parameters())).double().reshape(1)
@@ -49,7 +49,7 @@ def main() -> None:
     clipped = signals.global_grad_norm(None, list(sharded.parameters()), max_norm=0.01 * ref_norm)
     after = float(signals.global_grad_norm(None, list(sharded.parameters()), max_norm=None))
     res = {"rank": rank, "is_dtensor": is_dtensor, "ref_norm": ref_norm, "norm": float(norm),
-           "norm_is_plain": not signals._is_dtensor(norm), "ref_param": ref_param, "param": math.sqrt(float(psq)),
+           "norm_is_plain": not signals.is_dtensor(norm), "ref_param": ref_param, "param": math.sqrt(float(psq)),
            "clipped_pre": float(clipped), "after_clip": after}
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()

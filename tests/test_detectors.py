@@ -223,3 +223,14 @@ def test_config_from_yaml_round_trip(tmp_path):
     p.write_text("consecutive_skips:\n  max_consecutive: 0\n")
     with pytest.raises(ConfigError, match="consecutive_skips.max_consecutive must be >= 1, got 0"):
         GuardConfig.from_yaml(p)
+
+
+def test_ema_starts_as_a_running_mean():
+    from vidstab.detectors import EMAStat
+
+    e = EMAStat(beta=0.98)
+    for x in (1.0, 2.0, 3.0, 4.0, 5.0):
+        e.add(x)
+    assert e.mean == pytest.approx(3.0) and e.var == pytest.approx(2.0)  # not anchored to the first value
+    e.add(math.nan)
+    assert e.count == 5  # non-finite values are never absorbed

@@ -29,26 +29,30 @@ def launch(script: str, *args: str, nproc: int = 2, timeout: float = 120) -> sub
 
 @pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_in_lockstep(tmp_path):
-    launch("guard_ddp.py", "--out", str(tmp_path), "--steps", "6", "--nan_step", "2", "--nan_rank", "1",
-           "--stop_step", "4", "--stop_rank", "1")
+    launch("guard_ddp.py", "--out", str(tmp_path), "--steps", "7", "--nan_step", "2", "--nan_rank", "1",
+           "--stop_step", "4", "--stop_rank", "1", "--error_step", "5", "--error_rank", "0")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # Same decisions on every rank, step by step (no rank-local `continue`).
     strip = lambda rs: [{k: v for k, v in x.items() if k != "incident"} for x in rs]  # noqa: E731
     assert strip(r0["results"]) == strip(r1["results"])
     s2 = r0["results"][2]
     assert s2["skipped"] and not s2["applied"] and s2["was_skipped"] and s2["bad_ranks"] == [1]
-    assert all(x["applied"] for i, x in enumerate(r0["results"]) if i != 2)
+    assert all(x["applied"] for i, x in enumerate(r0["results"]) if i not in (2, 5))
     # The stop requested on rank 1 alone is seen by both ranks at the same step.
-    assert [x["stop"] for x in r0["results"]] == [False, False, False, False, True, False]
+    assert [x["stop"] for x in r0["results"]] == [False, False, False, False, True, False, False]
+    # An exception caught on rank 0 alone: both ranks get the rollback request at the same step.
+    s5 = r0["results"][5]
+    assert s5["verdict"] == "ROLLBACK" and s5["rollback"].startswith("exception") and s5["bad_ranks"] == [0]
+    assert not s5["applied"]
     # Replicas stayed identical and finite.
     assert r0["finite"] and r1["finite"] and r0["sha256"] == r1["sha256"]
     # Rank 0's log names rank 1 (the quiet error hides on non-zero ranks); only rank 1 captured the batch.
     skip0 = [e for e in read_events(tmp_path, "skip") if e["rank"] == 0]
     assert [(e["step"], e["detector"], e["bad_ranks"]) for e in skip0] == [(2, "nonfinite", [1])]
     incidents = read_events(tmp_path, "incident")
-    assert [(e["rank"], e["step"]) for e in incidents] == [(1, 2)]
+    assert [(e["rank"], e["step"]) for e in incidents] == [(1, 2), (0, 5)]
     assert incidents[0]["sample_ids"] == ["r1-s2-m0-0", "r1-s2-m0-1"]
     assert r0["results"][2]["incident"] is None and r1["results"][2]["incident"] is not None
     # Every rank logs metrics every step.
     metrics = read_events(tmp_path, "metrics")
-    assert sorted({(e["rank"], e["step"]) for e in metrics}) == [(r, s) for r in (0, 1) for s in range(6)]
+    assert sorted({(e["rank"], e["step"]) for e in metrics}) == [(r, s) for r in (0, 1) for s in range(7)]

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--nan_rank", type=int, default=1)
     ap.add_argument("--stop_step", type=int, default=4)
     ap.add_argument("--stop_rank", type=int, default=1)
+    ap.add_argument("--error_step", type=int, default=-1)
+    ap.add_argument("--error_rank", type=int, default=0)
     args = ap.parse_args()
 
     acc = Accelerator(gradient_accumulation_steps=args.accum)
@@ -64,11 +66,16 @@ def main() -> None:
                 guard.request_stop()
             with acc.accumulate(model):
                 per_sample = ((model(latents + noise, t) - noise) ** 2).flatten(1).mean(1)
-                guard.backward(per_sample.mean(), batch={"latents": latents, "noise": noise, "timesteps": t},
+                loss, error = per_sample.mean(), None
+                if step == args.error_step and rank == args.error_rank and micro == 1:
+                    # What the trainer does after catching an exception: a zero loss through the wrapped model
+                    # keeps DDP's all-reduce in step; the guard turns the error into a lockstep verdict.
+                    error, loss = RuntimeError("injected"), model(torch.zeros_like(latents), t).sum() * 0.0
+                guard.backward(loss, batch={"latents": latents, "noise": noise, "timesteps": t},
                                sample_ids=[f"r{rank}-s{step}-m{micro}-{j}" for j in range(2)],
-                               per_sample_loss=per_sample, timesteps=t)
+                               per_sample_loss=per_sample, timesteps=t, error=error)
                 r = guard.step(max_grad_norm=1.0)
-        results.append({"step": r.step, "applied": r.applied, "skipped": r.skipped, "stop": r.stop,
+        results.append({"step": r.step, "applied": r.applied, "skipped": r.skipped, "stop": r.stop, "rollback": r.rollback,
                         "verdict": r.verdict.name, "bad_ranks": r.bad_ranks,
                         "incident": str(r.incident) if r.incident else None,
                         "was_skipped": acc.optimizer_step_was_skipped})

@@ -96,6 +96,9 @@ class CheckpointConfig:
     reuse_buffers: bool = True
     """Async saves: keep the host copy's buffers for the next save (faster copy; holds one host-memory copy
     of the state between saves). False: allocate per save and free after writing."""
+    remove_stale: bool = True
+    """Remove ``.tmp-*`` leftovers of killed saves when the manager starts (main process). Set False for a
+    tool that opens the folder of a run that is still training, whose save may be in flight."""
     rank_timeout_s: float = 1800.0
     """How long the main process waits for other ranks' files before giving up on a checkpoint."""
 
@@ -156,8 +159,7 @@ class CheckpointManager:
         ckpt = CheckpointManager(accelerator, output_dir, CheckpointConfig(keep=3))
         ckpt.register("model", model); ckpt.register("optimizer", optimizer)
         ckpt.register("lr_scheduler", lr_scheduler); ckpt.register("vidstab", guard)
-        if ckpt.latest_valid():
-            trainer_state = ckpt.load("latest")
+        trainer_state = ckpt.load("latest")   # None on a fresh run
         ...
         ckpt.save(step, healthy=result.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
         ...
@@ -187,7 +189,8 @@ class CheckpointManager:
         """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
         if self.is_main:
             os.makedirs(self.root, exist_ok=True)
-            self._remove_stale()
+            if self.config.remove_stale:
+                self._remove_stale()
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Any) -> None:

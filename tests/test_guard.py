@@ -387,3 +387,21 @@ def test_example_loop_with_vidstab_survives_a_nan_batch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "parameters finite: True, skipped steps: 1" in proc.stdout
     assert [e["step"] for e in read_events(tmp_path, "skip")] == [2]
+
+
+def test_nonfinite_weights_request_rollback_and_a_restore_clears_it(tmp_path):
+    acc, model, opt, sched, guard = make(tmp_path, accum=1, config=GuardConfig(param_norm_every=1))
+    train(acc, model, guard, micro_steps=2)
+    good_weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    good_state = json.loads(json.dumps(guard.state_dict()))
+    with torch.no_grad():
+        next(model.parameters())[0].fill_(float("nan"))  # e.g. a bad update slipped through elsewhere
+    r2, r3 = train(acc, model, guard, micro_steps=2)
+    assert r2.skipped and r2.rollback is None  # non-finite grads: skipped (params measured after this step)
+    assert r3.rollback is not None and "nonfinite_params" in r3.rollback and not guard.healthy
+    # What recovery does: restore the weights and the guard state of the last good checkpoint.
+    acc.unwrap_model(model).load_state_dict(good_weights)
+    guard.load_state_dict(good_state)
+    assert guard.healthy and guard.step_count == 2
+    after = train(acc, model, guard, micro_steps=3)
+    assert all(r.applied and r.verdict == Verdict.OK for r in after)  # nothing stale judged after the restore

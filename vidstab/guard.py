@@ -176,7 +176,7 @@ class Guard:
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
         # 4. Apply or skip; detectors absorb only applied steps.
-        stats.applied = self._apply(stats, measure=self._measure_params(step))
+        stats.applied = self._apply(stats, measure=self._measure_params(step) and stats.verdict < Verdict.ROLLBACK)
         absorb(self.detectors, stats)
         # 5. Evidence: events, trackers, incident bundles.
         result = self._report(stats, table, micro, stop=any(r[signals.STOP] > 0 for r in table))
@@ -508,6 +508,11 @@ class Guard:
         for det in self.detectors:
             if det.name in states:
                 det.load_state_dict(states[det.name])
+        # Anything measured on the weights before the load (a rollback) must not be judged after it.
+        self._pending = (None, None)
+        self._refs.clear()
+        self.window.reset()
+        self._last_verdict, self._params_finite = Verdict.OK, True
 
     def _save_state_hook(self, models: Any, weights: Any, output_dir: str) -> None:
         if self.accelerator.is_main_process:

@@ -78,7 +78,7 @@ def chaos(a: argparse.Namespace) -> dict:
         per_step = reference(ref, a)
     else:
         per_step = a.step_seconds
-    kills, resumes, runs_finished, failures = 0, 0, 0, []
+    kills, resumes, runs_finished, failures, mid_save = 0, 0, 0, [], 0
     run_id = 0
     run = os.path.join(work, f"run{run_id}")
     last_start = 0
@@ -107,10 +107,14 @@ def chaos(a: argparse.Namespace) -> dict:
         p.stdout.read()
         err = p.stderr.read()
         rc = p.wait()
+        ck_dir = os.path.join(run, "checkpoints")
+        if rc == -signal.SIGKILL and os.path.isdir(ck_dir) and any(n.startswith(".tmp-") for n in os.listdir(ck_dir)):
+            mid_save += 1  # the kill left a half-written save behind (the next start removes it)
         if rc not in (0, -signal.SIGKILL):
             failures.append(f"{run}: exit code {rc}: {err[-2000:]}")
             break
-        if rc == 0:
+        # A kill can land after the run wrote its results (while the interpreter exits): finished too.
+        if rc == 0 or os.path.exists(os.path.join(run, "final.safetensors")):
             runs_finished += 1
             weights, losses = compare(ref, run)
             if not (weights and losses):
@@ -123,7 +127,7 @@ def chaos(a: argparse.Namespace) -> dict:
             run, last_start = os.path.join(work, f"run{run_id}"), 0
     if not a.keep_files and not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    return {"kills": kills, "resumes": resumes, "runs_finished": runs_finished, "failures": failures,
+    return {"kills": kills, "kills_mid_save": mid_save, "resumes": resumes, "runs_finished": runs_finished, "failures": failures,
             "ok": not failures and runs_finished >= 1}
 
 

@@ -75,12 +75,12 @@ def test_sigkill_at_each_phase_of_a_save_resumes_to_identical_weights(tmp_path, 
 
 
 def test_random_sigkills_with_the_chaos_script(tmp_path, reference):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos_checkpoint.py"), "--kills", "2", *ARGS,
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos_checkpoint.py"), "--kills", "1", *ARGS,
                         "--reference", str(reference), "--workdir", str(tmp_path), "--seed", "1"],
                        capture_output=True, text=True, timeout=300, env=ENV)
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and res["ok"], r.stdout + r.stderr
-    assert res["kills"] == 2 and res["runs_finished"] >= 1
+    assert res["kills"] == 1 and res["runs_finished"] >= 1
 
 
 def test_sigterm_preemption_saves_exits_0_and_resumes(tmp_path, reference):

@@ -98,10 +98,13 @@ def train(out: str, steps: int, save_every: int = 1, async_save: bool = False, k
                 return losses
     ckpt.wait()
     if acc.is_main_process:
-        save_file({k: v.contiguous() for k, v in acc.unwrap_model(model).state_dict().items()},
-                  os.path.join(out, "final.safetensors"))
-        with open(os.path.join(out, "losses.json"), "w") as fh:
+        # losses.json first, final.safetensors last, each via rename: final.safetensors means "finished".
+        with open(os.path.join(out, "losses.json.tmp"), "w") as fh:
             json.dump({str(k): float.hex(v) for k, v in losses.items()}, fh)
+        os.replace(os.path.join(out, "losses.json.tmp"), os.path.join(out, "losses.json"))
+        save_file({k: v.contiguous() for k, v in acc.unwrap_model(model).state_dict().items()},
+                  os.path.join(out, "final.safetensors.tmp"))
+        os.replace(os.path.join(out, "final.safetensors.tmp"), os.path.join(out, "final.safetensors"))
     return losses
 
 

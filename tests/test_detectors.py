@@ -97,6 +97,25 @@ def test_growth_quiet_on_stationary_noise_and_once_per_window():
     assert warned == [8, 16]  # once per window, not every step
 
 
+# Pre-clip gradient norms of steps 40-79 of the reference trainer (tiny VideoDiT) under an LR ramp x1.3/step
+# from step 60; its loss went past 3x its step-59 value at step 91.
+LR_RAMP_NORMS = [0.712, 0.719, 0.698, 0.664, 0.74, 0.491, 0.732, 0.479, 0.787, 0.686, 0.779, 0.688, 0.662, 0.563,
+                 0.657, 0.753, 0.602, 0.67, 0.745, 0.656, 0.758, 0.699, 0.552, 0.646, 0.844, 0.671, 0.807, 0.8, 1.154,
+                 1.278, 1.651, 5.008, 27.029, 18.955, 26.544, 13.599, 1.599, 0.732, 2.242, 7.455]
+
+
+def test_growth_warns_on_a_real_noisy_run_up():
+    dets = only("grad_growth")
+    seq = noisy(40, level=0.7, sigma=0.15, seed=5) + [stats(40 + i, grad_norm=x) for i, x in enumerate(LR_RAMP_NORMS)]
+    warned = [st for st, _, n in run(dets, seq) if "grad_growth" in n]
+    assert warned and 68 <= warned[0] <= 72  # during the run-up, ~20 steps before the loss blew up
+
+
+def test_growth_false_alarms_are_rare_on_noisy_stationary_norms():
+    out = run(only("grad_growth"), noisy(5000, sigma=0.3, seed=11))
+    assert sum("grad_growth" in n for _, _, n in out) <= 2
+
+
 def test_loss_spike_warns_and_is_not_absorbed():
     dets = only("loss_spike")
     out = run(dets, noisy(30) + [stats(30, loss=5.0)])

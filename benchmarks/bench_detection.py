@@ -244,10 +244,10 @@ def _train(out: Path, *extra: str, timeout: float = 600) -> dict:
     t = time.time()
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, tail = p.returncode, (p.stdout + p.stderr)[-2000:]
+        rc, out, err = p.returncode, p.stdout, p.stderr[-2000:]
     except subprocess.TimeoutExpired:
-        rc, tail = -9, "timeout"
-    return {"rc": rc, "seconds": round(time.time() - t, 1), "tail": tail}
+        rc, out, err = -9, "", "timeout"
+    return {"rc": rc, "seconds": round(time.time() - t, 1), "stdout": out[-4000:], "stderr": err}
 
 
 def eval_loss(run_dir: Path, n_draws: int = 4) -> float:
@@ -319,7 +319,7 @@ def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2)
         res = _train(out, "--seed", str(seed), *jobs[key])
         res["eval_loss"] = eval_loss(out)
         res["steps_lost"] = steps_lost(out)
-        res["finished"] = res["rc"] == 0 and f"done: {E2E_STEPS}/{E2E_STEPS}" in res["tail"]
+        res["finished"] = res["rc"] == 0 and f"done: {E2E_STEPS}/{E2E_STEPS} steps" in res["stdout"]
         return key, res
 
     with ThreadPoolExecutor(max_workers=parallel) as ex:
@@ -336,6 +336,7 @@ def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2)
             r = results[f"{name}|{arm}"]
             rel = r["eval_loss"] / clean if math.isfinite(r["eval_loss"]) and clean > 0 else math.inf
             row[arm] = {"finished": r["finished"], "rc": r["rc"], "final_loss": _num(r["eval_loss"]),
+                        "diverged": not (math.isfinite(rel) and rel <= 3.0),
                         "rel_to_clean": _num(rel), "steps_lost": r["steps_lost"] if arm == "vidstab" else None,
                         "seconds": r["seconds"]}
         row["clean_loss"] = _num(clean)
@@ -350,12 +351,16 @@ def _num(x: float):
 def print_e2e(table: dict) -> None:
     print(f"\n== End-to-end, recovery on (recipes/train.py, {E2E_STEPS} steps, fault at step {E2E_FAULT_STEP}, "
           f"checkpoint every {E2E_CKPT}) ==")
-    print(f"{'scenario':18s} {'arm':11s} {'finished':>8s} {'final loss':>11s} {'x clean':>8s} {'steps lost':>10s}")
+    print(f"{'scenario':18s} {'arm':11s} {'finished':>8s} {'final loss':>11s} {'x clean':>9s} {'diverged':>8s} {'steps lost':>10s}")
     for name, row in table.items():
         for arm in ("vidstab", "no_vidstab"):
             r = row[arm]
-            print(f"{name:18s} {arm:11s} {str(r['finished']):>8s} {str(r['final_loss']):>11s} "
-                  f"{str(r['rel_to_clean']):>8s} {_fmt(r['steps_lost']):>10s}")
+            rel = r["rel_to_clean"]
+            rel = f"{rel:.3g}" if isinstance(rel, float) else str(rel)
+            loss = r["final_loss"]
+            loss = f"{loss:.4g}" if isinstance(loss, float) else str(loss)
+            print(f"{name:18s} {arm:11s} {str(r['finished']):>8s} {loss:>11s} "
+                  f"{rel:>9s} {str(r['diverged']):>8s} {_fmt(r['steps_lost']):>10s}")
         print(f"{'':18s} {'clean':11s} {'True':>8s} {str(row['clean_loss']):>11s}")
 
 

@@ -373,8 +373,46 @@ def _proposed_detectors() -> list:
             if s.update_ratio is not None and s.applied and self._flagged != s.step:
                 self.ema.add(s.update_ratio)
 
+    @dataclass
+    class InputRangeConfig:
+        """Configuration of the proposed ``input_range`` detector."""
+
+        enabled: bool = True
+        action: str = "warn"
+        ratio: float = 10.0
+        """Flag when the largest finite |latent| reaches this multiple of its EMA."""
+        beta: float = 0.98
+        warmup_steps: int = 20
+
+    class InputRangeDetector(Detector):
+        """An extreme (finite) latent entered the batch: the seed's unclamped VAE encoding. The loss can
+        hide it (LayerNorms absorb the scale under epsilon prediction), the input statistics cannot."""
+
+        name = "input_range"
+
+        def __init__(self, config: InputRangeConfig) -> None:
+            super().__init__(config)
+            self.ema = EMAStat(beta=config.beta)
+            self._flagged: int | None = None
+
+        def observe(self, s: StepStats) -> Finding | None:
+            x = s.input_absmax
+            if not math.isfinite(x) or self.ema.count < self.config.warmup_steps:
+                return None
+            r = self.ema.ratio(x)
+            if r < self.config.ratio:
+                return None
+            self._flagged = s.step
+            return self.finding(f"input absmax {x:.4g} is {r:.1f}x its EMA {self.ema.mean:.4g}",
+                                {"input_absmax": x, "ema": self.ema.mean, "ratio": r})
+
+        def update(self, s: StepStats) -> None:
+            if self._flagged != s.step:
+                self.ema.add(s.input_absmax)
+
     del Verdict
-    return [LRJumpDetector(LRJumpConfig()), UpdateRatioDetector(UpdateRatioConfig())]
+    return [LRJumpDetector(LRJumpConfig()), UpdateRatioDetector(UpdateRatioConfig()),
+            InputRangeDetector(InputRangeConfig())]
 
 
 #: The detector-setting changes proposed in RESULTS.md, as a ``GuardConfig.from_dict`` mapping.

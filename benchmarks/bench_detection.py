@@ -87,7 +87,7 @@ def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judge
             if findings:
                 out.alarms["vidstab+prop"].append(r.step)
             for f in findings:
-                if f.detector in ("lr_jump", "update_ratio"):
+                if f.detector in ("lr_jump", "update_ratio", "input_range"):
                     out.alarms.setdefault(f"prop:{f.detector}", []).append(r.step)
     return out
 
@@ -226,6 +226,35 @@ def print_tables(fig: dict, rows: list[str]) -> None:
         for key, label in (("lead_vs_best", "all baselines"), ("lead_vs_best_quiet", f"quiet baselines {t['quiet_baselines']}")):
             bad = {s: v["worst_gap"] for s, v in t[key].items() if not v["met"]}
             print(f"lead >= best of {label} on every run: {not bad}" + (f"; short on (worst gap, steps) {bad}" if bad else ""))
+
+
+def markdown(fig: dict, rows: list[str], e2e: dict | None) -> str:
+    """The same tables as Markdown (pasted into RESULTS.md)."""
+    out = ["| detector | detected | median lead | false alarms | per 1k healthy steps |", "|---|---|---|---|---|"]
+    for name in rows:
+        d = fig["detectors"][name]
+        out.append(f"| {name} | {d['detected']}/{d['divergent_runs']} | {_fmt(d['median_lead'])} | "
+                   f"{d['false_alarms']} | {_fmt(d['false_alarms_per_1k'], 2)} |")
+    scen = list(fig["scenarios"])
+    out += ["", "| detector | " + " | ".join(scen) + " |", "|---" * (len(scen) + 1) + "|"]
+    for name in rows:
+        cells = []
+        for s in scen:
+            e, p = fig["scenarios"][s], fig["scenarios"][s]["per_detector"][name]
+            cells.append(f"{_fmt(p['mean_lead'])} ({p['detected']}/{e['divergent_runs']})" if e["divergent_runs"]
+                         else f"benign {p['benign_flagged']}/{e['runs']}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if e2e:
+        out += ["", "| scenario | arm | finished | final loss | x clean | diverged | steps lost |", "|---|---|---|---|---|---|---|"]
+        for name, row in e2e.items():
+            for arm in ("vidstab", "no_vidstab"):
+                r = row[arm]
+                rel, loss = r["rel_to_clean"], r["final_loss"]
+                rel = f"{rel:.3g}" if isinstance(rel, float) else str(rel)
+                loss = f"{loss:.4g}" if isinstance(loss, float) else str(loss)
+                out.append(f"| {name} | {arm} | {r['finished']} | {loss} | {rel} | {r['diverged']} | {_fmt(r['steps_lost'])} |")
+            out.append(f"| {name} | clean | True | {row['clean_loss']} | 1 | False | - |")
+    return "\n".join(out) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -371,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
+    ap.add_argument("--markdown", type=str, default=None, help="Also write the tables as Markdown to this file.")
     ap.add_argument("--proposals", action="store_true",
                     help="Also replay vidstab with the detector changes proposed in RESULTS.md (row vidstab+prop).")
     ap.add_argument("--vidstab-config", type=str, default=None,
@@ -423,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.quick:
         print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(fig, rows, e2e))
     t = fig["targets"]
     summary = {
         "bench": "detection", "quick": args.quick, "seconds": round(time.time() - started, 1),

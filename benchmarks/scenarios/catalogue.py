@@ -98,9 +98,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              faults=(f"big_latent@{FAULT_STEP}=1e4",), onset=FAULT_STEP, train_args=("--mixed_precision", "fp16")),
 )
 
-#: A subset that runs in seconds (``--quick``): one seed each of a data fault, an LR fault, and
-#: two short healthy runs.
-QUICK_SCENARIOS = ("nan_batch", "lr_spike_x1000", "big_latent")
+#: A subset that runs in seconds (``--quick``): one seed each of a data fault, an LR spike and an LR
+#: ramp, and two healthy runs.
+QUICK_SCENARIOS = ("nan_batch", "lr_spike_x1000", "lr_ramp_x1.3")
 QUICK_SEEDS = (0,)
 QUICK_HEALTHY_SEEDS = (0, 1)
 QUICK_HEALTHY_STEPS = HEALTHY_STEPS  # the same recordings as a full run (shared cache)

@@ -40,14 +40,16 @@ def _cmd(out: str, a: argparse.Namespace, extra: list[str] | None = None) -> lis
 def reference(out: str, a: argparse.Namespace) -> float:
     """Run uninterrupted; return seconds per step (after start-up)."""
     p = subprocess.Popen(_cmd(out, a), stdout=subprocess.PIPE, text=True)
-    t0 = None
+    t0 = t1 = None
     for line in p.stdout:
         if line.startswith("start step"):
             t0 = time.monotonic()
+        elif line.startswith(f"step {a.steps} "):
+            t1 = time.monotonic()  # the last step's line, before the final save and the exit
     rc = p.wait()
-    if rc != 0:
+    if rc != 0 or t0 is None or t1 is None:
         raise SystemExit(f"reference run failed (rc={rc})")
-    return (time.monotonic() - (t0 or time.monotonic())) / a.steps
+    return (t1 - t0) / a.steps
 
 
 def compare(ref: str, run: str) -> tuple[bool, bool]:

@@ -33,7 +33,7 @@ def test_nan_on_one_rank_is_skipped_in_lockstep(tmp_path):
            "--stop_step", "4", "--stop_rank", "1", "--error_step", "5", "--error_rank", "0")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # Same decisions on every rank, step by step (no rank-local `continue`).
-    strip = lambda rs: [{k: v for k, v in x.items() if k != "incident"} for x in rs]  # noqa: E731
+    strip = lambda rs: [{k: v for k, v in x.items() if k not in ("incident", "host_reads")} for x in rs]  # noqa: E731
     assert strip(r0["results"]) == strip(r1["results"])
     s2 = r0["results"][2]
     assert s2["skipped"] and not s2["applied"] and s2["was_skipped"] and s2["bad_ranks"] == [1]
@@ -53,6 +53,9 @@ def test_nan_on_one_rank_is_skipped_in_lockstep(tmp_path):
     assert [(e["rank"], e["step"]) for e in incidents] == [(1, 2), (0, 5)]
     assert incidents[0]["sample_ids"] == ["r1-s2-m0-0", "r1-s2-m0-1"]
     assert r0["results"][2]["incident"] is None and r1["results"][2]["incident"] is not None
+    # One host read per optimizer step on every rank (more only where an incident was captured).
+    assert [x["host_reads"] for x in r0["results"] if x["incident"] is None] == [1] * 6
+    assert [x["host_reads"] for x in r1["results"] if x["incident"] is None] == [1] * 6
     # Every rank logs metrics every step.
     metrics = read_events(tmp_path, "metrics")
     assert sorted({(e["rank"], e["step"]) for e in metrics}) == [(r, s) for r in (0, 1) for s in range(7)]

@@ -31,6 +31,22 @@ class TinyDenoiser(torch.nn.Module):
         return self.out(torch.nn.functional.silu(h))
 
 
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+_reads = {"n": 0}
+
+
+def _count_host_reads() -> None:
+    """Count device->host reads (observing only: the original methods still run)."""
+    for name in READS:
+        fn = getattr(torch.Tensor, name)
+
+        def inner(*a, _fn=fn, **k):
+            _reads["n"] += 1
+            return _fn(*a, **k)
+
+        setattr(torch.Tensor, name, inner)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -47,7 +63,7 @@ def main() -> None:
     acc = Accelerator(gradient_accumulation_steps=args.accum)
     torch.manual_seed(0)  # same init on every rank (DDP also broadcasts it)
     model = TinyDenoiser()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # AdamW would add its own CPU .item() reads
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     model, opt, sched = acc.prepare(model, opt, sched)
     guard = vidstab.attach(acc, model, opt, sched, config=vidstab.GuardConfig(param_norm_every=2), run_dir=args.out)
@@ -55,7 +71,9 @@ def main() -> None:
     rank = acc.process_index
     gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
     results = []
+    _count_host_reads()
     for step in range(args.steps):
+        reads_before = _reads["n"]
         for micro in range(args.accum):
             latents = torch.randn(2, 4, 2, 4, 4, generator=gen)
             noise = torch.randn(latents.shape, generator=gen)
@@ -78,7 +96,7 @@ def main() -> None:
         results.append({"step": r.step, "applied": r.applied, "skipped": r.skipped, "stop": r.stop, "rollback": r.rollback,
                         "verdict": r.verdict.name, "bad_ranks": r.bad_ranks,
                         "incident": str(r.incident) if r.incident else None,
-                        "was_skipped": acc.optimizer_step_was_skipped})
+                        "was_skipped": acc.optimizer_step_was_skipped, "host_reads": _reads["n"] - reads_before})
 
     flat = torch.cat([p.detach().reshape(-1) for p in acc.unwrap_model(model).parameters()])
     out = {"rank": rank, "results": results, "finite": bool(torch.isfinite(flat).all()),

@@ -52,7 +52,9 @@ class GuardConfig:
     """Measure the parameter norm and update/weight ratio every this many optimizer steps (0: never). The
     update ratio needs a transient copy of the (local) parameters on those steps."""
     capture_incidents: bool = True
-    """Write incident bundles (batch + metadata) on the offending ranks when a step is skipped/rolled back."""
+    """Write incident bundles (batch + metadata) on the offending ranks when a step is skipped/rolled back.
+    To do so the guard keeps references (not copies) to the accumulation window's micro-batches until the
+    optimizer step, which keeps them alive that long; False drops them at once."""
     max_incidents: int = 50
     """At most this many incident bundles per rank per run (disk budget)."""
     localize_first_nonfinite: bool = True

@@ -153,7 +153,8 @@ class Guard:
         if timesteps is None and batch is not None:
             timesteps = batch.get("timesteps")
         self.window.record(loss, batch, per_sample_loss, timesteps, error is not None)
-        self._refs.append((batch, sample_ids, error))
+        # References only (no copies), dropped after the step; they keep the window's batches alive until then.
+        self._refs.append((batch if self.config.capture_incidents else None, sample_ids, error))
 
     def step(self, max_grad_norm: float | None = 1.0) -> StepResult:
         """Judge and apply (or skip) the optimizer step; a cheap no-op on non-sync micro-steps."""

@@ -103,23 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(a.repeats):
             # Interleave the methods so that disk-speed drift hits all of them alike.
             out = os.path.join(work, f"bare{rep}")
+            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             bare(out)
             times["bare"].append(time.perf_counter() - t)
             sizes["bare"] = dir_bytes(out)
             shutil.rmtree(out)
 
+            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             sha256_only()
             times["sha256_only"].append(time.perf_counter() - t)
             sizes["sha256_only"] = sizes["bare"]
 
             managers["sync"].wait()  # let the previous rotation finish freeing bytes (others rmtree untimed too)
+            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             path = managers["sync"].save(rep + 1, healthy=True, trainer_state={"step": rep + 1})
             times["vidstab_sync"].append(time.perf_counter() - t)
             sizes["vidstab_sync"] = dir_bytes(path)
 
+            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             path = managers["async"].save(rep + 1, healthy=True, trainer_state={"step": rep + 1})
             times["vidstab_async_stall"].append(time.perf_counter() - t)
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes["vidstab_async_total"] = sizes["vidstab_async_stall"] = dir_bytes(path)
 
             out = os.path.join(work, f"accelerate{rep}")
+            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             acc.save_state(out)
             times["accelerate_save_state"].append(time.perf_counter() - t)

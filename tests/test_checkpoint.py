@@ -98,6 +98,21 @@ def test_statedict_codec_keeps_python_shapes():
         sio.flatten({"f": object()})
 
 
+def test_streaming_safetensors_writer_matches_the_reference_reader(tmp_path):
+    from safetensors.torch import load_file
+
+    base = torch.randn(3, 5)
+    tensors = {"bf16": torch.randn(4, 3).to(torch.bfloat16), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "transposed": base.t(), "shared_a": base, "shared_b": base, "ints": torch.arange(7, dtype=torch.int64),
+               "u32": torch.arange(5, dtype=torch.int64).to(torch.uint32), "flag": torch.tensor([True, False])}
+    d = sio.write_safetensors(str(tmp_path / "x.safetensors"), tensors, {"format": "pt"})
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert d.bytes == len(data) and d.sha256 == sio.sha256_bytes(data)
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+
+
 def test_round_trip_restores_everything_without_pickle(tmp_path):
     acc, model, opt, sched, ckpt = _setup(tmp_path)
     guard = GuardStandIn()

@@ -36,7 +36,7 @@ def only(name, **overrides):
     """Detectors of a config where only ``name`` (and its overrides) is enabled."""
     d = {k: {"enabled": k == name} for k in ("nonfinite", "exception", "nonfinite_params", "grad_spike", "grad_growth",
                                             "loss_spike", "clip_rate", "loss_scale", "param_growth",
-                                            "consecutive_skips", "repeated_spikes")}
+                                            "lr_jump", "update_ratio", "consecutive_skips", "repeated_spikes")}
     d[name].update(overrides)
     return build_detectors(GuardConfig.from_dict(d))
 
@@ -69,7 +69,7 @@ def test_skipped_outlier_does_not_poison_ema():
 
 def test_zscore_catches_smaller_but_abnormal_jump():
     dets = only("grad_spike", ratio=100.0)  # ratio test out of the way: only the z-score can fire
-    out = run(dets, noisy(40, sigma=0.02) + [stats(40, grad_norm=2.5)])
+    out = run(dets, noisy(40, sigma=0.02) + [stats(40, grad_norm=3.0)])
     assert out[-1][1] == Verdict.SKIP
 
 
@@ -123,11 +123,13 @@ def test_loss_spike_warns_and_is_not_absorbed():
     assert dets[0].ema.count == 30
 
 
-def test_clip_rate_warns_once_per_window():
+def test_clip_rate_warns_once_and_rearms_after_recovery():
     dets = only("clip_rate", window=10, max_rate=0.8)
-    seq = [stats(i, max_grad_norm=1.0, clipped=True) for i in range(25)]
+    seq = [stats(i, max_grad_norm=1.0, clipped=True) for i in range(40)]
+    seq += [stats(40 + i, max_grad_norm=1.0, clipped=False) for i in range(5)]  # the rate drops to 50%: re-armed
+    seq += [stats(45 + i, max_grad_norm=1.0, clipped=True) for i in range(10)]
     warned = [st for st, _, n in run(dets, seq) if "clip_rate" in n]
-    assert warned == [9, 19]
+    assert warned == [9, 53]
     quiet = [stats(i, max_grad_norm=1.0, clipped=(i % 2 == 0)) for i in range(30)]
     assert not any("clip_rate" in n for _, _, n in run(only("clip_rate", window=10), quiet))
 
@@ -253,3 +255,29 @@ def test_ema_starts_as_a_running_mean():
     assert e.mean == pytest.approx(3.0) and e.var == pytest.approx(2.0)  # not anchored to the first value
     e.add(math.nan)
     assert e.count == 5  # non-finite values are never absorbed
+
+
+def test_grad_spike_warmup_reference_is_the_median():
+    # A fresh model: two large early norms must not lift the reference enough to hide a 10x spike.
+    norms = [0.8, 0.75, 0.78, 0.8, 0.77, 2.53, 1.89, 0.79, 9.87]
+    out = run(only("grad_spike"), [stats(i, grad_norm=x) for i, x in enumerate(norms)])
+    assert [st for st, v, _ in out if v == Verdict.SKIP] == [8]  # 9.87 is 12.4x the median, 8.7x the mean
+
+
+def test_lr_jump_warns_once_and_learns_a_new_level():
+    dets = only("lr_jump")
+    seq = [stats(i, lr=1e-4) for i in range(150)] + [stats(150 + i, lr=1e-3) for i in range(200)]
+    warned = [st for st, _, n in run(dets, seq) if "lr_jump" in n]
+    assert warned == [150]
+    warmup = [stats(i, lr=1e-4 * min(1.0, i / 500)) for i in range(800)]  # linear warm-up from 0: no warning
+    assert not any("lr_jump" in n for _, _, n in run(only("lr_jump"), warmup))
+    ramp = [stats(i, lr=1e-4) for i in range(150)] + [stats(150 + i, lr=1e-4 * 1.3 ** (i + 1)) for i in range(20)]
+    assert [st for st, _, n in run(only("lr_jump"), ramp) if "lr_jump" in n][0] <= 153
+
+
+def test_update_ratio_warns_on_a_growing_update():
+    dets = only("update_ratio")
+    seq = [stats(i * 10, update_ratio=1e-3 * (1 + 0.05 * (i % 3))) for i in range(20)]
+    seq += [stats(200 + 10 * i, update_ratio=1e-3 * 2 ** (i + 1)) for i in range(5)]
+    warned = [st for st, _, n in run(dets, seq) if "update_ratio" in n]
+    assert warned and warned[0] == 210  # 4x its EMA on the second grown sample

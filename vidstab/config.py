@@ -23,10 +23,12 @@ from .detectors import (
     GradSpikeConfig,
     LossScaleConfig,
     LossSpikeConfig,
+    LRJumpConfig,
     NonFiniteConfig,
     NonFiniteParamsConfig,
     ParamGrowthConfig,
     RepeatedSpikesConfig,
+    UpdateRatioConfig,
 )
 from .detectors.base import check
 
@@ -80,6 +82,10 @@ class GuardConfig:
     """Frequent fp16 loss-scale drops (default: warn)."""
     param_growth: ParamGrowthConfig = field(default_factory=ParamGrowthConfig)
     """Parameter-norm growth over a long window (default: warn)."""
+    lr_jump: LRJumpConfig = field(default_factory=LRJumpConfig)
+    """Learning rate jumped vs. its EMA (default: warn)."""
+    update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
+    """Update/weight ratio grew vs. its EMA (default: warn)."""
     consecutive_skips: ConsecutiveSkipsConfig = field(default_factory=ConsecutiveSkipsConfig)
     """A run of skipped steps (default: rollback)."""
     repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)

@@ -17,10 +17,12 @@ from .grad_growth import GradGrowthConfig, GradGrowthDetector
 from .grad_spike import GradSpikeConfig, GradSpikeDetector
 from .loss_scale import LossScaleConfig, LossScaleDetector
 from .loss_spike import LossSpikeConfig, LossSpikeDetector
+from .lr_jump import LRJumpConfig, LRJumpDetector
 from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
+from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
 
 #: name -> (config class, detector class), in evaluation order.
 DETECTORS: dict[str, tuple[type, type[Detector]]] = {
@@ -33,6 +35,8 @@ DETECTORS: dict[str, tuple[type, type[Detector]]] = {
     "clip_rate": (ClipRateConfig, ClipRateDetector),
     "loss_scale": (LossScaleConfig, LossScaleDetector),
     "param_growth": (ParamGrowthConfig, ParamGrowthDetector),
+    "lr_jump": (LRJumpConfig, LRJumpDetector),
+    "update_ratio": (UpdateRatioConfig, UpdateRatioDetector),
     "consecutive_skips": (ConsecutiveSkipsConfig, ConsecutiveSkipsDetector),
     "repeated_spikes": (RepeatedSpikesConfig, RepeatedSpikesDetector),
 }
@@ -67,6 +71,6 @@ def absorb(detectors: list[Detector], stats: StepStats) -> None:
 __all__ = [
     "DETECTORS", "build_detectors", "judge", "absorb", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
-    "LossScaleConfig", "LossSpikeConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
+    "LossScaleConfig", "LossSpikeConfig", "LRJumpConfig", "UpdateRatioConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
     "RepeatedSpikesConfig",
 ]

@@ -1,0 +1,77 @@
+"""The learning rate jumped against its own recent history -> WARN.
+
+Under AdamW the update, not the gradient, scales with the LR: during an LR ramp or after a bad resume
+the gradient norm can stay flat until the run is already breaking, while the LR itself shows it at once
+(benchmarks/RESULTS.md: the only detector that sees an LR spike on the spike step itself).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+
+
+@dataclass
+class LRJumpConfig:
+    """Configuration of the ``lr_jump`` detector."""
+
+    enabled: bool = True
+    """Watch the learning rate of the first param group."""
+    action: str = "warn"
+    """``warn | skip | rollback``. Warn: a deliberate LR change (a warm restart) is legitimate, a 2x jump
+    is still worth a line in the log."""
+    ratio: float = 2.0
+    """Flag when ``lr / EMA(lr) >= ratio``."""
+    beta: float = 0.98
+    """EMA decay per step (about 50 steps of memory)."""
+    warmup_steps: int = 100
+    """Steps absorbed before judging: a linear warm-up from 0 is exactly 2x its running mean at first and
+    stays below 2x its EMA only from ~100 steps on."""
+    quiet_steps: int = 50
+    """After a warning, no new warning for this many steps; the EMA absorbs the LR meanwhile so that a
+    deliberate new LR level becomes the reference instead of warning forever."""
+
+    def validate(self, prefix: str = "lr_jump") -> None:
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
+        check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
+        check(self.warmup_steps >= 1, f"{prefix}.warmup_steps", "must be >= 1", self.warmup_steps)
+        check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
+
+
+class LRJumpDetector(Detector):
+    """Ratio of the LR to its EMA after warm-up; the flagged step is not absorbed, the quiet period is."""
+
+    name = "lr_jump"
+
+    def __init__(self, config: LRJumpConfig) -> None:
+        super().__init__(config)
+        self.ema = EMAStat(beta=config.beta)
+        self.quiet_until = -1
+        self._flagged_step: int | None = None
+
+    def observe(self, s: StepStats) -> Finding | None:
+        lr = s.lr
+        if lr is None or not math.isfinite(lr) or self.ema.count < self.config.warmup_steps or s.step < self.quiet_until:
+            return None
+        r = self.ema.ratio(lr)
+        if r < self.config.ratio:
+            return None
+        self._flagged_step = s.step
+        return self.finding(f"learning rate {lr:.3g} is {r:.1f}x its EMA {self.ema.mean:.3g}",
+                            {"lr": lr, "ema": self.ema.mean, "ratio": r})
+
+    def update(self, s: StepStats) -> None:
+        if self._flagged_step == s.step:
+            self.quiet_until = s.step + self.config.quiet_steps
+        elif s.lr is not None:
+            self.ema.add(s.lr)
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict(), "quiet_until": self.quiet_until}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.ema.load_state_dict(d["ema"])
+        self.quiet_until = int(d.get("quiet_until", -1))

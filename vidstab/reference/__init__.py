@@ -3,3 +3,4 @@
 Nothing in the core ``vidstab`` package imports this sub-package; the trainer in
 ``recipes/train.py``, the tests and ``scripts/replay.py`` do.
 """
+from vidstab.reference.model import VideoDiT  # noqa: E402,F401

@@ -36,7 +36,7 @@ def only(name, **overrides):
     """Detectors of a config where only ``name`` (and its overrides) is enabled."""
     d = {k: {"enabled": k == name} for k in ("nonfinite", "exception", "nonfinite_params", "grad_spike", "grad_growth",
                                             "loss_spike", "clip_rate", "loss_scale", "param_growth",
-                                            "lr_jump", "update_ratio", "consecutive_skips", "repeated_spikes")}
+                                            "lr_jump", "update_ratio", "input_range", "consecutive_skips", "repeated_spikes")}
     d[name].update(overrides)
     return build_detectors(GuardConfig.from_dict(d))
 
@@ -281,3 +281,11 @@ def test_update_ratio_warns_on_a_growing_update():
     seq += [stats(200 + 10 * i, update_ratio=1e-3 * 2 ** (i + 1)) for i in range(5)]
     warned = [st for st, _, n in run(dets, seq) if "update_ratio" in n]
     assert warned and warned[0] == 210  # 4x its EMA on the second grown sample
+
+
+def test_input_range_names_the_rank_with_the_extreme_latent():
+    dets = only("input_range")
+    run(dets, [stats(i, input_absmax=4.0 + 0.1 * (i % 5), rank_input_absmax=[4.0, 4.1], world_size=2) for i in range(30)])
+    s = stats(30, input_absmax=900.0, rank_input_absmax=[4.2, 900.0], world_size=2)
+    judge(dets, s)
+    assert s.verdict == Verdict.WARN and s.findings[0].ranks == [1]

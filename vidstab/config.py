@@ -21,6 +21,7 @@ from .detectors import (
     ExceptionConfig,
     GradGrowthConfig,
     GradSpikeConfig,
+    InputRangeConfig,
     LossScaleConfig,
     LossSpikeConfig,
     LRJumpConfig,
@@ -86,6 +87,8 @@ class GuardConfig:
     """Learning rate jumped vs. its EMA (default: warn)."""
     update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
     """Update/weight ratio grew vs. its EMA (default: warn)."""
+    input_range: InputRangeConfig = field(default_factory=InputRangeConfig)
+    """An extreme finite input value (e.g. an unclamped VAE latent) vs. its EMA (default: warn)."""
     consecutive_skips: ConsecutiveSkipsConfig = field(default_factory=ConsecutiveSkipsConfig)
     """A run of skipped steps (default: rollback)."""
     repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)

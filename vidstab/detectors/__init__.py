@@ -15,6 +15,7 @@ from .consecutive_skips import ConsecutiveSkipsConfig, ConsecutiveSkipsDetector
 from .exception import ExceptionConfig, ExceptionDetector
 from .grad_growth import GradGrowthConfig, GradGrowthDetector
 from .grad_spike import GradSpikeConfig, GradSpikeDetector
+from .input_range import InputRangeConfig, InputRangeDetector
 from .loss_scale import LossScaleConfig, LossScaleDetector
 from .loss_spike import LossSpikeConfig, LossSpikeDetector
 from .lr_jump import LRJumpConfig, LRJumpDetector
@@ -37,6 +38,7 @@ DETECTORS: dict[str, tuple[type, type[Detector]]] = {
     "param_growth": (ParamGrowthConfig, ParamGrowthDetector),
     "lr_jump": (LRJumpConfig, LRJumpDetector),
     "update_ratio": (UpdateRatioConfig, UpdateRatioDetector),
+    "input_range": (InputRangeConfig, InputRangeDetector),
     "consecutive_skips": (ConsecutiveSkipsConfig, ConsecutiveSkipsDetector),
     "repeated_spikes": (RepeatedSpikesConfig, RepeatedSpikesDetector),
 }
@@ -71,6 +73,6 @@ def absorb(detectors: list[Detector], stats: StepStats) -> None:
 __all__ = [
     "DETECTORS", "build_detectors", "judge", "absorb", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
-    "LossScaleConfig", "LossSpikeConfig", "LRJumpConfig", "UpdateRatioConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
+    "LossScaleConfig", "LossSpikeConfig", "LRJumpConfig", "UpdateRatioConfig", "InputRangeConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
     "RepeatedSpikesConfig",
 ]

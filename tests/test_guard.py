@@ -403,5 +403,6 @@ def test_nonfinite_weights_request_rollback_and_a_restore_clears_it(tmp_path):
     acc.unwrap_model(model).load_state_dict(good_weights)
     guard.load_state_dict(good_state)
     assert guard.healthy and guard.step_count == 2
+    assert guard.skipped_total == 2  # counters of what happened never go backward with a rollback
     after = train(acc, model, guard, micro_steps=3)
     assert all(r.applied and r.verdict == Verdict.OK for r in after)  # nothing stale judged after the restore

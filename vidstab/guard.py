@@ -497,10 +497,12 @@ class Guard:
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (detectors missing from ``d`` keep their fresh state)."""
         self.step_count = int(d["step_count"])
-        self.skipped_total = int(d.get("skipped_total", 0))
-        self.overflow_total = int(d.get("overflow_total", 0))
-        self.incidents_written = int(d.get("incidents_written", 0))
-        self.localized = bool(d.get("localized", False))
+        # Event counters never go backward: an in-process rollback to an older checkpoint keeps what this
+        # run already skipped and wrote (the incident disk budget included); a fresh process takes the file's.
+        self.skipped_total = max(self.skipped_total, int(d.get("skipped_total", 0)))
+        self.overflow_total = max(self.overflow_total, int(d.get("overflow_total", 0)))
+        self.incidents_written = max(self.incidents_written, int(d.get("incidents_written", 0)))
+        self.localized = self.localized or bool(d.get("localized", False))
         self.lr_multiplier = float(d.get("lr_multiplier", 1.0))
         if d.get("base_lrs"):
             self._orig_lrs = [float(x) for x in d["base_lrs"]]

@@ -12,7 +12,7 @@ the median step time of each after warm-up is reported with the ratio to ``plain
 device->host reads per optimizer step (``Tensor.item/tolist/__bool__/__float__/__int__/cpu/numpy`` calls,
 counted by wrapping those methods) for all three. The last line of output is one JSON object.
 
-    python benchmarks/bench_guard_overhead.py                 # CPU, ~1 minute
+    python benchmarks/bench_guard_overhead.py                 # CPU, ~1 minute (under 2 on a loaded machine)
     python benchmarks/bench_guard_overhead.py --device cuda   # on a GPU
 """
 
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--size", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=100, help="rounds of one step per variant (rotating order)")
+    ap.add_argument("--rounds", type=int, default=200, help="rounds of one step per variant (rotating order)")
     ap.add_argument("--warmup", type=int, default=5, help="steps per variant before timing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
     args = ap.parse_args()

@@ -87,8 +87,8 @@ def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judge
             if findings:
                 out.alarms["vidstab+prop"].append(r.step)
             for f in findings:
-                if f.detector in ("lr_jump", "update_ratio", "input_range"):
-                    out.alarms.setdefault(f"prop:{f.detector}", []).append(r.step)
+                if f.detector == "clip_rate":  # the proposed heavy-clipping rule
+                    out.alarms.setdefault("prop:clip_rate", []).append(r.step)
     return out
 
 

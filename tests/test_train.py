@@ -16,6 +16,11 @@ from safetensors.torch import load_file
 from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer
 
 
+def _finite(x):
+    """Event logs are strict JSON: a non-finite number is written as null."""
+    return x is not None and math.isfinite(x)
+
+
 def _weights(output_dir, step):
     return load_file(str(output_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
@@ -29,8 +34,7 @@ def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
         assert (out / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
     metrics = events(out, kind="metrics")
     assert [m["step"] for m in metrics] == list(range(12))
-    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
-    assert list((out / "logs").rglob("events.out.tfevents*")) == [] or True  # --report_to none in FAST
+    assert all(_finite(m["loss"]) and _finite(m["grad_norm"]) for m in metrics)
     assert (out / "report.html").is_file()
 
 
@@ -107,7 +111,7 @@ def test_lr_spike_rolls_back_with_halved_lr_and_finishes_finite(tmp_path):
     assert rollbacks, f"no rollback:\n{proc.stdout[-2000:]}"
     assert rollbacks[0]["lr_multiplier"] == 0.5
     metrics = events(out, kind="metrics")
-    assert math.isfinite(metrics[-1]["loss"]) and metrics[-1]["step"] == 39
+    assert _finite(metrics[-1]["loss"]) and metrics[-1]["step"] == 39
     assert all(torch.isfinite(t).all() for t in _weights(out, 40).values())
 
 
@@ -121,7 +125,7 @@ def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):
                 "--vidstab_config", str(warn_only), "--max_retries", "0", check=False)
     warns = [e["step"] for e in events(out, kind="warn") if e.get("detector") == "grad_growth"]
     metrics = events(out, kind="metrics")
-    blown = [m["step"] for m in metrics if not math.isfinite(m["loss"]) or m["loss"] > 3 * metrics[59]["loss"]]
+    blown = [m["step"] for m in metrics if not _finite(m["loss"]) or m["loss"] > 3 * metrics[59]["loss"]]
     assert blown, "the scenario did not diverge"
     assert warns and warns[0] < blown[0], f"growth warnings {warns}, divergence at {blown[0]}"
 

@@ -181,19 +181,20 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
             draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index))
             captured = {"latents": latents, **draws}  # what an incident bundle stores to replay this micro-batch
             error, per_sample = None, None
-            try:
-                faults.maybe_raise(step)
-                with faults.module_fault(step, acc.unwrap_model(model)), acc.autocast():
-                    per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
-                loss = per_sample.mean()
-            except RuntimeError as exc:  # e.g. a CUDA error or an injected fault: recover instead of dying
-                error = exc
-                # Every rank must still run the same collectives: a zero loss through the wrapped model keeps
-                # DDP's gradient all-reduce in step, and the guard turns the error into a lockstep rollback.
-                loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
-            guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
-                           timesteps=draws["timesteps"], error=error)
-            result = guard.step(ctx.args.max_grad_norm)
+            with faults.module_fault(step, acc.unwrap_model(model)):
+                try:
+                    faults.maybe_raise(step)
+                    with acc.autocast():
+                        per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
+                    loss = per_sample.mean()
+                except RuntimeError as exc:  # e.g. a CUDA error or an injected fault: recover instead of dying
+                    error = exc
+                    # Every rank must still run the same collectives: a zero loss through the wrapped model keeps
+                    # DDP's gradient all-reduce in step, and the guard turns the error into a lockstep rollback.
+                    loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
+                guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
+                               timesteps=draws["timesteps"], error=error)
+                result = guard.step(ctx.args.max_grad_norm)
     if result.applied and ctx.ema is not None:
         ctx.ema.step(acc.unwrap_model(model).parameters())
     return result
@@ -251,10 +252,10 @@ class Run:
         )
         self.guard = vidstab.attach(
             acc, self.model, self.optimizer, self.lr_scheduler, config=guard_config, run_dir=out, seed=args.seed,
-            model_spec={
+            model_spec=self.faults.model_spec({
                 "class": "vidstab.reference.model:VideoDiT", "config": dict(unwrapped.config),
                 "loss_fn": "vidstab.reference.objective:replay_loss", "loss_fn_kwargs": self.objective.to_dict(),
-            },
+            }),
             checkpoint_fn=self.checkpoints.latest_path_str if hasattr(self.checkpoints, "latest_path_str") else None,
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))

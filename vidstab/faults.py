@@ -14,7 +14,9 @@ chosen optimizer step, the failures the seeds describe:
 ``lr_ramp``     the learning rate is multiplied by 1.3 (``=FACTOR``) at every step from that step on, until a
                 rollback: a slowly diverging schedule, the exponential grad-norm growth the seed warns about
 ``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
-``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``; structure fault)
+``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
+                stays in the model from that step on (as a real overflowing layer would), and incident
+                bundles record it in their model spec, so ``vidstab replay`` rebuilds the faulty model
 ==============  ==========================================================================================
 
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
@@ -151,15 +153,38 @@ class FaultInjector:
         if fault is None:
             yield None
             return
-        modules = dict(model.named_modules())
-        if fault.arg not in modules:
-            raise ValueError(f"inf_module fault: no module named {fault.arg!r}; e.g. {list(modules)[1:6]}")
-
-        def make_inf(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
-            return output * float("inf")
-
-        handle = modules[fault.arg].register_forward_hook(make_inf)
+        handle = add_module_fault(model, fault.arg)
         try:
             yield fault.arg
         finally:
             handle.remove()
+
+    def model_spec(self, spec: dict) -> dict:
+        """The model spec to record in incident bundles: wrapped so a replay rebuilds an ``inf_module`` fault."""
+        names = [f.arg for f in self.faults if f.kind == "inf_module" and (f.rank is None or f.rank == self.rank)]
+        if not names:
+            return spec
+        inner = {k: v for k, v in spec.items() if k in ("class", "config", "factory", "kwargs")}
+        outer = {k: v for k, v in spec.items() if k not in inner}
+        return {"factory": "vidstab.faults:model_with_module_fault", "kwargs": {"model": inner, "module": names[0]}, **outer}
+
+
+def _make_inf(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+    return output * float("inf")
+
+
+def add_module_fault(model: torch.nn.Module, name: str) -> torch.utils.hooks.RemovableHandle:
+    """Make ``model.<name>``'s forward output +inf until the returned handle is removed."""
+    modules = dict(model.named_modules())
+    if name not in modules:
+        raise ValueError(f"inf_module fault: no module named {name!r}; e.g. {list(modules)[1:6]}")
+    return modules[name].register_forward_hook(_make_inf)
+
+
+def model_with_module_fault(model: dict, module: str) -> torch.nn.Module:
+    """Replay factory: rebuild the model from its spec with the ``inf_module`` fault built in."""
+    from .replay import build_model
+
+    rebuilt = build_model(model)
+    add_module_fault(rebuilt, module)
+    return rebuilt

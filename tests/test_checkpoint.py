@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from vidstab import statedict_io as sio
-from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, verify_checkpoint_files
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import ckpt_train  # noqa: E402
@@ -107,7 +109,14 @@ def test_streaming_safetensors_writer_matches_the_reference_reader(tmp_path):
                "u32": torch.arange(5, dtype=torch.int64).to(torch.uint32), "flag": torch.tensor([True, False])}
     d = sio.write_safetensors(str(tmp_path / "x.safetensors"), tensors, {"format": "pt"})
     data = (tmp_path / "x.safetensors").read_bytes()
-    assert d.bytes == len(data) and d.sha256 == sio.sha256_bytes(data)
+    assert d.bytes == len(data) and d.checksum == "crc32" and d.digest == f"0x{zlib.crc32(data):08x}"
+    assert d.to_json() == {"bytes": len(data), "crc32": d.digest}
+    d2 = sio.write_safetensors(str(tmp_path / "y.safetensors"), tensors, {"format": "pt"}, checksum="sha256")
+    assert (tmp_path / "y.safetensors").read_bytes() == data
+    assert d2.to_json() == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with pytest.raises(ValueError, match="unknown checksum"):
+        sio.write_safetensors(str(tmp_path / "z.safetensors"), tensors, checksum="md5")
+    assert not (tmp_path / "z.safetensors").exists()
     back = load_file(str(tmp_path / "x.safetensors"))
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
@@ -211,7 +220,7 @@ def test_damaged_checkpoint_falls_back_with_a_message(tmp_path, damage, caplog):
     assert ckpt.latest_valid() == str(tmp_path / "checkpoints" / "step_000003")
     if damage != "no_manifest":  # without a manifest it is not a checkpoint at all, nothing to report
         assert state["_checkpoint"]["skipped"][0][0] == "checkpoints/step_000004"
-        reason = {"truncate": "truncated", "bitflip": "sha256", "delete": "missing"}[damage]
+        reason = {"truncate": "truncated", "bitflip": "crc32 mismatch", "delete": "missing"}[damage]
         assert reason in state["_checkpoint"]["skipped"][0][1]
         assert "step_000004" in caplog.text
     got = _weights(model)
@@ -229,6 +238,82 @@ def test_no_valid_checkpoint_raises_and_loads_nothing(tmp_path):
         ckpt.load("latest")
     got = _weights(model)
     assert all(torch.equal(got[k], v) for k, v in before.items())
+
+
+def _flip_bit(path, bit=3):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def test_crc32_default_detects_a_single_bit_flip_and_verify_names_the_file(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    path = ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    man = json.loads((tmp_path / "checkpoints" / "step_000003" / "manifest.json").read_text())
+    for f, meta in man["files"].items():
+        data = (tmp_path / "checkpoints" / "step_000003" / f).read_bytes()
+        assert meta == {"bytes": len(data), "crc32": f"0x{zlib.crc32(data):08x}"}, f
+    verify_checkpoint_files(path)
+    verify_checkpoint_files(path, ["model.safetensors"])
+    with pytest.raises(CheckpointError, match=r"step_000003: file nope\.json is not listed"):
+        verify_checkpoint_files(path, ["nope.json"])
+
+    _flip_bit(tmp_path / "checkpoints" / "step_000003" / "optimizer.safetensors")
+    with pytest.raises(CheckpointError, match=r"step_000003: file optimizer\.safetensors is corrupt \(crc32 mismatch\)"):
+        verify_checkpoint_files(path)
+    verify_checkpoint_files(path, ["model.safetensors", "trainer.json"])  # the others are intact
+    assert ckpt.latest_valid() is None
+    with pytest.raises(CheckpointError, match="optimizer.safetensors is corrupt"):
+        ckpt.load("latest")
+
+    (tmp_path / "checkpoints" / "step_000003" / "trainer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"file trainer\.json is missing"):
+        verify_checkpoint_files(path, ["trainer.json"])
+    f = tmp_path / "checkpoints" / "step_000003" / "model.safetensors"
+    f.write_bytes(f.read_bytes() + b"x")
+    with pytest.raises(CheckpointError, match=r"file model\.safetensors has \d+ bytes, manifest says \d+"):
+        verify_checkpoint_files(path, ["model.safetensors"])
+    (tmp_path / "checkpoints" / "step_000003" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        verify_checkpoint_files(path)
+
+
+def test_sha256_manifests_old_and_opt_in_still_validate(tmp_path):
+    acc, model, opt, sched, ckpt = _setup(tmp_path)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    want = _weights(model)
+    # A manifest as vidstab wrote it before crc32 became the default: {"bytes", "sha256"} per file.
+    folder = tmp_path / "checkpoints" / "step_000003"
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"] = {f: {"bytes": m["bytes"], "sha256": hashlib.sha256((folder / f).read_bytes()).hexdigest()}
+                    for f, m in man["files"].items()}
+    (folder / "manifest.json").write_text(json.dumps(man, indent=1))
+    verify_checkpoint_files(folder)
+    _perturb(model, opt, sched)
+    assert ckpt.load("latest")["step"] == 3
+    assert all(torch.equal(_weights(model)[k], v) for k, v in want.items())
+    # An entry without any checksum is not trusted.
+    no_sum = json.loads(json.dumps(man))
+    no_sum["files"]["model.safetensors"] = {"bytes": man["files"]["model.safetensors"]["bytes"]}
+    (folder / "manifest.json").write_text(json.dumps(no_sum))
+    with pytest.raises(CheckpointError, match="records no checksum for model.safetensors"):
+        verify_checkpoint_files(folder)
+    (folder / "manifest.json").write_text(json.dumps(man))
+    _flip_bit(folder / "model.safetensors", bit=0)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is corrupt \(sha256 mismatch\)"):
+        verify_checkpoint_files(folder)
+
+    # checksum="sha256" writes sha256 entries; a manager with the crc32 default loads them.
+    acc2, model2, opt2, sched2, ckpt2 = _setup(tmp_path / "b", CheckpointConfig(async_save=False, checksum="sha256"))
+    path = ckpt2.save(4, healthy=True, trainer_state={"step": 4})
+    man = json.loads(open(os.path.join(path, "manifest.json")).read())
+    assert all(set(m) == {"bytes", "sha256"} for m in man["files"].values())
+    loader = CheckpointManager(acc2, str(tmp_path / "b"), CheckpointConfig(async_save=False))
+    for n, o in (("model", model2), ("optimizer", opt2), ("lr_scheduler", sched2)):
+        loader.register(n, o)
+    assert loader.load("latest")["step"] == 4
+    with pytest.raises(ValueError, match="checksum"):
+        CheckpointManager(acc2, str(tmp_path / "c"), CheckpointConfig(checksum="md5"))
 
 
 def test_stale_temp_folders_are_removed_and_never_loaded(tmp_path):

@@ -7,9 +7,9 @@ into a flat ``{key: tensor}`` mapping (written with safetensors) and a JSON docu
 exact Python shape: ints stay ints, tuples stay tuples, non-string dict keys survive, and
 non-finite floats are spelled out so the JSON stays standard.
 
-It also holds a small streaming safetensors writer: it hashes (sha256) each tensor's bytes while
-writing them, so a checkpoint never has to be re-read to get its digest and no second full copy of
-the state is built in memory.
+It also holds a small streaming safetensors writer: it checksums each tensor's bytes while writing
+them (CRC-32 by default, sha256 on request), so a checkpoint never has to be re-read to get its
+checksum and no second full copy of the state is built in memory.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import math
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -30,7 +31,10 @@ __all__ = [
     "unflatten",
     "dumps",
     "loads",
+    "CHECKSUMS",
     "FileDigest",
+    "new_checksum",
+    "checksum_bytes",
     "write_safetensors",
     "write_bytes",
     "fsync_dir",
@@ -152,17 +156,56 @@ for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
         _DTYPES[getattr(torch, _name)] = _code
 
 
+CHECKSUMS = ("crc32", "sha256")
+"""Checksum algorithms the writer produces and :func:`checksum_bytes` / the checkpoint loader verify."""
+
+
+class _Crc32:
+    """``hashlib``-like incremental CRC-32 (``zlib.crc32``; releases the GIL on large buffers)."""
+
+    name = "crc32"
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return f"0x{self._crc:08x}"
+
+
+def new_checksum(algo: str):
+    """An incremental checksum object (``update(bytes_like)``, ``hexdigest()``) for ``algo`` in :data:`CHECKSUMS`.
+    CRC-32 digests are spelled ``"0x"`` + 8 lowercase hex digits, sha256 as 64 hex digits."""
+    if algo == "crc32":
+        return _Crc32()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown checksum {algo!r}; expected one of {CHECKSUMS}")
+
+
+def checksum_bytes(data, algo: str) -> str:
+    """Checksum of ``data`` as :func:`new_checksum` spells it."""
+    h = new_checksum(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
 @dataclass
 class FileDigest:
-    """Size and sha256 of a file as written."""
+    """Size and checksum of a file as written."""
 
     bytes: int
     """Size in bytes."""
-    sha256: str
-    """Hex sha256 of the whole file."""
+    checksum: str
+    """Algorithm, one of :data:`CHECKSUMS`."""
+    digest: str
+    """The file's checksum as :func:`new_checksum` spells it."""
 
     def to_json(self) -> dict:
-        return {"bytes": self.bytes, "sha256": self.sha256}
+        """Manifest entry: ``{"bytes": N, "crc32": "0x1234abcd"}`` or ``{"bytes": N, "sha256": "..."}``."""
+        return {"bytes": self.bytes, self.checksum: self.digest}
 
 
 def _write_all(fd: int, mv: memoryview) -> None:
@@ -176,8 +219,9 @@ def _open_new(path: str) -> int:
 
 
 def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                      fsync: bool = True) -> FileDigest:
-    """Write ``tensors`` as a safetensors file, hashing the bytes as they are written.
+                      fsync: bool = True, checksum: str = "crc32") -> FileDigest:
+    """Write ``tensors`` as a safetensors file, checksumming (``checksum``, see :data:`CHECKSUMS`) the
+    bytes as they are written.
 
     Tensors may share storage (tied weights) or be non-contiguous: each is written as its own copy
     of data, which is what ``load_state_dict`` expects. The file is fsync'd before returning.
@@ -203,10 +247,10 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     head = len(hb).to_bytes(8, "little") + hb
     # Byte views without a copy (works for bf16/fp8, which numpy lacks).
     chunks = [memoryview(head)] + [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in views if t.numel()]
-    h = hashlib.sha256()
+    h = new_checksum(checksum)
     # Hash in a second thread while this one writes and fsyncs: both release the GIL on large buffers,
     # so the digest costs max(hash, write) instead of hash + write and the file is never re-read.
-    hasher = threading.Thread(target=lambda: [h.update(c) for c in chunks], name="vidstab-sha256")
+    hasher = threading.Thread(target=lambda: [h.update(c) for c in chunks], name=f"vidstab-{checksum}")
     hasher.start()
     try:
         fd = _open_new(path)
@@ -219,11 +263,12 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
             os.close(fd)
     finally:
         hasher.join()
-    return FileDigest(len(head) + offset, h.hexdigest())
+    return FileDigest(len(head) + offset, checksum, h.hexdigest())
 
 
-def write_bytes(path: str, data: bytes, fsync: bool = True) -> FileDigest:
-    """Write ``data`` to a new file, fsync it, return its digest."""
+def write_bytes(path: str, data: bytes, fsync: bool = True, checksum: str = "crc32") -> FileDigest:
+    """Write ``data`` to a new file, fsync it, return its size and checksum."""
+    h = new_checksum(checksum)  # before creating the file: an unknown algorithm leaves nothing behind
     fd = _open_new(path)
     try:
         _write_all(fd, memoryview(data))
@@ -231,7 +276,8 @@ def write_bytes(path: str, data: bytes, fsync: bool = True) -> FileDigest:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return FileDigest(len(data), hashlib.sha256(data).hexdigest())
+    h.update(data)
+    return FileDigest(len(data), checksum, h.hexdigest())
 
 
 def sha256_bytes(data: bytes) -> str:

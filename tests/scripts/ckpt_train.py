@@ -141,13 +141,13 @@ def install_kill(spec: str) -> None:
     elif kind == "manifest":
         orig_b = sio.write_bytes
 
-        def wrapped_b(path, data, fsync=True):
+        def wrapped_b(path, data, fsync=True, **kw):
             if os.path.basename(path) == ck.MANIFEST and hit():
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
                 os.write(fd, data[: len(data) // 2])
                 os.fsync(fd)
                 die()
-            return orig_b(path, data, fsync)
+            return orig_b(path, data, fsync, **kw)
         sio.write_bytes = wrapped_b
     elif kind in ("pointer", "rotate"):
         attr = "_write_pointer" if kind == "pointer" else "_rotate"

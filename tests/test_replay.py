@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,23 @@ def test_class_that_is_not_a_config_mixin_and_missing_checkpoint_exit_2(tmp_path
     assert "corrupt" in capsys.readouterr().err
     assert main([str(bundle), "--fresh-init"]) == 0  # a bundle away from its weights still replays
     assert "--fresh-init was asked for" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+def test_checkpoint_bit_flip_is_caught_with_either_manifest_checksum(tmp_path, capsys, algo):
+    bundle = user_bundle(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "step_000005"
+    data = (ckpt / "model.safetensors").read_bytes()
+    if algo == "crc32":  # as vidstab's CheckpointManager writes it by default (the helper writes sha256)
+        man = json.loads((ckpt / "manifest.json").read_text())
+        man["files"]["model.safetensors"] = {"bytes": len(data), "crc32": f"0x{zlib.crc32(data):08x}"}
+        (ckpt / "manifest.json").write_text(json.dumps(man))
+    flipped = bytearray(data)
+    flipped[len(flipped) - 3] ^= 0x01  # one bit of the last weight's bytes: still a loadable safetensors file
+    (ckpt / "model.safetensors").write_bytes(bytes(flipped))
+    assert main([str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is corrupt" in err and f"{algo} mismatch" in err
 
 
 def test_run_folder_replays_its_first_incident(tmp_path, capsys):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib
 import json
 import math
@@ -45,6 +44,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .capture import Incident, IncidentError, json_float, list_incidents, read_incident, sample_report, to_json_safe
+from .checkpoint import CheckpointError, verify_checkpoint_files
 from .localize import locate_nonfinite
 
 __all__ = [
@@ -265,14 +265,6 @@ def build_model(spec: dict | None) -> nn.Module:
     return model
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tuple[Path | None, int | None, list[str]]:
     """The weights file to load, its step, and notes. Raises when a named checkpoint is missing or corrupt."""
     notes: list[str] = []
@@ -303,12 +295,13 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ReplayError(f"{manifest_path} is corrupt (not valid JSON: {e})") from e
         step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
-        entry = (manifest.get("files") or {}).get(weights.name)
-        if isinstance(entry, dict):
-            if "bytes" in entry and entry["bytes"] != weights.stat().st_size:
-                raise ReplayError(f"{weights} is corrupt: {weights.stat().st_size} bytes, manifest says {entry['bytes']}")
-            if "sha256" in entry and entry["sha256"] != _file_sha256(weights):
-                raise ReplayError(f"{weights} is corrupt: its sha256 differs from {manifest_path}")
+        files = manifest.get("files")
+        if isinstance(files, dict) and weights.name in files:
+            # Size and checksum (crc32 or sha256, whichever the manifest records) as the loader checks them.
+            try:
+                verify_checkpoint_files(ckpt_dir, [weights.name])
+            except CheckpointError as e:
+                raise ReplayError(f"{weights} is corrupt (checked against {manifest_path}): {e}") from e
     elif p.is_dir():
         notes.append(f"{ckpt_dir} has no manifest.json (written last): the checkpoint may be incomplete")
     if step is None:

@@ -23,9 +23,11 @@ How a save stays atomic:
    digests) into the folder; on failure an empty ``.rank{R}.failed`` (creating an empty file needs no
    data blocks, so it works on a full disk).
 3. The main process waits for every rank's marker (this is the "all ranks finished" barrier; it works
-   from a background thread, where collectives must not be used), fsyncs the folder, writes
-   ``manifest.json`` last, renames the folder to ``step_{STEP:06d}``, fsyncs ``checkpoints/``, replaces
-   the ``latest`` (and, when healthy, ``last_good``) pointer atomically, and only then rotates old ones.
+   from a background thread, where collectives must not be used), writes ``manifest.json`` last and the
+   new ``latest`` (and, when healthy, ``last_good``) pointer contents to temp files, fsyncs its own data
+   files, the manifest, the pointer temp files and the folder in one concurrent batch, renames the folder
+   to ``step_{STEP:06d}``, replaces the pointers atomically, fsyncs ``checkpoints/``, and only then
+   rotates old ones.
 
 Any folder without a valid manifest is never loaded, and every file is checked against the manifest's
 size and checksum before anything is applied (:func:`verify_checkpoint_files` does the same check for
@@ -157,6 +159,13 @@ def _rel(path: str, root: str) -> str:
         return os.path.relpath(path, root)
     except ValueError:
         return path
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------------- verification
@@ -448,22 +457,22 @@ class CheckpointManager:
                     return path, sio.write_safetensors(path, f.tensors, f.metadata, fsync=False, checksum=algo).to_json()
                 return path, sio.write_bytes(path, f.data, fsync=False, checksum=algo).to_json()
 
-            # Files are written (and hashed) concurrently: sha256 is single-threaded per file, so this
-            # is what lets hashing keep up with a fast disk. fsyncs come after, together.
+            # Files are written (and checksummed) concurrently: a checksum is single-threaded per file, so
+            # this is what lets sha256 keep up with a fast disk. fsyncs come after, in one batch.
             with ThreadPoolExecutor(max_workers=min(4, max(1, len(job.files))),
                                     thread_name_prefix="vidstab-ckpt-write") as ex:
                 results = list(ex.map(write, job.files))
             digests = {os.path.basename(p): d for p, d in results}
             paths = [p for p, _ in results]
             job.files = []  # release the host copy early
-            if self.config.fsync:
-                sio.fsync_files(paths)
             if not self.is_main:
+                if self.config.fsync:
+                    sio.fsync_files(paths)
                 sio.write_bytes(os.path.join(job.tmp_dir, f".rank{self.rank}.done"),
                                 json.dumps(digests).encode(), fsync=self.config.fsync)
                 return
             digests.update(self._collect_ranks(job))
-            self._finalize(job, digests)
+            self._finalize(job, digests, paths)
         except BaseException as e:  # noqa: BLE001 - surfaced by _finish_pending on every rank
             job.error = e if isinstance(e, CheckpointError) else CheckpointError(
                 f"checkpoint {job.name} could not be written: {type(e).__name__}: {e}")
@@ -499,7 +508,14 @@ class CheckpointManager:
                 time.sleep(0.02)
         return out
 
-    def _finalize(self, job: _Job, digests: dict[str, dict]) -> None:
+    def _finalize(self, job: _Job, digests: dict[str, dict], unsynced: list[str]) -> None:
+        """Write the manifest, make everything durable, publish (rename, pointers), rotate.
+
+        ``unsynced``: this process's data files, written but not yet fsync'd. They are fsync'd in one
+        concurrent batch together with the manifest, the new pointer files' contents and the folder
+        itself (one journal commit where the file system allows, instead of one per file); only then is
+        the folder renamed to its ``step_*`` name, so a crash before that leaves a ``.tmp-*`` folder that
+        is never loaded, and a crash after it finds every byte the manifest describes on disk."""
         from . import __version__
 
         manifest = {
@@ -515,23 +531,31 @@ class CheckpointManager:
             "objects": {n: _STEMS.get(n, n) for n in self._objects},
             "time": time.time(),
         }
-        sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode(),
-                        fsync=self.config.fsync)
-        if self.config.fsync:
-            sio.fsync_dir(job.tmp_dir)  # data files and manifest entries durable before the rename
-        final = os.path.join(self.root, job.name)
-        if os.path.lexists(final):
-            # Same step saved again (e.g. after a rollback): move the old one aside first; rename cannot
-            # replace a non-empty folder.
-            trash = os.path.join(self.root, f"{_TMP_PREFIX}old-{job.name}-{secrets.token_hex(4)}")
-            os.rename(final, trash)
-            os.rename(job.tmp_dir, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(job.tmp_dir, final)
-        self._write_pointer("latest", job.name, sync_root=False)
-        if manifest["healthy"]:
-            self._write_pointer("last_good", job.name, sync_root=False)
+        man_path = os.path.join(job.tmp_dir, MANIFEST)
+        sio.write_bytes(man_path, json.dumps(manifest, indent=1).encode(), fsync=False)
+        pointers: dict[str, str] = {}  # pointer -> its new content, written to a temp file
+        try:
+            for ptr in ("latest", "last_good") if manifest["healthy"] else ("latest",):
+                pointers[ptr] = self._pointer_tmp(ptr, job.name, fsync=False)
+            if self.config.fsync:
+                # Data, manifest, pointer contents and the folder's entries durable before the rename.
+                sio.fsync_files(unsynced + [man_path, *pointers.values(), job.tmp_dir])
+            final = os.path.join(self.root, job.name)
+            if os.path.lexists(final):
+                # Same step saved again (e.g. after a rollback): move the old one aside first; rename cannot
+                # replace a non-empty folder.
+                trash = os.path.join(self.root, f"{_TMP_PREFIX}old-{job.name}-{secrets.token_hex(4)}")
+                os.rename(final, trash)
+                os.rename(job.tmp_dir, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(job.tmp_dir, final)
+            for ptr, tmp in pointers.items():
+                self._write_pointer(ptr, job.name, sync_root=False, tmp=tmp)
+        except BaseException:
+            for tmp in pointers.values():
+                _unlink_quietly(tmp)  # the ones not yet moved into place
+            raise
         # One directory fsync makes the rename and both pointer replacements durable. Should a crash keep
         # a pointer but lose the rename, load() ignores the dangling pointer and falls back to listing.
         if self.config.fsync:
@@ -543,9 +567,17 @@ class CheckpointManager:
                    healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
-    def _write_pointer(self, pointer: str, target: str, sync_root: bool = True) -> None:
+    def _pointer_tmp(self, pointer: str, target: str, fsync: bool) -> str:
+        """Write the new content of ``pointer`` to a temp file in the checkpoints folder; return its path."""
         tmp = os.path.join(self.root, f"{_TMP_PREFIX}ptr-{pointer}-{secrets.token_hex(4)}")
-        sio.write_bytes(tmp, (target + "\n").encode(), fsync=self.config.fsync)
+        sio.write_bytes(tmp, (target + "\n").encode(), fsync=fsync)
+        return tmp
+
+    def _write_pointer(self, pointer: str, target: str, sync_root: bool = True, tmp: str | None = None) -> None:
+        """Replace ``pointer`` atomically with ``target``; ``tmp``: its content already written (and made
+        durable) by :meth:`_pointer_tmp`."""
+        if tmp is None:
+            tmp = self._pointer_tmp(pointer, target, fsync=self.config.fsync)
         os.replace(tmp, os.path.join(self.root, pointer))
         if sync_root and self.config.fsync:
             sio.fsync_dir(self.root)

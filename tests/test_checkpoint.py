@@ -122,6 +122,19 @@ def test_streaming_safetensors_writer_matches_the_reference_reader(tmp_path):
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
 
 
+def test_writer_with_early_writeback_writes_the_same_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {f"w{i}": torch.randn(1024, 1024) for i in range(6)}  # 24 MiB: crosses the 16 MiB writeback step
+    a = sio.write_safetensors(str(tmp_path / "a.safetensors"), tensors, writeback=True)
+    b = sio.write_safetensors(str(tmp_path / "b.safetensors"), tensors, fsync=False)
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert data == (tmp_path / "b.safetensors").read_bytes() and a == b and a.bytes == len(data)
+    assert a.digest == f"0x{zlib.crc32(data):08x}"
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
 def test_round_trip_restores_everything_without_pickle(tmp_path):
     acc, model, opt, sched, ckpt = _setup(tmp_path)
     guard = GuardStandIn()

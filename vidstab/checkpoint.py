@@ -454,7 +454,8 @@ class CheckpointManager:
             def write(f: _File) -> tuple[str, dict]:
                 path = os.path.join(job.tmp_dir, f.name)
                 if f.tensors is not None:
-                    return path, sio.write_safetensors(path, f.tensors, f.metadata, fsync=False, checksum=algo).to_json()
+                    return path, sio.write_safetensors(path, f.tensors, f.metadata, fsync=False, checksum=algo,
+                                                       writeback=self.config.fsync).to_json()
                 return path, sio.write_bytes(path, f.data, fsync=False, checksum=algo).to_json()
 
             # Files are written (and checksummed) concurrently: a checksum is single-threaded per file, so

@@ -15,7 +15,7 @@ segments. Before each resumed segment one fault is applied, drawn from:
 
 Every segment restarts with ``--resume_from_checkpoint latest``; the last one runs to the end. Counted:
 runs resumed and finished; checkpoints lost (a checkpoint that was complete on disk -- valid manifest --
-and that we did not damage, found missing or failing its manifest's sizes/sha256 after a fault, or a
+and that we did not damage, found missing or failing its manifest's sizes/checksums after a fault, or a
 resume that started from an older checkpoint than the newest intact one); damaged checkpoints loaded
 anyway; unrecoverable runs (the final segment does not finish); and runs whose final weights
 (``checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's. The checker verifies
@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -122,18 +123,24 @@ def last_step(out: Path) -> int:
 
 
 def verify(ckpt: Path) -> bool:
-    """The folder's manifest parses and every file it lists has the listed size and sha256."""
+    """The folder's manifest parses and every file it lists has the listed size and checksum (crc32, the
+    default, or sha256; checked here independently of vidstab's own verification)."""
     try:
         man = json.loads((ckpt / "manifest.json").read_text())
         for name, meta in man["files"].items():
             p = ckpt / name
             if p.stat().st_size != int(meta["bytes"]):
                 return False
-            h = hashlib.sha256()
+            if "crc32" not in meta and "sha256" not in meta:
+                return False
+            h, crc = hashlib.sha256(), 0
             with open(p, "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
-            if h.hexdigest() != meta["sha256"]:
+                    crc = zlib.crc32(block, crc)
+            if "sha256" in meta and h.hexdigest() != meta["sha256"]:
+                return False
+            if "crc32" in meta and int(meta["crc32"], 16) != crc:
                 return False
         return True
     except (OSError, ValueError, KeyError, TypeError):

@@ -6,24 +6,26 @@ On the same state (a ~50 MB fp32 model + its AdamW state, CPU) this times, media
 
 * ``bare``        ``safetensors.torch.save_file`` of the model and optimizer tensors + fsync (the floor:
                   no structure, no manifest, no atomic rename);
-* ``sha256_only``  hashing the same bytes once (no I/O): with ``bare`` the floor of a save that digests
-                  every byte, max(bare, sha256_only);
-* ``vidstab_sync`` ``CheckpointManager.save`` with ``async_save=False``: every file hashed (sha256) and
-                  fsync'd, manifest, atomic rename, pointers, rotation;
+* ``crc32_only`` / ``sha256_only``  checksumming the same bytes once (no I/O): with ``bare`` the floor of
+                  a save that checksums every byte, max(bare, crc32_only) for the default;
+* ``vidstab_sync`` ``CheckpointManager.save`` with ``async_save=False`` and the default checksum (CRC-32):
+                  every file checksummed while written and fsync'd, manifest, atomic rename, pointers,
+                  rotation; ``vidstab_sync_sha256`` the same with ``checksum="sha256"``;
 * ``vidstab_async_stall`` the time ``save`` blocks the loop with ``async_save=True`` (the host copy), and
-                  ``vidstab_async_total`` until ``wait()`` returns;
+                  ``vidstab_async_total`` until ``wait()`` returns (default checksum);
 * ``accelerate_save_state`` ``accelerator.save_state`` (pickles the optimizer, no fsync, not atomic).
 
-Targets: vidstab_sync <= 1.25 x bare; vidstab_async_stall <= 0.2 x vidstab_sync. The first assumes the
-disk is the bottleneck (e.g. ~265 MB/s with fsync): where page cache + fsync outrun one core's sha256
-(~1 GB/s), the hash is the floor, and ``sync_vs_floor`` is the ratio to watch.
+Targets (default checksum): vidstab_sync <= 1.25 x bare; vidstab_async_stall <= 0.2 x vidstab_sync.
+CRC-32 (~5 GB/s per core) stays below page cache + fsync; sha256 (~1.4 GB/s per core) does not on a fast
+disk, which is why it is opt-in (``sync_sha256_vs_bare``). vidstab starts writeback every 16 MiB while it
+writes (``bare`` does not), so its final fsync overlaps the copy instead of following it. Background
+deletions of rotated checkpoints are finished (untimed) before each vidstab method.
 The last line of output is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     acc, model, opt = build(a.width, a.depth)
     n_params = sum(p.numel() for p in model.parameters())
     work = tempfile.mkdtemp(prefix="vidstab-bench-ckpt-", dir=a.dir)
-    times: dict[str, list[float]] = {k: [] for k in ("bare", "sha256_only", "vidstab_sync", "vidstab_async_stall",
+    times: dict[str, list[float]] = {k: [] for k in ("bare", "crc32_only", "sha256_only", "vidstab_sync",
+                                                     "vidstab_sync_sha256", "vidstab_async_stall",
                                                      "vidstab_async_total", "accelerate_save_state")}
     sizes: dict[str, int] = {}
 
@@ -86,15 +89,22 @@ def main(argv: list[str] | None = None) -> int:
             os.fsync(fd)
             os.close(fd)
 
-    def sha256_only() -> None:
-        # The floor for any save that records a sha256 of every byte: one core hashing the state.
-        h = hashlib.sha256()
+    def checksum_only(algo: str) -> None:
+        # The floor for any save that checksums every byte: one core over the state.
+        h = sio.new_checksum(algo)
         for t in list(acc.get_state_dict(model).values()) + list(sio.flatten(opt.state_dict())[0].values()):
             h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
+    def settle() -> None:
+        # Every manager's rotation frees the rotated checkpoint's bytes in a background thread: let those
+        # finish so that no method is timed while another one's rmtree runs (the others rmtree untimed too).
+        for m in managers.values():
+            m.wait()
+
     managers = {}
-    for mode in ("sync", "async"):
-        m = CheckpointManager(acc, os.path.join(work, f"vidstab_{mode}"), CheckpointConfig(keep=1, async_save=mode == "async"))
+    for mode, cfg in (("sync", dict(async_save=False)), ("sync_sha256", dict(async_save=False, checksum="sha256")),
+                      ("async", dict(async_save=True))):
+        m = CheckpointManager(acc, os.path.join(work, f"vidstab_{mode}"), CheckpointConfig(keep=1, **cfg))
         m.register("model", model)
         m.register("optimizer", opt)
         managers[mode] = m
@@ -110,19 +120,22 @@ def main(argv: list[str] | None = None) -> int:
             sizes["bare"] = dir_bytes(out)
             shutil.rmtree(out)
 
-            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
-            t = time.perf_counter()
-            sha256_only()
-            times["sha256_only"].append(time.perf_counter() - t)
-            sizes["sha256_only"] = sizes["bare"]
+            for algo in ("crc32", "sha256"):
+                os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
+                t = time.perf_counter()
+                checksum_only(algo)
+                times[f"{algo}_only"].append(time.perf_counter() - t)
+                sizes[f"{algo}_only"] = sizes["bare"]
 
-            managers["sync"].wait()  # let the previous rotation finish freeing bytes (others rmtree untimed too)
-            os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
-            t = time.perf_counter()
-            path = managers["sync"].save(rep + 1, healthy=True, trainer_state={"step": rep + 1})
-            times["vidstab_sync"].append(time.perf_counter() - t)
-            sizes["vidstab_sync"] = dir_bytes(path)
+            for mode in ("sync", "sync_sha256"):
+                settle()
+                os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
+                t = time.perf_counter()
+                path = managers[mode].save(rep + 1, healthy=True, trainer_state={"step": rep + 1})
+                times[f"vidstab_{mode}"].append(time.perf_counter() - t)
+                sizes[f"vidstab_{mode}"] = dir_bytes(path)
 
+            settle()
             os.sync()  # no dirty data left by the previous method (accelerate's is never fsync'd)
             t = time.perf_counter()
             path = managers["async"].save(rep + 1, healthy=True, trainer_state={"step": rep + 1})
@@ -153,12 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {k: round(v, 4) for k, v in med.items()},
         "bytes": sizes,
         "sync_vs_bare": round(med["vidstab_sync"] / med["bare"], 3),
-        "sync_vs_floor": round(med["vidstab_sync"] / max(med["bare"], med["sha256_only"]), 3),
+        "sync_vs_floor": round(med["vidstab_sync"] / max(med["bare"], med["crc32_only"]), 3),
+        "sync_sha256_vs_bare": round(med["vidstab_sync_sha256"] / med["bare"], 3),
         "async_stall_vs_sync": round(med["vidstab_async_stall"] / med["vidstab_sync"], 3),
         "accelerate_vs_bare": round(med["accelerate_save_state"] / med["bare"], 3),
     }
     res["targets_met"] = res["sync_vs_bare"] <= 1.25 and res["async_stall_vs_sync"] <= 0.2
-    print(f"vidstab sync = {res['sync_vs_bare']:.2f} x bare (target <= 1.25); async stall = "
+    print(f"vidstab sync (crc32) = {res['sync_vs_bare']:.2f} x bare (target <= 1.25); with sha256 = "
+          f"{res['sync_sha256_vs_bare']:.2f} x bare; async stall = "
           f"{res['async_stall_vs_sync']:.2f} x sync (target <= 0.2); accelerate save_state = "
           f"{res['accelerate_vs_bare']:.2f} x bare")
     print(json.dumps(res))

@@ -209,7 +209,7 @@ def test_exception_flag_requests_rollback_on_every_rank(tmp_path):
     r = results[1]
     assert r.verdict == Verdict.ROLLBACK and r.rollback.startswith("exception:") and not r.applied
     assert r.bad_ranks == [0]
-    assert [e["detector"] for e in read_events(tmp_path, "rollback")] == ["exception"]
+    assert [e["detector"] for e in read_events(tmp_path, "rollback_request")] == ["exception"]
 
 
 def test_request_stop_is_seen_at_the_next_step(tmp_path):

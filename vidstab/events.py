@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 SCHEMA = 1
-KINDS = ("metrics", "warn", "skip", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow")
+KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow")
 
 
 def events_dir(run_dir: str | Path) -> Path:

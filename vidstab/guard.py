@@ -34,7 +34,8 @@ from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, jud
 from .events import EventLog, log_to_trackers
 
 GUARD_STATE_FILE = "vidstab_guard.json"
-_KIND = {Verdict.WARN: "warn", Verdict.SKIP: "skip", Verdict.ROLLBACK: "rollback"}
+# A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
+_KIND = {Verdict.WARN: "warn", Verdict.SKIP: "skip", Verdict.ROLLBACK: "rollback_request"}
 
 
 @dataclass

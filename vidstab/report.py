@@ -58,7 +58,7 @@ MAX_POINTS = 2000
 #: Rows of the event table before it is cut (the full log stays in the JSONL files).
 MAX_EVENT_ROWS = 500
 #: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
-TABLE_KINDS = ("warn", "skip", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow")
+TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow")
 # An events-rank{R}.jsonl file is named by its rank.
 _RANK_PREFIX = "events-rank"
 # (attempt, step) packed into one int64 key for numpy group-by: steps stay below 2**40.

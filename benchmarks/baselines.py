@@ -419,7 +419,7 @@ def _heavy_clip_rate(config):
     """Prototype of the proposed ``clip_rate`` rule: warn when clipping is the engine -- most of the window
     clipped AND the median pre-clip norm at least ``min_clip_factor`` x ``max_grad_norm`` (clipping then cuts
     a typical update by more than half) -- once per run. Healthy runs of this model clip 80-99% of steps
-    but only mildly (windowed median norm <= 1.77x max_grad_norm over 20,000 steps), which is advice at
+    but only mildly (windowed median norm <= 1.71x max_grad_norm over 20,000 steps), which is advice at
     most; an over-scaled init sits at 5-240x."""
     from collections import deque as _deque
     import statistics as _st

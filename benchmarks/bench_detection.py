@@ -75,9 +75,8 @@ def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judge
             out.alarms["vidstab"].append(r.step)
         for f in findings:
             out.alarms.setdefault(f"vidstab:{f.detector}", []).append(r.step)
-            if f.verdict >= 2:  # SKIP or ROLLBACK: the guard acts, not only warns
-                if not out.alarms.get("vidstab[act]") or out.alarms["vidstab[act]"][-1] != r.step:
-                    out.alarms.setdefault("vidstab[act]", []).append(r.step)
+        if any(f.verdict >= 2 for f in findings):  # SKIP or ROLLBACK: the guard acts, not only warns
+            out.alarms.setdefault("vidstab[act]", []).append(r.step)
     out.alarms.setdefault("vidstab[act]", [])
     if proposals:
         prop = B.ProposedReplay()

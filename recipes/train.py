@@ -41,6 +41,11 @@ from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
 
 logger = get_logger("vidstab.train")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+# Flags that steer a run but not its numbers: a resume may change them without a "config changed" warning.
+RUN_CONTROL_FLAGS = {
+    "config", "output_dir", "max_train_steps", "resume_from_checkpoint", "checkpointing_steps", "checkpoints_total_limit",
+    "no_async_save", "report_to", "logging_steps", "dataloader_num_workers", "inject_fault", "audit", "max_retries",
+}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -248,7 +253,7 @@ class Run:
         guard_config.num_train_timesteps = args.num_train_timesteps
         self.checkpoints = CheckpointManager(
             acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save),
-            config_hash=vidstab.config_hash(vars(args)) if hasattr(vidstab, "config_hash") else None,
+            config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
         )
         self.guard = vidstab.attach(
             acc, self.model, self.optimizer, self.lr_scheduler, config=guard_config, run_dir=out, seed=args.seed,
@@ -332,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     acc.print(str(exc))
                     exit_code = 3
                     break
+                acc.log({"vidstab/rollbacks": run.recovery.retries, "vidstab/lr_multiplier": guard.lr_multiplier}, step=step)
                 run.faults.on_rollback()
                 step = int(state["step"])
                 progress.n = step

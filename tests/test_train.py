@@ -52,6 +52,17 @@ def test_loss_clearly_drops_over_100_steps(tmp_path):
     assert last < 0.8 * first, f"loss did not drop: first10={first:.4f} last10={last:.4f}"
 
 
+def test_flow_matching_ema_accumulation_checkpointing_train_and_resume(tmp_path):
+    out = tmp_path / "run"
+    flags = ["--checkpointing_steps", "2", "--use_ema", "--prediction_type", "flow_matching", "--gradient_accumulation_steps", "2",
+             "--gradient_checkpointing", "--attention_type", "full", "--pos_embed", "sincos"]
+    run_trainer(out, "--max_train_steps", "2", *flags)
+    assert (out / "checkpoints" / "step_000002" / "ema.safetensors").is_file()
+    proc = run_trainer(out, "--max_train_steps", "4", "--resume_from_checkpoint", "latest", *flags)
+    assert "done: 4/4 steps" in proc.stdout and "written with config" not in proc.stdout + proc.stderr
+    assert [m["step"] for m in events(out, kind="metrics")][-2:] == [2, 3]
+
+
 def test_bad_config_value_is_a_clear_error(tmp_path):
     proc = run_trainer(tmp_path / "run", "--max_train_steps", "0", check=False)
     assert proc.returncode != 0 and "--max_train_steps must be >= 1" in proc.stderr

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from . import statedict_io as sio
+from .events import log_event
 
 __all__ = ["CheckpointConfig", "CheckpointError", "CheckpointInfo", "CheckpointManager", "verify_checkpoint_files"]
 
@@ -564,7 +565,7 @@ class CheckpointManager:
         job.path = final
         seconds = time.perf_counter() - job.t0
         self._rotate()
-        _log_event(self.output_dir, self.rank, "checkpoint", job.step, path=_rel(final, self.output_dir),
+        log_event(self.output_dir, self.rank, "checkpoint", job.step, path=_rel(final, self.output_dir),
                    healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
@@ -905,19 +906,3 @@ def _set_rng_state(st: dict) -> None:
         else:
             logger.warning("checkpoint has %d CUDA RNG states, this process sees %d devices; CUDA RNG not restored",
                            len(states), torch.cuda.device_count())
-
-
-def _log_event(output_dir: str, rank: int, kind: str, step: int, **fields: Any) -> None:
-    """Log to the vidstab event log if vidstab.events is available (it is optional for this module)."""
-    try:
-        from .events import EventLog
-    except Exception:  # noqa: BLE001
-        return
-    try:
-        log = EventLog(output_dir, rank)
-        try:
-            log.log(kind, step, **fields)
-        finally:
-            log.close()
-    except Exception as e:  # noqa: BLE001 - logging must never fail a checkpoint
-        logger.debug("event log failed: %s", e)

@@ -12,6 +12,7 @@ fault | overflow``. Non-finite floats are written as ``null`` (strict JSON, read
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -74,6 +75,21 @@ class EventLog:
             self._f.close()
         except Exception:
             pass
+
+
+def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: Any) -> None:
+    """Append one event from code that holds no :class:`EventLog` (checkpointing, recovery).
+
+    Never raises: losing one log line must not fail a checkpoint or a rollback.
+    """
+    try:
+        log = EventLog(run_dir, rank)
+        try:
+            log.log(kind, step, **fields)
+        finally:
+            log.close()
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger(__name__).debug("event log failed: %s", exc)
 
 
 def read_events(run_dir: str | Path, kinds: str | tuple[str, ...] | None = None) -> list[dict]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import statedict_io as sio
+from .events import log_event
 from .checkpoint import CheckpointError, CheckpointManager
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted"]
@@ -128,7 +129,7 @@ class Recovery:
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "lr_multiplier": target})
         self._persist()
-        _log_event(self.run_dir, self.accelerator.process_index, "rollback", int(step), reason=reason_text,
+        log_event(self.run_dir, self.accelerator.process_index, "rollback", int(step), reason=reason_text,
                    checkpoint=info["path"], to_step=info["step"], retries=self.retries, lr_multiplier=target,
                    skip_data=self.config.skip_data, incident=incident)
         logger.warning("rollback %d/%d at step %d -> %s (step %d), LR x%.4g, %s data: %s", self.retries,
@@ -156,18 +157,3 @@ class Recovery:
         sio.write_bytes(tmp, json.dumps(self.state, indent=1).encode())
         os.replace(tmp, path)
         sio.fsync_dir(os.path.dirname(path))
-
-
-def _log_event(run_dir: str, rank: int, kind: str, step: int, **fields: Any) -> None:
-    try:
-        from .events import EventLog
-    except Exception:  # noqa: BLE001 - events are optional for this module
-        return
-    try:
-        log = EventLog(run_dir, rank)
-        try:
-            log.log(kind, step, **fields)
-        finally:
-            log.close()
-    except Exception as e:  # noqa: BLE001
-        logger.debug("event log failed: %s", e)

@@ -55,6 +55,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .atomic import fsync_dir
 from .localize import tensor_stats
 
 __all__ = [
@@ -320,19 +321,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_incident(
     run_dir: str | os.PathLike,
     *,
@@ -424,7 +412,7 @@ def write_incident(
         (tmp / META_FILE).write_text(text, encoding="utf-8")
         for f in (BATCH_FILE, META_FILE):
             _fsync_file(tmp / f)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         n = 1
         while True:
             final = incidents / (base if n == 1 else f"{base}-{n}")
@@ -435,7 +423,7 @@ def write_incident(
                 if not final.exists():
                     raise
                 n += 1
-        _fsync_dir(incidents)
+        fsync_dir(incidents)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

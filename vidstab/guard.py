@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -29,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from . import signals
+from .atomic import write_json_atomic
 from .config import GuardConfig
 from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge
 from .events import EventLog, log_to_trackers
@@ -558,23 +557,6 @@ def _set_skipped(optimizer: Any, skipped: bool) -> None:
     AcceleratedScheduler (which then holds the schedule)."""
     if hasattr(optimizer, "_is_overflow"):
         optimizer._is_overflow = skipped
-
-
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to ``path`` atomically (temp file in the same folder, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def attach(

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import statedict_io as sio
+from .atomic import write_json_atomic
 from .events import log_event
 from .checkpoint import CheckpointError, CheckpointManager
 
@@ -149,11 +149,4 @@ class Recovery:
     def _persist(self) -> None:
         if not self.accelerator.is_main_process:
             return
-        path = os.path.join(self.run_dir, STATE_FILE)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        sio.write_bytes(tmp, json.dumps(self.state, indent=1).encode())
-        os.replace(tmp, path)
-        sio.fsync_dir(os.path.dirname(path))
+        write_json_atomic(os.path.join(self.run_dir, STATE_FILE), self.state)

@@ -43,6 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from .atomic import write_json_atomic
 from .capture import Incident, IncidentError, json_float, list_incidents, read_incident, sample_report, to_json_safe
 from .checkpoint import CheckpointError, verify_checkpoint_files
 from .localize import locate_nonfinite
@@ -582,11 +583,8 @@ def replay(
 
     out = Path(json_path) if json_path is not None else inc.path / REPORT_FILE
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
         report.json_path = str(out)
-        tmp.write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        os.replace(tmp, out)  # a reader never sees half a report
+        write_json_atomic(out, report.to_dict(), allow_nan=False)  # a reader never sees half a report
     except OSError as e:
         report.json_path = None
         report.notes.append(f"could not write the JSON report to {out}: {e}")

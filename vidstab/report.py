@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import write_atomic
+
 #: Section headings, in page order; every one is on every report.
 SECTIONS = (
     "Summary",
@@ -859,8 +861,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
     out = Path(out) if out is not None else run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = render_report(run_dir, out.parent)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return write_atomic(out, render_report(run_dir, out.parent))

@@ -26,6 +26,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from .atomic import fsync_dir
+
 __all__ = [
     "flatten",
     "unflatten",
@@ -323,12 +325,3 @@ def fsync_files(paths: list[str]) -> None:
 
     with ThreadPoolExecutor(max_workers=min(8, len(paths)), thread_name_prefix="vidstab-fsync") as ex:
         list(ex.map(one, paths))  # list() re-raises the first error
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so that entries created/renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

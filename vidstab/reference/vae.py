@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from vidstab.atomic import fsync_dir
 from vidstab.reference.data import BadSampleError, collate_videos, validate_video
 
 __all__ = [
@@ -393,14 +394,6 @@ def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict:
     """Write shards + manifest (last) into a temporary folder beside ``cache_dir``, then swap it in."""
     parent = cache_dir.parent
@@ -431,7 +424,7 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
         # A folder cannot be renamed over a non-empty one: move the old cache aside, move the new one in.
         old = None
@@ -439,7 +432,7 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
             old = parent / f".old-{cache_dir.name}-{uuid.uuid4().hex[:8]}"
             os.rename(cache_dir, old)
         os.rename(tmp, cache_dir)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         # Left-overs of a swap interrupted by a crash are never in use: tidy them.

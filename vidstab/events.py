@@ -57,9 +57,13 @@ class EventLog:
 
     def log(self, kind: str, step: int, **fields: Any) -> dict:
         """Append one event and return it (as written)."""
-        rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind)}
-        rec.update(_clean(fields))
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
+        try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
+            line = json.dumps(rec, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError):
+            rec = _clean(rec)
+            line = json.dumps(rec, separators=(",", ":"))
+        self._f.write(line + "\n")
         self._f.flush()
         return rec
 

@@ -143,33 +143,37 @@ class Window:
         dt, dev = self.dtype, self.device
         loss_d = loss.detach().to(dev, dt).mean() if loss.numel() else torch.zeros((), device=dev, dtype=dt)
         finite = torch.isfinite(loss_d)
-        zero = torch.zeros((), device=dev, dtype=dt)
-        absmax, s, ss, cnt, nonfin = zero, zero, zero, zero, zero
-        for key in self.input_keys:
-            x = batch.get(key) if batch is not None else None
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
-                continue
-            # Finite-only statistics, reduced in fp32 from the input's own dtype (no fp64 copy of the latents).
-            x = x.detach()
-            fin = torch.isfinite(x)
-            xz = torch.where(fin, x, torch.zeros((), device=x.device, dtype=x.dtype))
-            st = torch.stack([
-                torch.linalg.vector_norm(xz, ord=math.inf, dtype=torch.float32),
-                xz.sum(dtype=torch.float32),
-                torch.linalg.vector_norm(xz, ord=2, dtype=torch.float32).square(),
-            ]).to(dev, dt)
-            n_fin = fin.sum().to(dev, dt)  # int64 count: exact beyond fp32's 2**24
-            absmax = torch.maximum(absmax, st[0])
-            s, ss, cnt = s + st[1], ss + st[2], cnt + n_fin
-            nonfin = nonfin + (x.numel() - n_fin)
-        exc = torch.full((), float(error), device=dev, dtype=dt)
-        seg = torch.stack([torch.where(finite, loss_d, zero), finite.to(dt), (~finite).to(dt), exc])
-        self.acc[LOSS_SUM:EXCEPTIONS + 1] += seg
-        self.acc[IN_ABSMAX] = torch.maximum(self.acc[IN_ABSMAX], absmax)
-        self.acc[IN_SUM:IN_NONFINITE + 1] += torch.stack([s, ss, cnt, nonfin])
+        # [loss_sum, loss_count, loss_nonfinite, exceptions] then [absmax, sum, sumsq, count, nonfinite]:
+        # built as one vector so the window update is a couple of ops (this runs every micro-step).
+        loss_part = torch.stack([torch.nan_to_num(loss_d, nan=0.0, posinf=0.0, neginf=0.0), finite.to(dt),
+                                 (~finite).to(dt), torch.full((), float(error), device=dev, dtype=dt)])
+        inputs = [x.detach() for x in (batch.get(k) if batch is not None else None for k in self.input_keys)
+                  if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0]
+        if inputs:
+            per_key = []
+            for x in inputs:
+                # Finite-only statistics in fp32 (no fp64 copy of the latents); non-finite values count apart.
+                xz = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+                nonfinite = (xz != x).sum()  # NaN != anything; an inf became 0
+                per_key.append(torch.stack([
+                    torch.linalg.vector_norm(xz, ord=math.inf, dtype=torch.float32),
+                    xz.sum(dtype=torch.float32),
+                    torch.linalg.vector_norm(xz, ord=2, dtype=torch.float32).square(),
+                    (x.numel() - nonfinite).float(), nonfinite.float(),
+                ]).to(dev, dt))
+            if len(per_key) == 1:
+                in_part = per_key[0]
+            else:  # several input tensors: the largest absmax, the other statistics summed
+                keys = torch.stack(per_key)
+                in_part = torch.cat([keys[:, :1].amax(0), keys[:, 1:].sum(0)])
+        else:
+            in_part = torch.zeros(5, device=dev, dtype=dt)
+        self.acc[LOSS_SUM:EXCEPTIONS + 1] += loss_part
+        self.acc[IN_ABSMAX] = torch.maximum(self.acc[IN_ABSMAX], in_part[0])
+        self.acc[IN_SUM:IN_NONFINITE + 1] += in_part[1:]
         if per_sample_loss is not None and timesteps is not None:
             self._buckets(per_sample_loss, timesteps)
-        self.micro.append(torch.stack([(~finite).to(dt), nonfin, absmax, exc]))
+        self.micro.append(torch.stack([loss_part[2], in_part[4], in_part[0], loss_part[3]]))
 
     def _buckets(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
         nb = self.layout.buckets

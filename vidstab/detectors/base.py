@@ -200,3 +200,59 @@ class EMAStat:
     def load_state_dict(self, d: dict) -> None:
         self.mean, self.var, self.count = float(d["mean"]), float(d["var"]), int(d["count"])
         self.beta = float(d.get("beta", self.beta))
+
+
+class EMAJumpDetector(Detector):
+    """Shared logic of the "a signal jumped against its own EMA" detectors (LR, update ratio, input range).
+
+    After ``warmup`` absorbed values, flag when ``value / EMA >= config.ratio``; the flagged value is not
+    absorbed, and no new warning comes for ``config.quiet_steps`` steps while later values ARE absorbed, so
+    a deliberate new level becomes the reference instead of warning forever. Subclasses say which value
+    they watch (:meth:`value`), how to word it (:meth:`describe`) and whether skipped steps count.
+    """
+
+    absorb_skipped: ClassVar[bool] = True
+    """Whether values of skipped steps feed the EMA (true for values that are not the step's fault)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.ema = EMAStat(beta=config.beta)
+        self.quiet_until = -1
+        self._flagged_step: int | None = None
+
+    def value(self, s: StepStats) -> float | None:  # pragma: no cover - interface
+        """The watched value of this step (``None`` when not measured)."""
+        raise NotImplementedError
+
+    @property
+    def warmup(self) -> int:
+        return self.config.warmup_steps
+
+    def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
+        return self.finding(f"{self.name} {value:.4g} is {ratio:.1f}x its EMA {self.ema.mean:.4g}",
+                            {self.name: value, "ema": self.ema.mean, "ratio": ratio})
+
+    def observe(self, s: StepStats) -> Finding | None:
+        x = self.value(s)
+        if x is None or not math.isfinite(x) or x <= 0 or self.ema.count < self.warmup or s.step < self.quiet_until:
+            return None
+        r = self.ema.ratio(x)
+        if r < self.config.ratio:
+            return None
+        self._flagged_step = s.step
+        return self.describe(s, x, r)
+
+    def update(self, s: StepStats) -> None:
+        if self._flagged_step == s.step:
+            self.quiet_until = s.step + self.config.quiet_steps
+            return
+        x = self.value(s)
+        if x is not None and x > 0 and (s.applied or self.absorb_skipped):
+            self.ema.add(x)
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict(), "quiet_until": self.quiet_until}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.ema.load_state_dict(d["ema"])
+        self.quiet_until = int(d.get("quiet_until", -1))

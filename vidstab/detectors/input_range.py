@@ -7,10 +7,9 @@ guard records for ``GuardConfig.input_keys`` cannot.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
@@ -40,38 +39,15 @@ class InputRangeConfig:
         check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
 
 
-class InputRangeDetector(Detector):
+class InputRangeDetector(EMAJumpDetector):
     """Ratio of the input absmax to its EMA; names the rank(s) holding the extreme input."""
 
     name = "input_range"
 
-    def __init__(self, config: InputRangeConfig) -> None:
-        super().__init__(config)
-        self.ema = EMAStat(beta=config.beta)
-        self.quiet_until = -1
-        self._flagged_step: int | None = None
+    def value(self, s: StepStats) -> float | None:
+        return s.input_absmax
 
-    def observe(self, s: StepStats) -> Finding | None:
-        x = s.input_absmax
-        if not math.isfinite(x) or x <= 0 or self.ema.count < self.config.warmup_steps or s.step < self.quiet_until:
-            return None
-        r = self.ema.ratio(x)
-        if r < self.config.ratio:
-            return None
-        self._flagged_step = s.step
+    def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
         ranks = [i for i, v in enumerate(s.rank_input_absmax) if v >= self.config.ratio * self.ema.mean]
-        return self.finding(f"input absmax {x:.4g} is {r:.1f}x its EMA {self.ema.mean:.4g} (rank(s) {ranks})",
-                            {"input_absmax": x, "ema": self.ema.mean, "ratio": r}, ranks)
-
-    def update(self, s: StepStats) -> None:
-        if self._flagged_step == s.step:
-            self.quiet_until = s.step + self.config.quiet_steps
-        elif s.input_absmax > 0:
-            self.ema.add(s.input_absmax)
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict(), "quiet_until": self.quiet_until}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.ema.load_state_dict(d["ema"])
-        self.quiet_until = int(d.get("quiet_until", -1))
+        return self.finding(f"input absmax {value:.4g} is {ratio:.1f}x its EMA {self.ema.mean:.4g} (rank(s) {ranks})",
+                            {"input_absmax": value, "ema": self.ema.mean, "ratio": ratio}, ranks)

@@ -7,10 +7,9 @@ the gradient norm can stay flat until the run is already breaking, while the LR 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
@@ -41,37 +40,14 @@ class LRJumpConfig:
         check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
 
 
-class LRJumpDetector(Detector):
+class LRJumpDetector(EMAJumpDetector):
     """Ratio of the LR to its EMA after warm-up; the flagged step is not absorbed, the quiet period is."""
 
     name = "lr_jump"
 
-    def __init__(self, config: LRJumpConfig) -> None:
-        super().__init__(config)
-        self.ema = EMAStat(beta=config.beta)
-        self.quiet_until = -1
-        self._flagged_step: int | None = None
+    def value(self, s: StepStats) -> float | None:
+        return s.lr
 
-    def observe(self, s: StepStats) -> Finding | None:
-        lr = s.lr
-        if lr is None or not math.isfinite(lr) or self.ema.count < self.config.warmup_steps or s.step < self.quiet_until:
-            return None
-        r = self.ema.ratio(lr)
-        if r < self.config.ratio:
-            return None
-        self._flagged_step = s.step
-        return self.finding(f"learning rate {lr:.3g} is {r:.1f}x its EMA {self.ema.mean:.3g}",
-                            {"lr": lr, "ema": self.ema.mean, "ratio": r})
-
-    def update(self, s: StepStats) -> None:
-        if self._flagged_step == s.step:
-            self.quiet_until = s.step + self.config.quiet_steps
-        elif s.lr is not None:
-            self.ema.add(s.lr)
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict(), "quiet_until": self.quiet_until}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.ema.load_state_dict(d["ema"])
-        self.quiet_until = int(d.get("quiet_until", -1))
+    def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
+        return self.finding(f"learning rate {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g}",
+                            {"lr": value, "ema": self.ema.mean, "ratio": ratio})

@@ -7,10 +7,9 @@ in 20k healthy steps). Uses the ratio the guard measures every ``param_norm_ever
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
@@ -39,37 +38,19 @@ class UpdateRatioConfig:
         check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
 
 
-class UpdateRatioDetector(Detector):
+class UpdateRatioDetector(EMAJumpDetector):
     """Ratio of the measured update ratio to its EMA; only applied steps are absorbed."""
 
     name = "update_ratio"
+    absorb_skipped = False
 
-    def __init__(self, config: UpdateRatioConfig) -> None:
-        super().__init__(config)
-        self.ema = EMAStat(beta=config.beta)
-        self.quiet_until = -1
-        self._flagged_step: int | None = None
+    @property
+    def warmup(self) -> int:
+        return self.config.warmup_samples
 
-    def observe(self, s: StepStats) -> Finding | None:
-        u = s.update_ratio
-        if u is None or not math.isfinite(u) or self.ema.count < self.config.warmup_samples or s.step < self.quiet_until:
-            return None
-        r = self.ema.ratio(u)
-        if r < self.config.ratio:
-            return None
-        self._flagged_step = s.step
-        return self.finding(f"update/weight ratio {u:.3g} is {r:.1f}x its EMA {self.ema.mean:.3g}",
-                            {"update_ratio": u, "ema": self.ema.mean, "ratio": r})
+    def value(self, s: StepStats) -> float | None:
+        return s.update_ratio
 
-    def update(self, s: StepStats) -> None:
-        if self._flagged_step == s.step:
-            self.quiet_until = s.step + self.config.quiet_steps
-        elif s.update_ratio is not None and s.applied:
-            self.ema.add(s.update_ratio)
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict(), "quiet_until": self.quiet_until}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.ema.load_state_dict(d["ema"])
-        self.quiet_until = int(d.get("quiet_until", -1))
+    def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
+        return self.finding(f"update/weight ratio {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g}",
+                            {"update_ratio": value, "ema": self.ema.mean, "ratio": ratio})

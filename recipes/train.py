@@ -349,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
+        # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
+        run.checkpoints.wait()
     progress.close()
-    run.checkpoints.wait()
     acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()

@@ -246,7 +246,7 @@ def markdown(fig: dict, rows: list[str], e2e: dict | None) -> str:
     if e2e:
         out += ["", "| scenario | arm | finished | final loss | x clean | diverged | steps lost |", "|---|---|---|---|---|---|---|"]
         for name, row in e2e.items():
-            for arm in ("vidstab", "no_vidstab"):
+            for arm in [a for a in ("vidstab", "no_vidstab", "vidstab+cfg") if a in row]:
                 r = row[arm]
                 rel, loss = r["rel_to_clean"], r["final_loss"]
                 rel = f"{rel:.3g}" if isinstance(rel, float) else str(rel)
@@ -261,16 +261,34 @@ def markdown(fig: dict, rows: list[str], e2e: dict | None) -> str:
 # ------------------------------------------------------------------------------------------------------
 # End-to-end: the reference trainer with recovery on
 # ------------------------------------------------------------------------------------------------------
-E2E_STEPS, E2E_FAULT_STEP, E2E_CKPT = 120, 60, 20
 E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "big_latent_flow")
-TRAIN_FLAGS = ["--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32", "--num_heads", "2",
-               "--report_to", "none", "--no_async_save", "--checkpointing_steps", str(E2E_CKPT),
-               "--max_train_steps", str(E2E_STEPS)]
 
 
-def _train(out: Path, *extra: str, timeout: float = 600) -> dict:
+@dataclass
+class E2ESetup:
+    """The end-to-end trainer runs."""
+
+    steps: int = 120
+    """``--max_train_steps``."""
+    fault_step: int = 60
+    """Step the scenario's fault is moved to."""
+    checkpointing_steps: int = 20
+    """``--checkpointing_steps`` (rollbacks go back to the last good one)."""
+    scenarios: tuple[str, ...] = E2E_SCENARIOS
+    """Catalogue scenarios run end to end."""
+    extra_config: str | None = None
+    """A ``--vidstab_config`` YAML for a third arm ``vidstab+cfg`` (e.g. a proposed detector policy)."""
+
+    def flags(self) -> list[str]:
+        return ["--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32", "--num_heads", "2",
+                "--report_to", "none", "--no_async_save", "--checkpointing_steps", str(self.checkpointing_steps),
+                "--max_train_steps", str(self.steps)]
+
+
+def _train(out: Path, *extra: str, setup: E2ESetup | None = None, timeout: float = 600) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--output_dir", str(out), *TRAIN_FLAGS, *extra]
+    cmd = [sys.executable, str(REPO / "recipes" / "train.py"), "--output_dir", str(out),
+           *(setup or E2ESetup()).flags(), *extra]
     t = time.time()
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -323,8 +341,10 @@ def steps_lost(run_dir: Path) -> int:
     return skipped + rolled
 
 
-def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2) -> dict:
-    """Clean run + (vidstab on, off) per scenario, all with ``seed``; returns the outcome table."""
+def run_e2e(setup: E2ESetup, seed: int, workdir: Path, parallel: int = 2) -> dict:
+    """Clean runs + (vidstab on, off[, +cfg]) per scenario, all with ``seed``; returns the outcome table."""
+    names = setup.scenarios
+    arms = ("vidstab", "no_vidstab") + (("vidstab+cfg",) if setup.extra_config else ())
     jobs = {"clean": []}
     for name in names:
         s = C.get(name)
@@ -334,10 +354,12 @@ def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2)
         for f in s.faults:  # same fault, moved to the e2e step
             kind, rest = f.split("@", 1)
             arg = rest.split("=", 1)[1] if "=" in rest else None
-            specs += ["--inject_fault", f"{kind}@{E2E_FAULT_STEP}" + (f"={arg}" if arg else "")]
+            specs += ["--inject_fault", f"{kind}@{setup.fault_step}" + (f"={arg}" if arg else "")]
         extra = [*s.train_args, *specs]
         jobs[f"{name}|vidstab"] = extra
         jobs[f"{name}|no_vidstab"] = [*extra, "--no_vidstab"]
+        if setup.extra_config:
+            jobs[f"{name}|vidstab+cfg"] = [*extra, "--vidstab_config", str(setup.extra_config)]
     clean_needed = {tuple(C.get(n).train_args) for n in names}
     for i, targs in enumerate(sorted(clean_needed)):
         jobs[f"clean{i}"] = list(targs)  # vidstab on: any step it skips or rolls back on a clean run is a false action
@@ -347,10 +369,10 @@ def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2)
 
     def go(key):
         out = workdir / key.replace("|", "-")
-        res = _train(out, "--seed", str(seed), *jobs[key])
+        res = _train(out, "--seed", str(seed), *jobs[key], setup=setup)
         res["eval_loss"] = eval_loss(out)
         res["steps_lost"] = steps_lost(out)
-        res["finished"] = res["rc"] == 0 and f"done: {E2E_STEPS}/{E2E_STEPS} steps" in res["stdout"]
+        res["finished"] = res["rc"] == 0 and f"done: {setup.steps}/{setup.steps} steps" in res["stdout"]
         return key, res
 
     with ThreadPoolExecutor(max_workers=parallel) as ex:
@@ -363,12 +385,12 @@ def run_e2e(names: tuple[str, ...], seed: int, workdir: Path, parallel: int = 2)
             continue
         clean = clean_of[tuple(C.get(name).train_args)]
         row = {}
-        for arm in ("vidstab", "no_vidstab"):
+        for arm in arms:
             r = results[f"{name}|{arm}"]
             rel = r["eval_loss"] / clean if math.isfinite(r["eval_loss"]) and clean > 0 else math.inf
             row[arm] = {"finished": r["finished"], "rc": r["rc"], "final_loss": _num(r["eval_loss"]),
                         "diverged": not (math.isfinite(rel) and rel <= 3.0),
-                        "rel_to_clean": _num(rel), "steps_lost": r["steps_lost"] if arm == "vidstab" else None,
+                        "rel_to_clean": _num(rel), "steps_lost": r["steps_lost"] if arm != "no_vidstab" else None,
                         "seconds": r["seconds"]}
         row["clean_loss"] = _num(clean)
         i = sorted(clean_needed).index(tuple(C.get(name).train_args))
@@ -382,12 +404,13 @@ def _num(x: float):
     return round(x, 4) if isinstance(x, float) and math.isfinite(x) else (None if x is None else str(x))
 
 
-def print_e2e(table: dict) -> None:
-    print(f"\n== End-to-end, recovery on (recipes/train.py, {E2E_STEPS} steps, fault at step {E2E_FAULT_STEP}, "
-          f"checkpoint every {E2E_CKPT}) ==")
+def print_e2e(table: dict, setup: E2ESetup) -> None:
+    print(f"\n== End-to-end, recovery on (recipes/train.py, {setup.steps} steps, fault at step {setup.fault_step}, "
+          f"checkpoint every {setup.checkpointing_steps}"
+          + (f"; vidstab+cfg = --vidstab_config {setup.extra_config}" if setup.extra_config else "") + ") ==")
     print(f"{'scenario':18s} {'arm':11s} {'finished':>8s} {'final loss':>11s} {'x clean':>9s} {'diverged':>8s} {'steps lost':>10s}")
     for name, row in table.items():
-        for arm in ("vidstab", "no_vidstab"):
+        for arm in [a for a in ("vidstab", "no_vidstab", "vidstab+cfg") if a in row]:
             r = row[arm]
             rel = r["rel_to_clean"]
             rel = f"{rel:.3g}" if isinstance(rel, float) else str(rel)
@@ -406,6 +429,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="Smoke subset (< 60 s): 3 scenarios x 1 seed, 2 healthy seeds, no e2e.")
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--e2e-seed", type=int, default=0)
+    ap.add_argument("--e2e-steps", type=int, default=E2ESetup.steps)
+    ap.add_argument("--e2e-fault-step", type=int, default=E2ESetup.fault_step)
+    ap.add_argument("--e2e-scenarios", type=str, default=",".join(E2E_SCENARIOS), help="Comma-separated scenario names.")
+    ap.add_argument("--e2e-vidstab-config", type=str, default=None,
+                    help="YAML for a third end-to-end arm (vidstab+cfg), e.g. a proposed detector policy.")
     ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
     ap.add_argument("--markdown", type=str, default=None, help="Also write the tables as Markdown to this file.")
     ap.add_argument("--proposals", action="store_true",
@@ -455,8 +483,11 @@ def main(argv: list[str] | None = None) -> dict:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-        e2e = run_e2e(E2E_SCENARIOS, args.e2e_seed, work)
-        print_e2e(e2e)
+        setup = E2ESetup(steps=args.e2e_steps, fault_step=args.e2e_fault_step,
+                         scenarios=tuple(x for x in args.e2e_scenarios.split(",") if x),
+                         extra_config=str(Path(args.e2e_vidstab_config).resolve()) if args.e2e_vidstab_config else None)
+        e2e = run_e2e(setup, args.e2e_seed, work)
+        print_e2e(e2e, setup)
     elif args.quick:
         print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 

@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not torch.cuda.is_available():
         print("note: fp16_overflow needs CUDA; skipped on this CPU-only machine")
+    else:
+        print("note: fp16_overflow runs end to end only (the signal recorder is fp32 on CPU)")
     scen = [s for s in C.SCENARIOS if not (s.cuda_only and not torch.cuda.is_available())]
     # The fp16 scenario is not recordable by the CPU recorder (fp32); it only runs end-to-end on CUDA.
     scen = [s for s in scen if not s.cuda_only]
@@ -483,8 +485,10 @@ def main(argv: list[str] | None = None) -> dict:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-        setup = E2ESetup(steps=args.e2e_steps, fault_step=args.e2e_fault_step,
-                         scenarios=tuple(x for x in args.e2e_scenarios.split(",") if x),
+        names = tuple(x for x in args.e2e_scenarios.split(",") if x)
+        if torch.cuda.is_available() and "fp16_overflow" not in names:
+            names += ("fp16_overflow",)  # GradScaler overflow: only meaningful (and possible) on CUDA
+        setup = E2ESetup(steps=args.e2e_steps, fault_step=args.e2e_fault_step, scenarios=names,
                          extra_config=str(Path(args.e2e_vidstab_config).resolve()) if args.e2e_vidstab_config else None)
         e2e = run_e2e(setup, args.e2e_seed, work)
         print_e2e(e2e, setup)

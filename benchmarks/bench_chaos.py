@@ -17,7 +17,8 @@ Every segment restarts with ``--resume_from_checkpoint latest``; the last one ru
 runs resumed and finished; checkpoints lost (a checkpoint that was complete on disk -- valid manifest --
 and that we did not damage, found missing or failing its manifest's sizes/checksums after a fault, or a
 resume that started from an older checkpoint than the newest intact one); damaged checkpoints loaded
-anyway; unrecoverable runs (the final segment does not finish); and runs whose final weights
+anyway; unrecoverable runs (the final segment does not finish), split into those that still had an
+intact checkpoint and those whose every checkpoint had been damaged on purpose; and runs whose final weights
 (``checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's. The checker verifies
 files itself from the manifests and never trusts the component under test.
 
@@ -269,6 +270,11 @@ class RunReport:
     final_rc: int | None = None
     identical: bool | None = None
     max_abs_diff: float | None = None
+    intact_before_final: bool | None = None
+    """Whether a complete, verifying checkpoint that the benchmark had not damaged existed when the last
+    segment started (False: every checkpoint on disk had been damaged on purpose; no resume can use one)."""
+    had_checkpoints: bool = False
+    """Whether any checkpoint had been written before the last segment."""
 
 
 def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path) -> RunReport:
@@ -299,6 +305,9 @@ def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path)
         resume = True
     n_resume_before = sum(1 for e in events(out) if e.get("kind") == "resume")
     before = {n for n, ok in complete_checkpoints(out).items() if ok and n not in damaged}
+    now = complete_checkpoints(out)
+    rep.had_checkpoints = bool(now) or any("checkpoint" in f for f in rep.faults)
+    rep.intact_before_final = any(ok and n not in damaged for n, ok in now.items())
     final = run_segment(out, cfg, resume, None, rng)
     _audit(out, before, damaged, rep, n_resume_before)
     rep.final_rc = final["rc"]
@@ -405,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
         "resumes": sum(r.resumes for r in reports),
         "runs_finished": sum(1 for r in reports if r.finished),
         "unrecoverable": sum(1 for r in reports if not r.finished),
+        # split by cause: a run whose every checkpoint was damaged on purpose cannot resume from one
+        "unrecoverable_with_intact_checkpoint": sum(1 for r in reports if not r.finished and (r.intact_before_final or not r.had_checkpoints)),
+        "unrecoverable_all_checkpoints_damaged": sum(1 for r in reports if not r.finished and r.had_checkpoints and not r.intact_before_final),
         "checkpoints_lost": sum(r.checkpoints_lost for r in reports),
         "damaged_checkpoints_loaded": sum(r.damaged_loaded for r in reports),
         "sigterm_clean_exits": sum(1 for r in reports for f in r.faults if f.get("clean_exit")),

@@ -406,3 +406,26 @@ def test_nonfinite_weights_request_rollback_and_a_restore_clears_it(tmp_path):
     assert guard.skipped_total == 2  # counters of what happened never go backward with a rollback
     after = train(acc, model, guard, micro_steps=3)
     assert all(r.applied and r.verdict == Verdict.OK for r in after)  # nothing stale judged after the restore
+
+
+def test_a_warning_makes_checkpoints_unhealthy_for_the_health_window(tmp_path):
+    """A slowly diverging run warns before it skips: a checkpoint taken then must not be a rollback target."""
+    config = GuardConfig.from_dict({"health_window": 5, "lr_jump": {"warmup_steps": 3}})
+    acc, model, opt, sched, guard = make(tmp_path, config=config)
+    health = []
+
+    def jump_lr_at_6(i, r):
+        health.append(guard.healthy)
+        if i == 5:  # the LR jumps x10 for the next step: lr_jump warns (a forecast, nothing is skipped)
+            for group in opt.param_groups:
+                group["lr"] *= 10
+
+    results = train(acc, model, guard, 14, on_result=jump_lr_at_6)
+    warned = [r.step for r in results if any(f.detector == "lr_jump" for f in r.findings)]
+    assert warned == [6] and not any(r.skipped for r in results)
+    assert health[:6] == [True] * 6          # quiet so far
+    assert health[6:11] == [False] * 5       # the warning step and the 4 after it
+    assert health[11:] == [True] * 3         # health_window steps later the run counts as healthy again
+    # the gate survives a save/load of the guard state
+    state = json.loads(json.dumps(guard.state_dict()))
+    assert state["last_anomaly_step"] == 6

@@ -60,6 +60,13 @@ class GuardConfig:
     optimizer step, which keeps them alive that long; False drops them at once."""
     max_incidents: int = 50
     """At most this many incident bundles per rank per run (disk budget)."""
+    health_window: int = 50
+    """A checkpoint is a rollback target (``guard.healthy``) only if no detector has raised a finding in the
+    last this many steps (``health_ignore`` aside). A slowly diverging run warns (LR jump, update ratio,
+    growth) well before it skips; a checkpoint taken then would be a rollback target that fails again."""
+    health_ignore: tuple[str, ...] = ("clip_rate", "loss_scale")
+    """Detectors whose warnings do not make a checkpoint unhealthy: they describe a lasting regime (heavy
+    clipping, an fp16 scale that keeps adjusting), not a state to roll back from."""
     localize_first_nonfinite: bool = True
     """On the first non-finite incident of the run, replay the bad micro-batch with hooks (needs
     ``guard.set_replay_fn``) to name the first module producing NaN/Inf."""
@@ -102,6 +109,7 @@ class GuardConfig:
         check(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)
         check(self.param_norm_every >= 0, "param_norm_every", "must be >= 0", self.param_norm_every)
         check(self.max_incidents >= 0, "max_incidents", "must be >= 0", self.max_incidents)
+        check(self.health_window >= 0, "health_window", "must be >= 0", self.health_window)
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):

@@ -123,6 +123,7 @@ class Guard:
         self.lr_multiplier = 1.0
         self._last_verdict = Verdict.OK
         self._params_finite = True
+        self._last_anomaly_step = -(10**9)  # last step with a finding that makes checkpoints unhealthy
         self._orig_lrs = self._current_base_lrs()
         if register_hooks and hasattr(accelerator, "register_save_state_pre_hook"):
             accelerator.register_save_state_pre_hook(self._save_state_hook)
@@ -174,6 +175,8 @@ class Guard:
         # 3. Same table on every rank -> same verdict on every rank.
         judge(self.detectors, stats)
         self._last_verdict = stats.verdict
+        if any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore for f in stats.findings):
+            self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
         # 4. Apply or skip; detectors absorb only applied steps.
@@ -410,9 +413,11 @@ class Guard:
 
     @property
     def healthy(self) -> bool:
-        """Whether a checkpoint taken now may serve as a rollback target: the last step was neither
-        skipped nor rolled back, and the last measured parameter norm was finite."""
-        return self._last_verdict <= Verdict.WARN and self._params_finite
+        """Whether a checkpoint taken now may serve as a rollback target: the last step was neither skipped
+        nor rolled back, the last measured parameter norm was finite, and no detector (``health_ignore``
+        aside) raised a finding in the last ``health_window`` steps."""
+        quiet = self.step_count - 1 - self._last_anomaly_step >= self.config.health_window
+        return self._last_verdict <= Verdict.WARN and self._params_finite and quiet
 
     @property
     def global_step(self) -> int:
@@ -491,6 +496,7 @@ class Guard:
             "lr_multiplier": self.lr_multiplier,
             "base_lrs": list(self._orig_lrs),
             "clip_flags": [int(c) for c in self._clip_flags],
+            "last_anomaly_step": self._last_anomaly_step,
             "detectors": {d.name: d.state_dict() for d in self.detectors},
         }
 
@@ -507,6 +513,7 @@ class Guard:
         if d.get("base_lrs"):
             self._orig_lrs = [float(x) for x in d["base_lrs"]]
         self._clip_flags = [bool(c) for c in d.get("clip_flags", [])]
+        self._last_anomaly_step = int(d.get("last_anomaly_step", -(10**9)))
         states = d.get("detectors", {})
         for det in self.detectors:
             if det.name in states:

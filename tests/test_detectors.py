@@ -125,12 +125,19 @@ def test_loss_spike_warns_and_is_not_absorbed():
 
 def test_clip_rate_warns_once_and_rearms_after_recovery():
     dets = only("clip_rate", window=10, max_rate=0.8)
-    seq = [stats(i, max_grad_norm=1.0, clipped=True) for i in range(40)]
-    seq += [stats(40 + i, max_grad_norm=1.0, clipped=False) for i in range(5)]  # the rate drops to 50%: re-armed
-    seq += [stats(45 + i, max_grad_norm=1.0, clipped=True) for i in range(10)]
+    heavy = dict(max_grad_norm=1.0, grad_norm=3.0, clipped=True)  # every step clipped to a third of its length
+    seq = [stats(i, **heavy) for i in range(40)]
+    seq += [stats(40 + i, max_grad_norm=1.0, grad_norm=0.5) for i in range(5)]  # the rate drops to 50%: re-armed
+    seq += [stats(45 + i, **heavy) for i in range(10)]
     warned = [st for st, _, n in run(dets, seq) if "clip_rate" in n]
     assert warned == [9, 53]
-    quiet = [stats(i, max_grad_norm=1.0, clipped=(i % 2 == 0)) for i in range(30)]
+
+
+def test_clip_rate_ignores_mild_permanent_clipping():
+    """Clipping every step at 1.0 with norms just above it is how many diffusers runs look: not an alarm."""
+    mild = [stats(i, max_grad_norm=1.0, grad_norm=1.5, clipped=True) for i in range(300)]
+    assert not any("clip_rate" in n for _, _, n in run(only("clip_rate", window=100), mild))
+    quiet = [stats(i, max_grad_norm=1.0, grad_norm=3.0 if i % 2 == 0 else 0.5) for i in range(30)]
     assert not any("clip_rate" in n for _, _, n in run(only("clip_rate", window=10), quiet))
 
 
@@ -266,13 +273,14 @@ def test_grad_spike_warmup_reference_is_the_median():
 
 def test_lr_jump_warns_once_and_learns_a_new_level():
     dets = only("lr_jump")
-    seq = [stats(i, lr=1e-4) for i in range(150)] + [stats(150 + i, lr=1e-3) for i in range(200)]
+    seq = [stats(i, lr=1e-4) for i in range(400)] + [stats(400 + i, lr=1e-3) for i in range(200)]
     warned = [st for st, _, n in run(dets, seq) if "lr_jump" in n]
-    assert warned == [150]
-    warmup = [stats(i, lr=1e-4 * min(1.0, i / 500)) for i in range(800)]  # linear warm-up from 0: no warning
-    assert not any("lr_jump" in n for _, _, n in run(only("lr_jump"), warmup))
-    ramp = [stats(i, lr=1e-4) for i in range(150)] + [stats(150 + i, lr=1e-4 * 1.3 ** (i + 1)) for i in range(20)]
-    assert [st for st, _, n in run(only("lr_jump"), ramp) if "lr_jump" in n][0] <= 153
+    assert warned == [400]
+    for length in (20, 500, 5000):  # a linear warm-up from 0, of any length: no warning
+        warmup = [stats(i, lr=1e-4 * min(1.0, i / length)) for i in range(length + 300)]
+        assert not any("lr_jump" in n for _, _, n in run(only("lr_jump"), warmup)), length
+    ramp = [stats(i, lr=1e-4) for i in range(400)] + [stats(400 + i, lr=1e-4 * 1.1 ** (i + 1)) for i in range(20)]
+    assert [st for st, _, n in run(only("lr_jump"), ramp) if "lr_jump" in n][0] <= 402  # x1.1 per step: 2 steps
 
 
 def test_update_ratio_warns_on_a_growing_update():

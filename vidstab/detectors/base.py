@@ -213,6 +213,9 @@ class EMAJumpDetector(Detector):
 
     absorb_skipped: ClassVar[bool] = True
     """Whether values of skipped steps feed the EMA (true for values that are not the step's fault)."""
+    reanchor: ClassVar[bool] = False
+    """Whether a flagged value becomes the new reference at once (for levels set on purpose, like an LR);
+    otherwise it is not absorbed, so a one-off outlier cannot blind the detector."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -243,10 +246,12 @@ class EMAJumpDetector(Detector):
         return self.describe(s, x, r)
 
     def update(self, s: StepStats) -> None:
+        x = self.value(s)
         if self._flagged_step == s.step:
             self.quiet_until = s.step + self.config.quiet_steps
+            if self.reanchor and x is not None and math.isfinite(x):
+                self.ema.mean = x
             return
-        x = self.value(s)
         if x is not None and x > 0 and (s.applied or self.absorb_skipped):
             self.ema.add(x)
 

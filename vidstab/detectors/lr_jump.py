@@ -21,13 +21,15 @@ class LRJumpConfig:
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a deliberate LR change (a warm restart) is legitimate, a 2x jump
     is still worth a line in the log."""
-    ratio: float = 2.0
-    """Flag when ``lr / EMA(lr) >= ratio``."""
+    ratio: float = 1.2
+    """Flag when ``lr / EMA(lr) >= ratio``: after warm-up, common schedules (constant, cosine, step, linear
+    decay) never raise the LR above its own recent average, so a 20% rise is already news; a x1.1-per-step
+    ramp reaches it in 2 steps (benchmarks/RESULTS.md)."""
     beta: float = 0.98
     """EMA decay per step (about 50 steps of memory)."""
-    warmup_steps: int = 100
-    """Steps absorbed before judging: a linear warm-up from 0 is exactly 2x its running mean at first and
-    stays below 2x its EMA only from ~100 steps on."""
+    warmup_steps: int = 300
+    """Steps absorbed before judging. A linear warm-up from 0 of ANY length stays below 1.2x its EMA from
+    step ~300 on: the EMA (beta 0.98) lags a linear ramp by ~49 steps, so the ratio is t / (t - 49)."""
     quiet_steps: int = 50
     """After a warning, no new warning for this many steps; the EMA absorbs the LR meanwhile so that a
     deliberate new LR level becomes the reference instead of warning forever."""
@@ -44,6 +46,7 @@ class LRJumpDetector(EMAJumpDetector):
     """Ratio of the LR to its EMA after warm-up; the flagged step is not absorbed, the quiet period is."""
 
     name = "lr_jump"
+    reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:
         return s.lr

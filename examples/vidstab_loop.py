@@ -62,7 +62,7 @@ def main() -> None:
             noisy = noise_scheduler.add_noise(latents, noise, timesteps)
             loss = F.mse_loss(model(noisy, timesteps).float(), noise.float())
             guard.backward(loss, batch={"latents": latents, "noise": noise, "timesteps": timesteps}, sample_ids=ids)
-            result = guard.step(max_grad_norm=1.0)
+            guard.step(max_grad_norm=1.0)  # steps, or skips on every rank together; returns a StepResult
 
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     accelerator.print(f"done: last loss {loss.item():.4f}, parameters finite: {finite}, skipped steps: {guard.skipped_total}")

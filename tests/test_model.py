@@ -212,7 +212,11 @@ def test_bad_config_raises_clear_error(kwargs, match):
 
 
 def test_sincos_allows_head_dims_rope_cannot():
-    VideoDiT(hidden_size=16, num_heads=4, pos_embed="sincos")
+    model = VideoDiT(hidden_size=16, num_heads=4, pos_embed="sincos")  # head dim 4: too small to split over 3 axes
+    out = model(torch.randn(1, 4, 2, 4, 4), torch.tensor([10]))
+    assert out.shape == (1, 4, 2, 4, 4)
+    with pytest.raises(ValueError):
+        VideoDiT(hidden_size=16, num_heads=4, pos_embed="rope")
 
 
 def test_bad_inputs_raise_clear_error():

@@ -61,6 +61,19 @@ def _events(tmp_path, kind):
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind] if path.exists() else []
 
 
+def test_a_target_that_fails_again_sends_the_next_rollback_further_back(tmp_path):
+    acc, model, opt, ckpt, guard, rec = _run(tmp_path, RecoveryConfig(max_retries=3))
+    ckpt.save(10, healthy=True, trainer_state={"step": 10, "batches_consumed": 10})
+    ckpt.save(20, healthy=True, trainer_state={"step": 20, "batches_consumed": 20})  # looked healthy, was not
+    assert rec.rollback("spikes", step=23)["step"] == 20
+    # the replay from step 20 fails again at step 22, before passing the first failure (23): go further back
+    assert rec.rollback("spikes again", step=22)["step"] == 10
+    assert (tmp_path / "checkpoints" / "last_good").read_text().strip() == "step_000010"
+    # a failure after passing the previous one is a new problem: the newest good checkpoint again
+    ckpt.save(30, healthy=True, trainer_state={"step": 30, "batches_consumed": 30})
+    assert rec.rollback("later trouble", step=35)["step"] == 30
+
+
 def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
     acc, model, opt, ckpt, guard, rec = _run(tmp_path)
     ckpt.save(10, healthy=True, trainer_state={"step": 10, "batches_consumed": 10})

@@ -590,6 +590,12 @@ class CheckpointManager:
         if self.is_main:
             self._write_pointer("latest", os.path.basename(os.path.normpath(path)))
 
+    def set_last_good(self, path: str) -> None:
+        """Point ``last_good`` at an existing checkpoint (main process; e.g. when the one it named proved bad:
+        a rollback to it failed again)."""
+        if self.is_main:
+            self._write_pointer("last_good", os.path.basename(os.path.normpath(path)))
+
     def _rotate(self) -> None:
         infos = sorted(self.list(), key=lambda i: i.time, reverse=True)
         keep = {i.name for i in infos[: self.config.keep]}

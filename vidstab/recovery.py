@@ -105,8 +105,10 @@ class Recovery:
                 f"still failing after {self.retries} rollback(s) (max_retries={self.config.max_retries}); "
                 f"last failure at step {step}: {reason_text}", incident))
         m_before = float(getattr(self.guard, "lr_multiplier", self.state.get("lr_multiplier", 1.0)) or 1.0)
+        # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
+        target = self._target(step)
         try:
-            state = self.ckpt.load("last_good")
+            state = self.ckpt.load(target)
         except CheckpointError as e:
             raise RunAborted(self._abort_message(f"rollback at step {step} impossible: {e}", incident)) from e
         if state is None:
@@ -122,6 +124,8 @@ class Recovery:
             self.guard.scale_lr(target / m_loaded)
         # A restart before the next save should resume on this trajectory, not the abandoned one.
         self.ckpt.set_latest(state["_checkpoint"]["path"])
+        if target != "last_good":  # the target that failed again is no rollback target any more
+            self.ckpt.set_last_good(state["_checkpoint"]["path"])
         info = state["_checkpoint"]
         self.state["retries"] = self.retries + 1
         self.state["lr_multiplier"] = target
@@ -140,6 +144,25 @@ class Recovery:
         out["rewind_data"] = not self.config.skip_data
         out["_recovery"] = {"retries": self.retries, "lr_multiplier": target}
         return out
+
+    def _target(self, step: int) -> str:
+        """``"last_good"``, unless the last rollback went there and the run failed again before getting past
+        that failure: then the healthy checkpoint before it (a target that is already bad, e.g. saved inside a
+        slow divergence, would otherwise be retried until ``max_retries``)."""
+        history = self.state["history"]
+        good = self.ckpt.last_good()
+        if not history or good is None:
+            return "last_good"
+        last = history[-1]
+        good_step = next((i.step for i in self.ckpt.list() if os.path.samefile(i.path, good)), None)
+        if good_step != last["to_step"] or step > last["step"]:
+            return "last_good"
+        older = [i for i in self.ckpt.list() if i.healthy and i.step < good_step]
+        if not older:
+            return "last_good"
+        logger.warning("step_%06d failed again before step %d: rolling back further, to %s", good_step, last["step"],
+                       older[-1].name)
+        return older[-1].path
 
     def _abort_message(self, what: str, incident: str | None) -> str:
         bundle = incident or os.path.join(self.run_dir, "vidstab", "incidents", "<incident bundle dir>")

@@ -58,7 +58,7 @@ class Judged:
     """detector row name -> steps where it fired."""
 
 
-def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judged:
+def judge(rec: Recording, vidstab_config=None) -> Judged:
     """Replay one recording through every baseline and vidstab (all detectors, and per detector)."""
     out = Judged(rec)
     rules = B.new_baselines()
@@ -78,16 +78,6 @@ def judge(rec: Recording, vidstab_config=None, proposals: bool = False) -> Judge
         if any(f.verdict >= 2 for f in findings):  # SKIP or ROLLBACK: the guard acts, not only warns
             out.alarms.setdefault("vidstab[act]", []).append(r.step)
     out.alarms.setdefault("vidstab[act]", [])
-    if proposals:
-        prop = B.ProposedReplay()
-        out.alarms["vidstab+prop"] = []
-        for r in rec.rows():
-            findings = prop.observe(r)
-            if findings:
-                out.alarms["vidstab+prop"].append(r.step)
-            for f in findings:
-                if f.detector == "clip_rate":  # the proposed heavy-clipping rule
-                    out.alarms.setdefault("prop:clip_rate", []).append(r.step)
     return out
 
 
@@ -103,9 +93,7 @@ def row_names(judged: list[Judged]) -> list[str]:
     """Table rows: baselines, vidstab, vidstab acting (skip/rollback), then each vidstab detector that fired."""
     names = [cls().name for cls in B.BASELINES] + ["vidstab", "vidstab[act]"]
     per = sorted({k for j in judged for k in j.alarms if k.startswith("vidstab:")})
-    prop = sorted({k for j in judged for k in j.alarms if k.startswith("prop:")})
-    extra = ["vidstab+prop"] if any("vidstab+prop" in j.alarms for j in judged) else []
-    return names + per + extra + prop
+    return names + per
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -144,8 +132,6 @@ def figures(healthy: list[Judged], faults: dict[str, list[Judged]]) -> dict:
             }
         out["scenarios"][scen] = entry
     out["targets"] = targets(out)
-    if "vidstab+prop" in out["detectors"]:
-        out["targets_proposed"] = targets(out, "vidstab+prop")
     return out
 
 
@@ -216,9 +202,7 @@ def print_tables(fig: dict, rows: list[str]) -> None:
                     cells.append(f"benign {p['benign_flagged']}/{e['runs']}")
             print(f"{name:30s}" + "".join(f"{c:>{width + 1}s}" for c in cells))
         print()
-    for t in (fig["targets"], fig.get("targets_proposed")):
-        if t is None:
-            continue
+    for t in (fig["targets"],):
         print(f"== Targets ({t['row']}) ==")
         print(f"detects every divergent run: {t['all_detected']}")
         print(f"false alarms per 1k healthy steps: {t['false_alarms_per_1k']} (target <= {FA_TARGET_PER_1K}): {t['fa_target_met']}")
@@ -436,8 +420,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help="YAML for a third end-to-end arm (vidstab+cfg), e.g. a proposed detector policy.")
     ap.add_argument("--cache-dir", type=str, default=str(CACHE_DIR))
     ap.add_argument("--markdown", type=str, default=None, help="Also write the tables as Markdown to this file.")
-    ap.add_argument("--proposals", action="store_true",
-                    help="Also replay vidstab with the detector changes proposed in RESULTS.md (row vidstab+prop).")
     ap.add_argument("--vidstab-config", type=str, default=None,
                     help="YAML of GuardConfig fields for the replayed vidstab detectors (default: GuardConfig()).")
     args = ap.parse_args(argv)
@@ -466,13 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     healthy = {}
     for seed in healthy_seeds:
         healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
-    judged_h = [judge(h, vcfg, args.proposals) for h in healthy.values()]
+    judged_h = [judge(h, vcfg) for h in healthy.values()]
     faults: dict[str, list[Judged]] = {}
     for s in scen:
         faults[s.name] = []
         for seed in seeds_of(s):
             ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
-            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg, args.proposals))
+            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg))
     fig = figures(judged_h, faults)
     fig["median_only_exceedances_per_1k"] = round(
         1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)
@@ -509,8 +491,6 @@ def main(argv: list[str] | None = None) -> dict:
                                                   for i in range(v["divergent_runs"])]}
                       for k, v in fig["scenarios"].items()},
         "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
-        "targets_proposed": None if "targets_proposed" not in fig else {
-            k: fig["targets_proposed"][k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
         "e2e": e2e,
     }
     print(json.dumps(summary, default=str))

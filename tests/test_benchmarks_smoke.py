@@ -89,14 +89,14 @@ def test_bench_chaos_quick():
     assert out["runs_finished"] == out["runs"]
 
 
-def test_proposed_clip_rate_rule_separates_mild_from_heavy_clipping():
-    """The heavy-clipping prototype (RESULTS.md proposal): silent at 1.3x max_grad_norm on every step,
-    fires once when the median pre-clip norm is >= 2.5x."""
+def test_clip_rate_rule_separates_mild_from_heavy_clipping():
+    """vidstab's clip_rate (adopted from the RESULTS.md proposal): silent at 1.3x max_grad_norm on every
+    step, fires once when the median pre-clip norm is >= 2.5x."""
     from benchmarks import baselines as B
     from benchmarks.scenarios.recorder import StepRecord
 
     def fired(norm: float) -> list[int]:
-        v = B.ProposedReplay()
+        v = B.VidstabReplay()
         steps = []
         for i in range(300):
             found = v.observe(StepRecord(i, 0.3, norm, 3e-4, norm > 1.0, 26.0, 1e-3, False, False, 3.0, 0, None))

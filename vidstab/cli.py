@@ -140,18 +140,11 @@ def _replay(argv: list[str]) -> int:
 
 
 def _read_incidents(run_dir: Path) -> list[dict]:
-    """Incident metadata of a run: through :mod:`vidstab.capture` when present, else the JSON files directly."""
-    try:
-        from vidstab.capture import list_incidents
-    except ImportError:
-        list_incidents = None
-    if list_incidents is not None:
-        folders = list(list_incidents(run_dir))
-    else:
-        folders = sorted(p.parent for p in (run_dir / "vidstab" / "incidents").glob("*/incident.json"))
+    """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
+    from .capture import list_incidents
+
     out = []
-    for folder in folders:
-        # Metadata only: the batch tensors are not needed to list incidents.
+    for folder in list_incidents(run_dir):
         try:
             meta = json.loads((Path(folder) / "incident.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
@@ -189,7 +182,10 @@ def _events(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
     kinds = set(args.kind or [])
     ranks = set(args.rank or [])
-    records, notes = _merged_events(run_dir, want_metrics=not kinds or "metrics" in kinds)
+    from .events import read_events
+
+    notes: list[str] = []
+    records = read_events(run_dir, tuple(kinds) if kinds else None, notes)
     shown = 0
     for rec in records:
         if (kinds and rec.get("kind") not in kinds) or (ranks and rec.get("rank") not in ranks):
@@ -206,34 +202,6 @@ def _events(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"{shown} event(s)", file=sys.stderr)
     return EXIT_OK
-
-
-def _merged_events(run_dir: Path, want_metrics: bool) -> tuple[list[dict], list[str]]:
-    """Every rank's events in (step, time, rank) order (as :func:`vidstab.events.read_events` orders them),
-    and notes about the lines skipped because they do not parse (a torn last line after a kill)."""
-    records, notes = [], []
-    for path in sorted((run_dir / "vidstab").glob("events-rank*.jsonl")):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
-        for number, line in enumerate(lines, start=1):
-            if not line.strip() or (not want_metrics and '"kind":"metrics"' in line.replace(" ", "")):
-                continue  # cheap pre-filter: metrics are most of a long log
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                notes.append(f"{path.name} line {number}: " + ("truncated last line skipped" if number == len(lines)
-                                                             else "unparseable line skipped"))
-                continue
-            if isinstance(rec, dict):
-                records.append(rec)
-
-    def key(rec: dict) -> tuple:
-        step, time, rank = rec.get("step"), rec.get("time"), rec.get("rank")
-        return (step if isinstance(step, (int, float)) else 0, time if isinstance(time, (int, float)) else 0.0,
-                rank if isinstance(rank, int) else 0)
-
-    records.sort(key=key)
-    return records, notes
 
 
 if __name__ == "__main__":

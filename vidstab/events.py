@@ -17,7 +17,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow")
@@ -96,27 +96,47 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
         logging.getLogger(__name__).debug("event log failed: %s", exc)
 
 
-def read_events(run_dir: str | Path, kinds: str | tuple[str, ...] | None = None) -> list[dict]:
-    """All events of all ranks of a run, sorted by ``(step, time)``; optionally only some ``kinds``.
+def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterator[dict]:
+    """The events of one ``events-rank{R}.jsonl`` file, in file order.
 
-    Lines that do not parse (a torn last line after a crash) are skipped.
+    Lines that do not parse are skipped, with a note appended to ``notes`` when given: a torn last line is
+    expected after a kill, anything else deserves a look.
+    """
+    path = Path(path)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if notes is not None:
+                notes.append(f"{path.name} line {number}: " + (
+                    "truncated last line skipped (the process was probably killed while writing)"
+                    if number == len(lines) else "unparseable line skipped"))
+            continue
+        if isinstance(rec, dict) and "kind" in rec:
+            yield rec
+
+
+def read_events(run_dir: str | Path, kinds: str | tuple[str, ...] | None = None,
+                notes: list[str] | None = None) -> list[dict]:
+    """All events of all ranks of a run, sorted by ``(step, time, rank)``; optionally only some ``kinds``.
+
+    Lines that do not parse (a torn last line after a crash) are skipped and, with ``notes``, reported there.
     """
     if isinstance(kinds, str):
         kinds = (kinds,)
-    out: list[dict] = []
-    for path in sorted(events_dir(run_dir).glob("events-rank*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if kinds is None or rec.get("kind") in kinds:
-                    out.append(rec)
-    out.sort(key=lambda r: (r.get("step", 0), r.get("time", 0.0), r.get("rank", 0)))
+    out = [rec for path in sorted(events_dir(run_dir).glob("events-rank*.jsonl"))
+           for rec in iter_event_file(path, notes) if kinds is None or rec.get("kind") in kinds]
+
+    def order(rec: dict) -> tuple:
+        step, t, rank = rec.get("step"), rec.get("time"), rec.get("rank")
+        return (step if isinstance(step, (int, float)) else 0, t if isinstance(t, (int, float)) else 0.0,
+                rank if isinstance(rank, int) else 0)
+
+    out.sort(key=order)
     return out
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .atomic import write_atomic
+from .events import iter_event_file
 
 #: Section headings, in page order; every one is on every report.
 SECTIONS = (
@@ -111,27 +112,6 @@ def _num(x: Any) -> float:
     return float(x) if type(x) in _NUMERIC else math.nan
 
 
-def _read_jsonl(path: Path, notes: list[str]) -> Iterable[dict]:
-    """Records of one JSONL file; bad lines are skipped with a note (a torn last line is expected after a kill)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            last = number == len(lines)
-            notes.append(
-                f"{path.name} line {number}: "
-                + ("truncated last line skipped (the process was probably killed while writing)" if last
-                   else "unparseable line skipped")
-            )
-            continue
-        if isinstance(rec, dict) and "kind" in rec:
-            yield rec
-
-
 def load_run(run_dir: str | Path) -> RunLog:
     """Read the event logs of every rank and the incident bundles of a run folder."""
     run_dir = Path(run_dir)
@@ -145,7 +125,7 @@ def load_run(run_dir: str | Path) -> RunLog:
         file_rank = int(suffix) if suffix.isdigit() else None
         steps, attempts, records, by_t = [], [], [], []
         attempt, last_step = 0, None
-        for rec in _read_jsonl(path, log.notes):
+        for rec in iter_event_file(path, log.notes):
             step = int(_num(rec.get("step")) if math.isfinite(_num(rec.get("step"))) else 0)
             rank = file_rank if file_rank is not None else int(_num(rec.get("rank")) or 0)
             if rec["kind"] == "metrics":

@@ -261,7 +261,7 @@ class Run:
                 "class": "vidstab.reference.model:VideoDiT", "config": dict(unwrapped.config),
                 "loss_fn": "vidstab.reference.objective:replay_loss", "loss_fn_kwargs": self.objective.to_dict(),
             }),
-            checkpoint_fn=self.checkpoints.latest_path_str if hasattr(self.checkpoints, "latest_path_str") else None,
+            checkpoint_fn=self.checkpoints.latest_path_str,
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))
         self.checkpoints.register("model", self.model)

@@ -131,11 +131,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _replay(argv: list[str]) -> int:
-    try:
-        from vidstab.replay import main as replay_main
-    except ImportError as err:
-        print(f"vidstab replay: unavailable in this installation ({err})", file=sys.stderr)
-        return EXIT_USAGE
+    from vidstab.replay import main as replay_main  # lazily: replay imports torch-heavy tooling
+
     return int(replay_main(argv) or 0)
 
 

@@ -26,11 +26,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from . import signals
+from . import capture, signals
 from .atomic import write_json_atomic
 from .config import GuardConfig
 from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge
 from .events import EventLog, log_to_trackers
+from .localize import locate_nonfinite
 
 GUARD_STATE_FILE = "vidstab_guard.json"
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
@@ -112,7 +113,6 @@ class Guard:
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None
-        self._capture_missing_logged = False
         self._clip_flags: list[bool] = []
         # Persistent counters (state_dict).
         self.step_count = 0
@@ -338,14 +338,6 @@ class Guard:
         idx = [i for i, m in enumerate(micro) if m[0] > 0 or m[1] > 0 or m[3] > 0]
         if not idx:
             idx = sorted(range(len(micro)), key=lambda i: -micro[i][2])
-        try:
-            from . import capture
-        except ImportError as e:
-            if not self._capture_missing_logged:
-                self.events.log("warn", s.step, detector="capture", message=f"incident capture unavailable: {e}",
-                                figures={}, bad_ranks=[])
-                self._capture_missing_logged = True
-            return []
         paths = []
         for i in idx:
             if self.incidents_written >= self.config.max_incidents or i >= len(self._refs):
@@ -387,10 +379,6 @@ class Guard:
         if self._replay_fn is None or not (cfg.localize_every_step or (cfg.localize_first_nonfinite and not self.localized)):
             return None
         self.localized = True
-        try:
-            from .localize import locate_nonfinite
-        except ImportError:
-            return None
         model = self.accelerator.unwrap_model(self.model)
         fn = self._replay_fn
         try:

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.end_training()
     if acc.is_main_process:
         try:
-            from vidstab.report import write_report
+            from vidstab.tools.report import write_report
 
             report_path = write_report(args.output_dir)
         except Exception as exc:  # the dashboard must never turn a finished run into a failed one

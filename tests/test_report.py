@@ -12,7 +12,8 @@ import torch
 
 from vidstab.capture import write_incident
 from vidstab.events import EventLog
-from vidstab.report import SECTIONS, _bin, load_run, write_report
+from vidstab.tools.report import SECTIONS, load_run, write_report
+from vidstab.tools.report.series import _bin
 
 INCIDENT_IDS = ["shapes-s0-00017", "shapes-s0-00018"]
 

@@ -123,7 +123,7 @@ def _model_from_factory(made: Any) -> tuple[Any, Any]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from vidstab.report import write_report
+    from vidstab.tools.report import write_report
 
     path = write_report(args.run_dir, args.out)
     print(f"report written to {path}")

@@ -131,7 +131,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _replay(argv: list[str]) -> int:
-    from vidstab.replay import main as replay_main  # lazily: replay imports torch-heavy tooling
+    from vidstab.tools.replay import main as replay_main  # lazily: replay imports torch-heavy tooling
 
     return int(replay_main(argv) or 0)
 

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.init_trackers("vidstab", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     if args.audit:
-        from vidstab.audit import audit_before_training
+        from vidstab.tools.audit import audit_before_training
 
         sample = next(iter(run.dataloader))
         report = audit_before_training(acc.unwrap_model(run.model), sample["latents"], sample["sample_ids"], vars(args), None)

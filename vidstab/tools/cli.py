@@ -1,6 +1,6 @@
 """The ``vidstab`` command: preflight audit, dashboard, replay, incidents and events of a run.
 
-    vidstab audit --latents CACHE_DIR --config trainer.yaml --json audit.json   # exit 1 if anything blocks
+    vidstab audit --latents CACHE_DIR --config trainer.yaml --json audit.json   # exit 1 if anything blocks, 2 if unreadable
     vidstab report RUN_DIR [--out report.html]
     vidstab replay BUNDLE [...]                 # see `vidstab replay --help`
     vidstab incidents RUN_DIR
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return {"audit": _audit, "report": _report, "incidents": _incidents, "events": _events}[args.command](args)
-    except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:
+    except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:  # ImportPathError is a ValueError
         print(f"vidstab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -90,17 +90,19 @@ def _audit(args: argparse.Namespace) -> int:
     if not any((args.latents, args.data_dir, args.model, args.config, args.loss)):
         print("vidstab audit: give at least one of --latents, --data-dir, --model, --config, --loss", file=sys.stderr)
         return EXIT_USAGE
-    from vidstab.audit import DEFAULT_ABSMAX_THRESHOLD, load_object, run_audit
+    from vidstab.tools.audit import DEFAULT_ABSMAX_THRESHOLD, run_audit
+    from vidstab.tools.trusted_import import resolve
 
+    # --model and --loss are named by the user on this command line: that is what trusts them. The
+    # current folder is not added to sys.path; the modules must be importable (installed or on PYTHONPATH).
     model, example_inputs = None, None
     if args.model:
-        # User code names its own modules relative to where it is run.
-        if "" not in sys.path:
-            sys.path.insert(0, "")
-        model, example_inputs = _model_from_factory(load_object(args.model)())
-    loss_fn = load_object(args.loss) if args.loss else None
+        factory = resolve(args.model, "--model", trust=[args.model])
+        model, example_inputs = _model_from_factory(factory())
+    loss_fn = resolve(args.loss, "--loss", trust=[args.loss]) if args.loss else None
     report = run_audit(
-        latents=args.latents, data_dir=args.data_dir, model=model, example_inputs=example_inputs,
+        latents=args.latents, data_dir=args.data_dir, video_reader=_video_reader() if args.data_dir else None,
+        model=model, example_inputs=example_inputs,
         config=args.config, loss_fn=loss_fn, precision=args.precision, num_frames=args.num_frames,
         resolution=args.resolution,
         absmax_threshold=args.absmax_threshold if args.absmax_threshold is not None else DEFAULT_ABSMAX_THRESHOLD,
@@ -109,7 +111,23 @@ def _audit(args: argparse.Namespace) -> int:
     if args.json:
         report.to_json(args.json)
         print(f"findings written to {args.json}")
+    if report.unreadable:
+        for f in report.unreadable:
+            print(f"vidstab audit: error: {f['message']}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_BLOCKED if report.blocking else EXIT_OK
+
+
+def _video_reader():
+    """The reference data loader's decoder for ``--data-dir`` (PyAV; the ``[reference]`` extra)."""
+    import functools
+
+    try:
+        from vidstab.reference.data import video_folder_dataset
+    except ImportError as err:
+        raise ImportError(f"--data-dir decodes videos with vidstab.reference.data, which needs the reference "
+                          f"extra: pip install 'vidstab[reference]' ({err})") from err
+    return functools.partial(video_folder_dataset, skip_bad_samples=True)
 
 
 def _model_from_factory(made: Any) -> tuple[Any, Any]:
@@ -138,7 +156,7 @@ def _replay(argv: list[str]) -> int:
 
 def _read_incidents(run_dir: Path) -> list[dict]:
     """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
-    from .capture import list_incidents
+    from ..capture import list_incidents
 
     out = []
     for folder in list_incidents(run_dir):
@@ -179,7 +197,7 @@ def _events(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
     kinds = set(args.kind or [])
     ranks = set(args.rank or [])
-    from .events import read_events
+    from ..events import read_events
 
     notes: list[str] = []
     records = read_events(run_dir, tuple(kinds) if kinds else None, notes)

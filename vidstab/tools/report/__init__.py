@@ -9,7 +9,8 @@ docs/ARCHITECTURE.md) and the incident bundles into ``RUN_DIR/report.html``:
   rollbacks and LR back-offs marked;
 - the table of events (warn/skip/rollback/checkpoint/...) and of incidents, linking to each bundle folder.
 
-Every section is always present; one without data says "no data" and why. The page has no external assets
+Every section is present (but "Loss by timestep", drawn only from per-sample losses); one without data says
+"no data" and why. The page has no external assets
 (no scripts, fonts or links off the page), so it can be mailed or attached to a ticket as is.
 
 Long runs are plotted with per-bin mean and min/max envelopes, so a single-step spike in a 100k-step run

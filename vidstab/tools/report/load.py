@@ -139,13 +139,19 @@ def _event_steps(log: RunLog, kind: str) -> list[int]:
     return sorted({int(_num(e.get("step"))) for e in log.events if e.get("kind") == kind})
 
 
-def _skip_steps(log: RunLog) -> list[int]:
-    """Steps whose update was not applied by a vidstab verdict: ``skip`` events, plus metrics with
-    ``applied: false`` that are not fp16 overflows (those the scaler skips; they are marked apart)."""
-    steps = set(_event_steps(log, "skip"))
-    overflow = set(_event_steps(log, "overflow"))
+def _skipped(log: RunLog) -> set[tuple[int, int]]:
+    """``(attempt, step)`` of every update not applied by a vidstab verdict: ``skip`` events, plus metrics
+    with ``applied: false`` that are not fp16 overflows (those the scaler skips; they are marked apart).
+    A step skipped again after a rollback is a second skip: the total counts every attempt."""
+    pairs = {(e["_attempt"], int(_num(e.get("step")))) for e in log.events if e.get("kind") == "skip"}
+    overflow = {(e["_attempt"], int(_num(e.get("step")))) for e in log.events if e.get("kind") == "overflow"}
     for m in log.metrics.values():
         if "applied" in m.columns:
-            not_applied = m.steps[m.columns["applied"] == 0].tolist()
-            steps.update(s for s in not_applied if s not in overflow)
-    return sorted(steps)
+            sel = m.columns["applied"] == 0
+            pairs.update(p for p in zip(m.attempts[sel].tolist(), m.steps[sel].tolist()) if p not in overflow)
+    return pairs
+
+
+def _skip_steps(log: RunLog) -> list[int]:
+    """The steps of :func:`_skipped` (each once), for marking plots."""
+    return sorted({step for _, step in _skipped(log)})

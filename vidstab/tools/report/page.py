@@ -6,16 +6,21 @@ import datetime as _dt
 import html
 from pathlib import Path
 
+import numpy as np
+
 from ...atomic import write_atomic
 from .figures import (_clip_section, _grad_section, _inputs_section, _loss_scale_section, _loss_section,
                       _lr_section, _timestep_section)
-from .load import load_run
+from .load import RunLog, load_run
 from .markup import _CSS
+from .series import _loss_by_t
 from .summary import _summary
 from .tables import _events_section, _incidents_section, _notes_section
 
 
-#: Section headings, in page order; every one is on every report.
+#: Section headings, in page order; every one is on every report except "Loss by timestep", which is left
+#: out when the run logged no per-sample loss (``guard.backward(..., per_sample_loss=...)``): an empty
+#: panel would only say what was not given.
 SECTIONS = (
     "Summary",
     "Loss",
@@ -29,6 +34,12 @@ SECTIONS = (
     "Incidents",
     "Notes",
 )
+
+
+def _has_per_sample_loss(log: RunLog) -> bool:
+    """Whether any step logged a finite timestep-bucket loss (from per-sample losses)."""
+    _, table = _loss_by_t(log)
+    return bool(table.size and np.isfinite(table).any())
 
 
 def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> str:
@@ -49,15 +60,16 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> str
         "Incidents": lambda: _incidents_section(log, out_dir),
         "Notes": lambda: _notes_section(log),
     }
+    shown = [t for t in SECTIONS if t != "Loss by timestep" or _has_per_sample_loss(log)]
     parts = []
-    for title in SECTIONS:
+    for title in shown:
         anchor = title.lower().replace(" ", "-")
         try:
             body = builders[title]()
         except Exception as err:  # noqa: BLE001 -- one broken section must not cost the whole dashboard
             body = f'<p class="nodata">no data: this section failed to render ({html.escape(type(err).__name__)}: {html.escape(str(err))})</p>'
         parts.append(f'<section id="{anchor}"><h2>{html.escape(title)}</h2>{body}</section>')
-    nav = "".join(f'<a href="#{t.lower().replace(" ", "-")}">{html.escape(t)}</a>' for t in SECTIONS)
+    nav = "".join(f'<a href="#{t.lower().replace(" ", "-")}">{html.escape(t)}</a>' for t in shown)
     name = html.escape(run_dir.resolve().name)
     generated = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .load import RunLog
+from .load import RunLog, _num
 
 
 #: Points per plotted line; longer series are binned (mean line + min/max envelope).
@@ -87,9 +87,15 @@ def _merge(log: RunLog, name: str, ranks: Iterable[int] | None = None, how: str 
 
 
 def _nonfinite_loss_steps(log: RunLog) -> np.ndarray:
-    """Steps whose loss was logged as null (non-finite) on any rank, in the final attempt or not."""
+    """Steps with a non-finite loss on any rank, in the final attempt or not: the loss logged as null, or a
+    ``nonfinite`` finding about the loss. The second matters under gradient accumulation: the step's loss
+    is the mean of its finite micro-batch losses, so one NaN micro-batch leaves the logged loss finite
+    (vidstab/detectors/nonfinite.py says "non-finite loss on rank(s) ...")."""
     out = [m.steps[m.nulls["loss"]] for m in log.metrics.values() if "loss" in m.nulls]
-    return np.unique(np.concatenate(out)) if out else np.array([], dtype=np.int64)
+    out.append(np.array([int(_num(e.get("step"))) for e in log.events
+                         if e.get("detector") == "nonfinite" and "non-finite loss" in str(e.get("message"))],
+                        dtype=np.int64))
+    return np.unique(np.concatenate(out)).astype(np.int64)
 
 
 def _loss_by_t(log: RunLog) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .load import RunLog, _event_steps, _num, _skip_steps
+from .load import RunLog, _event_steps, _num, _skipped
 from .markup import _short_list
 from .series import _merge, _nonfinite_loss_steps
 
@@ -16,7 +16,10 @@ from .series import _merge, _nonfinite_loss_steps
 def _summary(log: RunLog) -> str:
     loss = _merge(log, "loss")
     finite = np.isfinite(loss.values)
-    skips = _skip_steps(log)
+    skipped = _skipped(log)
+    skips = sorted({step for _, step in skipped})
+    resumes = [e for e in log.events if e.get("kind") == "resume"]
+    resume_steps = sorted({(e["_attempt"], int(_num(e.get("step")))) for e in resumes})
     rollbacks = [e for e in log.events if e.get("kind") == "rollback"]
     rollback_steps = sorted({(e["_attempt"], e.get("step")) for e in rollbacks})
     warns = {(e.get("step"), e.get("detector")) for e in log.events if e.get("kind") == "warn"}
@@ -29,7 +32,10 @@ def _summary(log: RunLog) -> str:
 
     ending, how = _finished(stops, last_step)
     trouble = bool(skips or rollbacks or log.incidents or len(nonfinite))
-    if ending == "failed":
+    if ending == "unknown":
+        # A user's own loop may never log a stop: neither "finished" nor "failed" can be read from the log.
+        css, verdict = "neutral", how + ("; trouble handled on the way" if trouble else "")
+    elif ending == "failed":
         css, verdict = "bad", f"Did not finish: {how}"
     elif ending == "stopped":
         css, verdict = "warn", f"Stopped early: {how}"
@@ -50,8 +56,11 @@ def _summary(log: RunLog) -> str:
     rows = [
         ("steps logged", f"{len(loss.steps)} (last step {last_step})"),
         ("ranks", ", ".join(map(str, ranks)) or "n/a"),
-        ("skipped steps", f"{len(skips)}" + (f" (steps {_short_list(skips)})" if skips else "")),
+        ("skipped steps", f"{len(skipped)}" + (f" (steps {_short_list(skips)})" if skips else "")
+         + (f"; {len(skipped) - len(skips)} of them a step skipped again after a rollback or resume"
+            if len(skipped) > len(skips) else "")),
         ("rollbacks", f"{len(rollback_steps)}" + (f" (at steps {_short_list([s for _, s in rollback_steps])})" if rollbacks else "")),
+        ("resumes", f"{len(resume_steps)}" + (f" (at steps {_short_list([s for _, s in resume_steps])})" if resumes else "")),
         ("incidents", str(len(log.incidents))),
         ("warnings", str(len(warns))),
         ("fp16 overflow steps", str(len(overflows))),
@@ -69,16 +78,21 @@ def _summary(log: RunLog) -> str:
 
 
 def _finished(stops: list[dict], last_step: int) -> tuple[str, str]:
-    """How the run ended, from its ``stop`` events: ``("finished" | "stopped" | "failed", explanation)``.
+    """How the run ended, from its ``stop`` events: ``("finished" | "stopped" | "failed" | "unknown", text)``.
 
-    The reference trainer logs ``stop`` with ``exit_code`` at the end (0: done); the guard logs
-    ``reason="request_stop"`` when a signal (preemption) asked the run to stop and checkpoint.
+    The reference trainer logs ``stop`` with ``exit_code`` at the end (0: done); ``guard.close()`` logs
+    ``reason="closed"`` (a user's loop that closes its guard finished); the guard logs
+    ``reason="request_stop"`` when a signal (preemption) asked the run to stop and checkpoint. Without any
+    ``stop`` event the log cannot tell a finished user loop from a killed run: ``"unknown"``, said neutrally.
     """
     if not stops:
-        return "failed", f"no stop event (killed, crashed or still running; last logged step {last_step})"
-    last = stops[-1]
-    step = int(_num(last.get("step")))
+        return "unknown", (f"No stop event; last step {last_step} (a loop that never calls guard.close() logs "
+                           "none; neither does a killed or crashed run)")
     requested = any(e.get("reason") == "request_stop" for e in stops)
+    # The trainer's own verdict (exit code) wins over the guard's close() logged after it.
+    with_code = [e for e in stops if "exit_code" in e]
+    last = with_code[-1] if with_code else stops[-1]
+    step = int(_num(last.get("step")))
     if "exit_code" in last:
         code = last.get("exit_code")
         if code == 0 and not requested:
@@ -89,6 +103,8 @@ def _finished(stops: list[dict], last_step: int) -> tuple[str, str]:
     reason = str(last.get("reason") or last.get("message") or "")
     if requested:
         return "stopped", f"stopped on request at step {step} (signal/preemption); resume from the latest checkpoint"
+    if reason == "closed":
+        return "finished", f"guard closed at step {step}"
     text = reason.lower()
     if any(w in text for w in ("error", "fail", "abort", "exhaust", "diverge", "kill")):
         return "failed", f"stopped at step {step}: {reason}"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from ...capture import Incident, json_float, sample_report
 from .base import JUMP_FACTOR, LOO_INFLUENCE, SPIKE_TOLERANCE, _rel
+from .lr_evidence import lr_evidence
 from .report import ReplayReport, RunResult
 from .runner import _dtype_name, _Replayer
 from .verdict import _mod
@@ -144,12 +146,23 @@ def _triage_precision(precision: str | None, dtype: torch.dtype | None, base: Ru
 
 
 def _triage_lr(meta: dict, r: _Replayer, base: RunResult, clean_batch: dict | None, report: ReplayReport,
-               optimizer: str) -> dict:
+               optimizer: str, inc: Incident) -> dict:
+    """Step 2b: is the learning rate the cause? The bundle's LR (and the LRs logged since the checkpoint)
+    against the checkpoint's schedule (:mod:`.lr_evidence`), then one update at the suspect LR against one at
+    a sane LR: the checkpoint's when the suspect is an outlier, else a tenth of it."""
     lr = json_float(meta.get("lr"))
-    section: dict[str, Any] = {"lr": lr, "implicated": False}
-    if lr is None or not lr > 0:
+    ckpt_dir = Path(report.checkpoint).parent if report.checkpoint else None
+    evidence = lr_evidence(lr, inc.run_dir, inc.rank, inc.step, ckpt_dir, report.checkpoint_step)
+    section: dict[str, Any] = {"lr": lr, "implicated": False, "evidence": evidence}
+    suspect = evidence["suspect"]
+    if suspect is None or not suspect > 0:
         section["summary"] = "skipped: the bundle records no learning rate"
         return section
+    outlier = evidence["outlier"]
+    where = ("the bundle's" if evidence["suspect_step"] == inc.step and suspect == lr
+             else f"logged at step {evidence['suspect_step']}")
+    compared = (f"lr {suspect:.3g} ({where}) is {evidence['factor']:.3g}x the largest LR the checkpoint's schedule "
+                f"and optimizer hold ({evidence['reference']:.3g})") if outlier else ""
     extra = meta.get("extra") or {}
     if optimizer == "auto":
         optimizer = "sgd" if "sgd" in str(extra.get("optimizer", "")).lower() else "adamw"
@@ -157,26 +170,41 @@ def _triage_lr(meta: dict, r: _Replayer, base: RunResult, clean_batch: dict | No
     batch, which = r.batch, "the captured batch"
     if not base.finite:
         if clean_batch is None:
-            section["summary"] = ("skipped: the gradients are non-finite before any update, and the learning rate "
-                                  "cannot cause that (it only shaped the checkpoint's weights)")
+            section["implicated"] = outlier
+            section["summary"] = (f"{compared}; the weights are already non-finite, so no update test runs" if outlier
+                                  else "skipped: the gradients are non-finite before any update, and the learning "
+                                       "rate cannot cause that (it only shaped the checkpoint's weights)")
             return section
         batch, which = clean_batch, "the batch without the culprit samples"
     section["batch"] = which
     max_norm = json_float(extra.get("max_grad_norm"))
-    at_lr, ratio_lr = r.update_test(f"update at lr={lr:.3g}", batch, lr, optimizer, max_norm)
-    at_tenth, ratio_tenth = r.update_test(f"update at lr/10={lr / 10:.3g}", batch, lr / 10, optimizer, max_norm)
-    report.runs += [at_lr, at_tenth]
-    section["at_lr"], section["at_lr_over_10"] = asdict(at_lr), asdict(at_tenth)
-    section["loss_ratio_at_lr"], section["loss_ratio_at_lr_over_10"] = ratio_lr, ratio_tenth
-    section["jump_at_lr"], section["jump_at_lr_over_10"] = ratio_lr > JUMP_FACTOR, ratio_tenth > JUMP_FACTOR
-    section["implicated"] = section["jump_at_lr"] and not section["jump_at_lr_over_10"]
-    if section["implicated"]:
-        section["summary"] = (f"one {optimizer} update on {which} at lr {lr:.3g} blows the loss up ({at_lr.note}), "
-                              f"at lr/10 it does not ({at_tenth.note}): lower the LR or lengthen warm-up")
+    sane = evidence["sane"] if outlier else suspect / 10
+    sane_name = f"ckpt lr={sane:.3g}" if outlier else f"lr/10={sane:.3g}"
+    at_lr, ratio_lr = r.update_test(f"update at lr={suspect:.3g}", batch, suspect, optimizer, max_norm)
+    at_sane, ratio_sane = r.update_test(f"update at {sane_name}", batch, sane, optimizer, max_norm)
+    report.runs += [at_lr, at_sane]
+    section["tested_lr"], section["sane_lr"] = suspect, sane
+    section["at_lr"], section["at_sane_lr"] = asdict(at_lr), asdict(at_sane)
+    section["loss_ratio_at_lr"], section["loss_ratio_at_sane_lr"] = ratio_lr, ratio_sane
+    section["jump_at_lr"], section["jump_at_sane_lr"] = ratio_lr > JUMP_FACTOR, ratio_sane > JUMP_FACTOR
+    if not outlier:  # the names of the lr/10 comparison, kept for readers of replay_report.json
+        section["at_lr_over_10"], section["loss_ratio_at_lr_over_10"] = section["at_sane_lr"], ratio_sane
+        section["jump_at_lr_over_10"] = section["jump_at_sane_lr"]
+    blows_up = section["jump_at_lr"] and not section["jump_at_sane_lr"]
+    section["implicated"] = outlier or blows_up
+    section["outlier"] = outlier
+    if outlier and blows_up:
+        section["summary"] = (f"{compared}; one {optimizer} update on {which} at it blows the loss up ({at_lr.note}), "
+                              f"at the checkpoint's lr {sane:.3g} it does not ({at_sane.note})")
+    elif outlier:
+        section["summary"] = f"{compared}; one {optimizer} update at it: {at_lr.note}"
+    elif blows_up:
+        section["summary"] = (f"one {optimizer} update on {which} at lr {suspect:.3g} blows the loss up ({at_lr.note}), "
+                              f"at lr/10 it does not ({at_sane.note}): lower the LR or lengthen warm-up")
     elif section["jump_at_lr"]:
-        section["summary"] = f"the loss jumps after one update even at lr/10 ({at_tenth.note})"
+        section["summary"] = f"the loss jumps after one update even at lr/10 ({at_sane.note})"
     else:
-        section["summary"] = f"one {optimizer} update at lr {lr:.3g} on {which} is stable ({at_lr.note})"
+        section["summary"] = f"one {optimizer} update at lr {suspect:.3g} on {which} is stable ({at_lr.note})"
     return section
 
 

@@ -106,7 +106,13 @@ def _triage(inc: Incident, r: _Replayer, model_name: str, device: str, weights: 
     report.precision = _triage_precision(meta.get("precision"), dtype, base, mixed, mixed_error, report)
 
     # -- 2b. lr ----------------------------------------------------------------------------------------
-    report.lr = _triage_lr(meta, r, base, clean_batch, report, optimizer)
+    report.lr = _triage_lr(meta, r, base, clean_batch, report, optimizer, inc)
+    if report.reproduced is False and report.lr.get("implicated") and report.lr.get("jump_at_lr"):
+        # The checkpoint's weights are healthy; the failure is the update an outlier LR makes from them.
+        lr = report.lr
+        report.reproduced = True
+        report.reproduction += (f"; the step is healthy on the checkpoint's weights, but one update at lr "
+                                f"{lr['tested_lr']:.3g} reproduces the blow-up ({lr['at_lr']['note']})")
 
     # -- 3. structure ----------------------------------------------------------------------------------
     report.structure = _triage_structure(r, base, report, param_norms)

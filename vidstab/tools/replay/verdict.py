@@ -35,7 +35,9 @@ def _verdict(rep: ReplayReport) -> str:
         first = implicated[0]
         fix = {"Data": "Fix the data (drop or re-encode the named samples)",
                "Precision": "Keep the failing op in fp32 or use bf16 instead of fp16",
-               "LR": "Lower the learning rate or lengthen warm-up",
+               "LR": ("Find what set that learning rate (code writing optimizer.param_groups[...]['lr'], the "
+                      "scheduler's configuration): the schedule never gives it" if rep.lr.get("outlier")
+                      else "Lower the learning rate or lengthen warm-up"),
                "Structure": f"Look at {_mod(rep.structure.get('module'))}"}[first]
         rest = [n if n == "LR" else n.lower() for n, _ in sections if n not in implicated]
         listed = rest[0] if len(rest) == 1 else ", ".join(rest[:-1]) + " and " + rest[-1] if rest else ""

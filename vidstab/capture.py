@@ -56,7 +56,7 @@ from safetensors.torch import load_file, save_file
 
 from .atomic import fsync_dir
 from .localize import tensor_stats
-from .strict_json import json_float, to_json_safe  # re-exported: bundle readers use them
+from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -129,7 +129,7 @@ class Incident:
 
 
 def _dumps(meta: dict) -> str:
-    return json.dumps(to_json_safe(meta), indent=1, allow_nan=False, sort_keys=False) + "\n"
+    return dumps_strict(meta, indent=1, sort_keys=False) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -32,22 +32,29 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` atomically and durably; returns the path."""
+def write_atomic(path: str | os.PathLike, data: bytes | str, fsync: bool = True) -> Path:
+    """Write ``data`` to ``path`` atomically and (``fsync``) durably; returns the path.
+
+    Readers polling for ``path`` see it only once it is complete: never an empty or partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+            while len(view):
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if fsync:
+        fsync_dir(path.parent)
     return path
 
 

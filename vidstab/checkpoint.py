@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from . import statedict_io as sio
+from .atomic import write_atomic
 from .events import log_event
 
 __all__ = ["CheckpointConfig", "CheckpointError", "CheckpointInfo", "CheckpointManager", "verify_checkpoint_files"]
@@ -470,8 +471,9 @@ class CheckpointManager:
             if not self.is_main:
                 if self.config.fsync:
                     sio.fsync_files(paths)
-                sio.write_bytes(os.path.join(job.tmp_dir, f".rank{self.rank}.done"),
-                                json.dumps(digests).encode(), fsync=self.config.fsync)
+                # Temp file + rename: the main process polls for this name, so it must never see it empty.
+                write_atomic(os.path.join(job.tmp_dir, f".rank{self.rank}.done"), json.dumps(digests),
+                             fsync=self.config.fsync)
                 return
             digests.update(self._collect_ranks(job))
             self._finalize(job, digests, paths)
@@ -493,20 +495,31 @@ class CheckpointManager:
         out: dict[str, dict] = {}
         deadline = time.monotonic() + self.config.rank_timeout_s
         pending = set(range(self.world_size)) - {self.rank}
+        bad: dict[int, str] = {}
         while pending:
             for r in sorted(pending):
                 if os.path.exists(os.path.join(job.tmp_dir, f".rank{r}.failed")):
                     raise CheckpointError(f"checkpoint {job.name} could not be written: rank {r} failed to write its files")
                 done = os.path.join(job.tmp_dir, f".rank{r}.done")
                 if os.path.exists(done):
-                    with open(done, "rb") as fh:
-                        out.update(json.loads(fh.read()))
+                    try:
+                        with open(done, "rb") as fh:
+                            digests = json.loads(fh.read())
+                        if not isinstance(digests, dict):
+                            raise ValueError(f"a {type(digests).__name__}, not an object")
+                    except (OSError, ValueError) as e:
+                        # Markers are renamed into place whole, so this is a damaged file (or one from
+                        # an older writer still being filled): look again until the deadline.
+                        bad[r] = f"{type(e).__name__}: {e}"
+                        continue
+                    out.update(digests)
                     os.unlink(done)
                     pending.discard(r)
             if pending:
                 if time.monotonic() > deadline:
+                    why = "".join(f"; rank {r}'s marker is unreadable ({bad[r]})" for r in sorted(pending) if r in bad)
                     raise CheckpointError(f"checkpoint {job.name}: ranks {sorted(pending)} did not finish writing "
-                                          f"within {self.config.rank_timeout_s:.0f}s")
+                                          f"within {self.config.rank_timeout_s:.0f}s{why}")
                 time.sleep(0.02)
         return out
 

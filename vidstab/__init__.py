@@ -43,6 +43,9 @@ __all__ = [
     "list_incidents",
     "locate_nonfinite",
     "PreemptionHandler",
+    "claim_run_dir",
+    "RunDirInUse",
+    "RunDirNotEmpty",
 ]
 
 # name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
@@ -58,6 +61,9 @@ _LAZY = {
     "list_incidents": "capture",
     "locate_nonfinite": "localize",
     "PreemptionHandler": "preemption",
+    "claim_run_dir": "run_dir",
+    "RunDirInUse": "run_dir",
+    "RunDirNotEmpty": "run_dir",
 }
 
 

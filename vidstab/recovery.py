@@ -29,6 +29,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -70,6 +73,11 @@ class RecoveryConfig:
     skip_data: bool = True
     """PaLM-style: keep the data iterator where the failure happened, so the batches between the checkpoint
     and the failure are skipped. False: rewind the data to the checkpoint's position and replay them."""
+    own_checkpoints: str | None = None
+    """Regular expression of the training script's *own* checkpoint folders in the run folder, group 1 the
+    step (diffusers' examples: ``r"checkpoint-(\d+)"``). On a rollback the main process deletes those newer
+    than the rollback target: they hold the abandoned trajectory, and the script's own
+    ``--resume_from_checkpoint latest`` (newest ``checkpoint-N``) must never pick one. None: leave them."""
 
     def __post_init__(self) -> None:
         bad = [c for c in self.lr_backoff_causes if c not in CAUSES]
@@ -80,6 +88,8 @@ class RecoveryConfig:
         if self.max_retries < 0 or self.incident_window < 0 or self.lr_restore_every < 0:
             raise ValueError("RecoveryConfig.max_retries, incident_window and lr_restore_every must be >= 0")
         self.lr_backoff_causes = tuple(self.lr_backoff_causes)
+        if self.own_checkpoints is not None and re.compile(self.own_checkpoints).groups < 1:
+            raise ValueError("RecoveryConfig.own_checkpoints needs a group for the step, e.g. r'checkpoint-(\\d+)'")
 
 
 def rollback_cause(reason: Any, findings: Any = ()) -> str:
@@ -306,10 +316,19 @@ class Recovery:
         if open_incident and step > open_incident["last_failure"] + self.config.incident_window:
             open_incident = None  # the loop never reported the steps in between (no after_step): over anyway
         if open_incident and open_incident["retries"] >= self.config.max_retries:
-            raise RunAborted(self._abort_message(
-                f"still failing after {open_incident['retries']} rollback(s) for the incident that began at step "
-                f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at step "
-                f"{step} ({cause}): {reason_text}", incident))
+            what = (f"still failing after {open_incident['retries']} rollback(s) for the incident that began at step "
+                    f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at step "
+                    f"{step} ({cause}): {reason_text}")
+            # The script's own `latest` must not resume the failing trajectory either: keep only what is not newer
+            # than vidstab's last healthy checkpoint.
+            good = self.ckpt.last_good()
+            good_step = next((i.step for i in self.ckpt.list() if good and os.path.samefile(i.path, good)), None)
+            discarded = self._discard_own_checkpoints(good_step) if good_step is not None else []
+            log_event(self.run_dir, self.rank, "recovery", step, action="abort", message=what, cause=cause,
+                      last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident)
+            if discarded:
+                what += f"; removed the script's own {', '.join(discarded)} (newer than the last good step {good_step})"
+            raise RunAborted(self._abort_message(what, incident))
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
         choice = self._target(step)
         try:
@@ -327,6 +346,7 @@ class Recovery:
         self.ckpt.set_latest(info["path"])
         if choice != "last_good":  # the target that failed again is no rollback target any more
             self.ckpt.set_last_good(info["path"])
+        discarded = self._discard_own_checkpoints(int(info["step"]))
         if open_incident:
             open_incident = dict(open_incident, retries=open_incident["retries"] + 1,
                                  last_failure=max(open_incident["last_failure"], step))
@@ -342,7 +362,7 @@ class Recovery:
         log_event(self.run_dir, self.rank, "rollback", step, reason=reason_text, checkpoint=info["path"],
                   to_step=info["step"], retries=self.retries, max_retries=self.config.max_retries, cause=cause,
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
-                  incident=incident, rollbacks_total=self.rollbacks_total)
+                  incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded)
         logger.warning("rollback %d/%d of the incident at step %d -> %s (step %d), cause %s, LR x%.4g%s, %s data: %s",
                        self.retries, self.config.max_retries, step, info["path"], info["step"], cause, multiplier,
                        "" if backoff != 1.0 else " (not lowered for this cause)",
@@ -372,6 +392,35 @@ class Recovery:
         logger.warning("step_%06d failed again before step %d: rolling back further, to %s", good_step, last["step"],
                        older[-1].name)
         return older[-1].path
+
+    def _discard_own_checkpoints(self, target_step: int) -> list[str]:
+        """Delete the script's own checkpoints newer than ``target_step`` (main process; see
+        ``RecoveryConfig.own_checkpoints``). Returns their names (the same list on every rank)."""
+        if not self.config.own_checkpoints:
+            return []
+        pattern = re.compile(self.config.own_checkpoints)
+        try:
+            names = sorted(os.listdir(self.run_dir))
+        except OSError:
+            return []
+        newer = [n for n in names if (m := pattern.fullmatch(n)) and int(m.group(1)) > target_step]
+        if self.accelerator.is_main_process:
+            for n in newer:
+                # Rename first: a kill mid-delete must not leave a half-deleted folder under a checkpoint name.
+                trash = os.path.join(self.run_dir, f".vidstab-abandoned-{n}-{secrets.token_hex(4)}")
+                try:
+                    os.rename(os.path.join(self.run_dir, n), trash)
+                except OSError as e:
+                    logger.warning("could not remove %s of the abandoned trajectory: %s", n, e)
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+            if newer:
+                logger.warning("rollback to step %d: removed the script's own %s (abandoned trajectory)",
+                               target_step, ", ".join(newer))
+        wait = getattr(self.accelerator, "wait_for_everyone", None)
+        if callable(wait):
+            wait()  # no rank goes on (and saves a checkpoint-N) before they are gone
+        return newer
 
     def _sync_guard_lr(self) -> None:
         """Make the guard's (and so the optimizer's) LR multiplier equal to the recovery state's."""

@@ -46,6 +46,7 @@ __all__ = [
     "claim_run_dir",
     "RunDirInUse",
     "RunDirNotEmpty",
+    "WithSampleIds",
 ]
 
 # name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
@@ -64,6 +65,7 @@ _LAZY = {
     "claim_run_dir": "run_dir",
     "RunDirInUse": "run_dir",
     "RunDirNotEmpty": "run_dir",
+    "WithSampleIds": "sample_ids",
 }
 
 

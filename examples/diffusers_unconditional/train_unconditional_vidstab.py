@@ -546,6 +546,8 @@ def main(args):
                                      config_hash=vidstab.config_hash(vars(args)))
     for name, obj in {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "vidstab": guard}.items():
         ckpt.register(name, obj)
+    if args.use_ema:  # a rollback restores the EMA weights too
+        ckpt.register("ema", ema_model)
     # One source of truth after a rollback: the script's own checkpoint-N newer than the rollback target are removed.
     recovery = vidstab.Recovery(accelerator, ckpt, guard, vidstab.RecoveryConfig(own_checkpoints=r"checkpoint-(\d+)"))
     faults = FaultInjector(args.inject_fault, accelerator.process_index)

@@ -75,7 +75,7 @@ class RecoveryConfig:
     and the failure are skipped. False: rewind the data to the checkpoint's position and replay them."""
     own_checkpoints: str | None = None
     """Regular expression of the training script's *own* checkpoint folders in the run folder, group 1 the
-    step (diffusers' examples: ``r"checkpoint-(\d+)"``). On a rollback the main process deletes those newer
+    step (diffusers' examples: ``r"checkpoint-(\\d+)"``). On a rollback the main process deletes those newer
     than the rollback target: they hold the abandoned trajectory, and the script's own
     ``--resume_from_checkpoint latest`` (newest ``checkpoint-N``) must never pick one. None: leave them."""
 

@@ -58,7 +58,11 @@ def test_guarded_example_two_processes_nan_on_rank1_and_lr_blowup(tmp_path):
     assert bundle.is_dir() and not (run / "vidstab" / "incidents" / "step000005-rank0").exists()
     # --fresh-init: bad data reproduces on any weights, and rotation has deleted the step-5 checkpoint the bundle
     # names by now (keeping a bundle's weights reachable is CheckpointManager's job, tested with it).
-    replay = subprocess.run([sys.executable, "-m", "vidstab", "replay", str(bundle), "--fresh-init"], cwd=tmp_path, env=_env(),
+    cmd = [sys.executable, "-m", "vidstab", "replay", str(bundle), "--fresh-init"]
+    helptext = subprocess.run(cmd[:4] + ["--help"], env=_env(), capture_output=True, text=True, timeout=120).stdout
+    if "--trust" in helptext:  # replay imports only code the user trusts: the example's model and loss module
+        cmd += ["--trust", "vidstab_loop"]
+    replay = subprocess.run(cmd, cwd=tmp_path, env=_env(),
                             capture_output=True, text=True, timeout=240)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((bundle / "replay_report.json").read_text())

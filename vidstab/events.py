@@ -53,6 +53,10 @@ def _clean(x: Any) -> Any:
     return str(x)
 
 
+# One encoder each, built once: json.dumps with options builds a new JSONEncoder on every call.
+_STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
+
 #: Buffered logs open in this process, by file: readers and ``log_event`` go through them.
 _OPEN: "weakref.WeakValueDictionary[str, EventLog]" = weakref.WeakValueDictionary()
 
@@ -77,10 +81,10 @@ class EventLog:
         """Append one event and return it (as written). Anything but ``metrics`` reaches the file at once."""
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
-            line = json.dumps(rec, separators=(",", ":"), allow_nan=False)
+            line = _STRICT(rec)
         except (TypeError, ValueError):
             rec = _clean(rec)
-            line = json.dumps(rec, separators=(",", ":"))
+            line = _COMPACT(rec)
         self._pending.append(line)
         if (kind != "metrics" or len(self._pending) >= self.flush_lines
                 or time.monotonic() - self._last_flush >= self.flush_seconds):

@@ -220,11 +220,13 @@ class Guard:
 
     def _user_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """The user's ``accelerator.backward(loss)``: the original, then the micro-step's on-device flags."""
+        if not self.config.enabled or self._model_inputs is None:
+            # This guard's model did not run since the last backward: another model's loss (a second
+            # guard on the same accelerator, an unguarded model) passes straight through.
+            return self._backward(loss, **kwargs)
         if self.accelerator.sync_gradients:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
         self._backward(loss, **kwargs)
-        if not self.config.enabled:
-            return
         batch = self._model_batch()
         self._model_inputs = None
         self.window.record(loss, batch)
@@ -233,7 +235,7 @@ class Guard:
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
         norm = self._clip(parameters, max_norm, norm_type, **kwargs)
-        if self.accelerator.sync_gradients and float(norm_type) == 2.0:
+        if self.window.micro_steps and self.accelerator.sync_gradients and float(norm_type) == 2.0:
             self._user_norm = (signals.norm_tensor(norm), float(max_norm))
         return norm
 
@@ -333,12 +335,14 @@ class Guard:
         norms = [r[S.GRAD_NORM] for r in table]
         bad = [n for n in norms if not math.isfinite(n)]
         grad_norm = bad[0] if bad else max(norms)
-        loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(r[S.LOSS_COUNT] for r in table)
-        rank_loss = [r[S.LOSS_SUM] / r[S.LOSS_COUNT] if r[S.LOSS_COUNT] > 0 else math.nan for r in table]
+        counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
+        loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
+        rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
         buckets = []
-        for b in range(lay.buckets):
-            c = sum(r[lay.bucket_count][b] for r in table)
-            buckets.append(sum(r[lay.bucket_sum][b] for r in table) / c if c > 0 else None)
+        if lay.buckets:
+            sums = [sum(col) for col in zip(*(r[lay.bucket_sum] for r in table))]
+            cnts = [sum(col) for col in zip(*(r[lay.bucket_count] for r in table))]
+            buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
         param_norm = update_ratio = None
         if table[0][S.PARAM_PENDING] > 0:
             # DDP: every rank holds all params (same value) -> take rank 0; FSDP: shards -> sum over ranks.
@@ -346,8 +350,9 @@ class Guard:
             usq = sum(r[S.UPDATE_SQ] for r in table) if self._sharded else table[0][S.UPDATE_SQ]
             param_norm = math.sqrt(psq) if psq >= 0 else math.nan
             update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
-        in_nonfinite = [r[S.IN_NUMEL] - r[S.IN_FINITE] for r in table]
-        absmax = [r[S.IN_ABSMAX] for r in table]
+        in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
+        absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
+        absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
         s = StepStats(
             step=step,
             grad_norm=grad_norm if norm_known else math.nan,
@@ -360,7 +365,7 @@ class Guard:
             loss_scale=table[0][S.LOSS_SCALE] if self._scale_known else None,
             param_norm=param_norm,
             update_ratio=update_ratio,
-            nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_TOTAL] > r[S.LOSS_COUNT]],
+            nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
             nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
             exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
             rank_loss=rank_loss,
@@ -431,8 +436,8 @@ class Guard:
         mine = table[self.rank]
         S = signals
         n = mine[S.IN_NUMEL]
-        mean = mine[S.IN_SUM] / n if n > 0 else math.nan
-        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if n > 0 and math.isfinite(mean) else math.nan
+        mean = mine[S.IN_SUM] / n if n > 0 else None
+        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if mean is not None and math.isfinite(mean) else None
         metrics = {
             "loss": s.loss,
             "loss_rank": s.rank_loss[self.rank],
@@ -446,10 +451,10 @@ class Guard:
             "update_ratio": s.update_ratio,
             "skipped_total": self.skipped_total,
             "overflow_total": self.overflow_total,
-            "input_absmax": mine[S.IN_ABSMAX],
+            "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
             "input_mean": mean,
             "input_std": std,
-            "input_nonfinite": int(mine[S.IN_NUMEL] - mine[S.IN_FINITE]),
+            "input_nonfinite": int(mine[S.NONFINITE_ALL] - mine[S.LOSS_NONFINITE]),
             "loss_by_t": s.timestep_bucket_loss,
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": s.verdict.name,

@@ -7,20 +7,24 @@ gathers the rows of all ranks into a ``[world, k]`` table with ONE collective an
 transfer. Per-micro-step details (which micro-batch was bad) stay on the device and are read only on the
 cold path of an incident (:meth:`Window.micro_flags`).
 
-Row layout, float64 (float32 on MPS): first the values computed on the device, then the values the host
-already knows (sent in one small tensor), then the timestep buckets:
+Row layout, float32, every column a fixed position (``[world, k]`` must have the same k on every rank):
+first what the device computes (one ``torch.stack`` of scalars, four column reductions over the input
+tensors' ``[n, 4]`` statistics, two counts), then what the host already knows (one small tensor), then the
+timestep buckets:
 
-    grad_norm, loss_sum, loss_count, in_absmax, in_sum, in_sumsq, in_finite, param_sq, update_sq, loss_scale,
+    grad_norm, param_sq, update_sq, loss_scale, loss_sum,
+    max|.| of (max, min, sum, norm) [4], sum of (max, min, sum, norm) [4], sum of squares of the same [4],
+    nonfinite (inputs + losses), loss_nonfinite,
     norm_ok, loss_total, exceptions, in_numel, stop, param_pending, local_seconds,
     bucket_sum[nb], bucket_count[nb]
 
-``loss_count`` counts the finite micro-step losses (``loss_total`` all of them); ``in_finite`` the finite
-input values (``in_numel`` all of them). Input statistics are over every value of every floating input
-tensor: one non-finite value makes absmax/sum/sumsq non-finite and is counted in ``in_numel - in_finite``.
-``param_sq``/``update_sq`` are sums of squares of the *local* parameters (and of the last update). Under
-DDP they are identical on every rank; under FSDP each rank holds a shard, so the guard sums them over
-ranks (``sharded=True``) before taking the square root. ``local_seconds`` is the rank's own compute time
-of the step (:class:`StepClock`), the straggler detector's input.
+Input statistics are over every value of every floating input tensor: one non-finite value makes
+absmax/sum/sumsq non-finite and is counted (``nonfinite - loss_nonfinite``). ``loss_sum`` sums the finite
+micro-step losses (``loss_total - loss_nonfinite`` of them). ``param_sq``/``update_sq`` are sums of
+squares of the *local* parameters (and of the last update). Under DDP they are identical on every rank;
+under FSDP each rank holds a shard, so the guard sums them over ranks (``sharded=True``) before taking the
+square root. ``local_seconds`` is the rank's own compute time of the step (:class:`StepClock`), the
+straggler detector's input.
 """
 
 from __future__ import annotations
@@ -30,12 +34,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-GRAD_NORM, LOSS_SUM, LOSS_COUNT, IN_ABSMAX, IN_SUM, IN_SUMSQ, IN_FINITE, PARAM_SQ, UPDATE_SQ, LOSS_SCALE = range(10)
-DEVICE_COLS = 10
-NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(10, 17)
-FIXED = 17
+GRAD_NORM, PARAM_SQ, UPDATE_SQ, LOSS_SCALE, LOSS_SUM = range(5)
+#: max |.| over input tensors of (max, min, sum, norm): IN_ABSMAX_HI/LO give the absmax
+IN_ABSMAX_HI, IN_ABSMAX_LO = 5, 6
+IN_SUM = 11  # column "sum" of the per-tensor sums
+IN_SUMSQ = 16  # column "norm" of the per-tensor squared norms
+NONFINITE_ALL, LOSS_NONFINITE = 17, 18  # non-finite values in inputs + losses; non-finite micro-step losses
+DEVICE_COLS = 19
+NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(19, 26)
+FIXED = 26
 
 
 @dataclass(frozen=True)
@@ -57,13 +67,15 @@ class Layout:
         return slice(FIXED + self.buckets, FIXED + 2 * self.buckets)
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shards)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -192,22 +204,25 @@ class Window:
     def __init__(self, device: torch.device, buckets: int, num_train_timesteps: float,
                  input_keys: Sequence[str] | None = None):
         self.device = torch.device(device)
-        self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.dtype = torch.float32
         self.layout = Layout(buckets)
         self.num_train_timesteps = float(num_train_timesteps)
         self.input_keys = None if input_keys is None else tuple(input_keys)
+        self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
+        self._no_inputs = torch.zeros(14, device=self.device, dtype=self.dtype)
+        self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
         self.reset()
 
     def reset(self) -> None:
         """Start a new window (called after each optimizer step)."""
         self.losses: list[torch.Tensor] = []
-        self.exceptions: list[bool] = []
-        self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, sumsq (0-d each)
-        self.in_counts: list[torch.Tensor] = []  # per input tensor: its non-finite count (0-d)
+        self.exceptions = 0
+        self.exception_flags: list[bool] = []
+        self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d float32 each)
+        self.in_counts: list[torch.Tensor] = []  # per input tensor: its non-finite count (0-d int64)
         self.in_micro: list[int] = []  # micro-step of each input tensor
         self.in_numel = 0
         self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def micro_steps(self) -> int:
@@ -222,21 +237,26 @@ class Window:
         timesteps: torch.Tensor | None = None,
         error: bool = False,
     ) -> None:
-        """Fold one micro-step into the window: a few reductions per input tensor, no host sync."""
+        """Fold one micro-step into the window: five reductions per input tensor, no host sync."""
+        f32 = torch.float32
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
-            loss_d = torch.zeros((), device=self.device)
+            loss_d = self._zero
         else:
             loss_d = loss.detach()
             if loss_d.numel() != 1:
                 loss_d = loss_d.float().mean()
+            elif loss_d.dtype != f32 or loss_d.dim():
+                loss_d = loss_d.to(f32).reshape(())
         micro = len(self.losses)
-        self.losses.append(loss_d.reshape(()))
-        self.exceptions.append(bool(error))
+        self.losses.append(loss_d)
+        self.exceptions += bool(error)
+        self.exception_flags.append(bool(error))
         for x in floating_inputs(batch, self.input_keys):
             x = x.detach()
             lo, hi = torch.aminmax(x)
-            self.in_values += (hi, lo, x.sum(dtype=torch.float32),
-                               torch.linalg.vector_norm(x, 2, dtype=torch.float32))
+            if hi.dtype != f32:
+                lo, hi = lo.to(f32), hi.to(f32)
+            self.in_values += (hi, lo, x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32))
             self.in_counts.append(torch.count_nonzero(x - x))  # x - x is 0 where finite, NaN elsewhere
             self.in_micro.append(micro)
             self.in_numel += x.numel()
@@ -244,15 +264,6 @@ class Window:
             psl, t = per_sample_loss.detach().reshape(-1), timesteps.detach().reshape(-1)
             if psl.numel() == t.numel():  # documented: both [B]; shapes the guard cannot pair up are ignored
                 self.bucket_parts.append((psl, t))
-
-    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([n, 4] max/min/sum/sumsq, [n] non-finite counts)`` of the window's input tensors (cached)."""
-        if self._stacked is None:
-            dt, dev = self.dtype, self.device
-            vals = torch.stack([v.to(dev, dt) for v in self.in_values]).reshape(-1, 4)
-            vals[:, 3].square_()
-            self._stacked = (vals, torch.stack(self.in_counts).to(dev, dt))
-        return self._stacked
 
     def pack(
         self,
@@ -263,41 +274,49 @@ class Window:
         loss_scale: torch.Tensor | None,
         local_seconds: float = -1.0,
     ) -> torch.Tensor:
-        """The rank's row ``[k]`` for this step: a handful of device ops, no host sync."""
-        dt, dev = self.dtype, self.device
-        zero = torch.zeros((), device=dev, dtype=dt)
-        parts = [grad_norm.detach().reshape(()).to(dev, dt) if grad_norm is not None else zero]
-        if self.losses:
-            losses = torch.stack([x.to(dev) for x in self.losses]).to(dt)
-            parts += (torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0).sum(),
-                      torch.isfinite(losses).sum().to(dt))
+        """The rank's row ``[k]`` for this step: ten device ops in the common case (one micro-step, one
+        input tensor), no host sync."""
+        dt, dev, zero = self.dtype, self.device, self._zero
+        m, n = len(self.losses), len(self.in_counts)
+        if m:
+            losses = self.losses[0] if m == 1 else torch.stack(self.losses)
+            loss_sum = torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0)
+            if m > 1:
+                loss_sum = loss_sum.sum()
+            loss_nonfinite = torch.count_nonzero(losses - losses)  # x - x is NaN exactly where x is not finite
         else:
-            parts += (zero, zero)
-        if self.in_values:
-            vals, counts = self._inputs()
-            parts += (vals[:, :2].abs().amax(), *vals[:, 2:].sum(0).unbind(), self.in_numel - counts.sum())
+            loss_sum = loss_nonfinite = zero
+        if n:
+            in_nonfinite = self.in_counts[0] if n == 1 else torch.stack(self.in_counts).sum()
+            nonfinite = in_nonfinite + loss_nonfinite
         else:
-            parts += (zero, zero, zero, zero)
-        parts += (param_sq.reshape(()).to(dev, dt) if param_sq is not None else zero,
-                  update_sq.reshape(()).to(dev, dt) if update_sq is not None else zero,
-                  loss_scale.reshape(()).to(dev, dt) if loss_scale is not None else zero)
-        host = torch.tensor([float(grad_norm is not None), float(len(self.losses)), float(sum(self.exceptions)),
-                             float(self.in_numel), float(stop), float(param_sq is not None), float(local_seconds)],
-                            dtype=dt)
-        pieces = [torch.stack(parts), host.to(dev, non_blocking=True)]
+            nonfinite = loss_nonfinite
+        scalars = [zero if v is None else v if v.dtype == dt and v.device == dev and v.dim() == 0 else v.to(dev, dt).reshape(())
+                   for v in (grad_norm, param_sq, update_sq, loss_scale)]
+        pieces = [torch.stack(scalars + [loss_sum])]
+        if n == 1:
+            v = torch.stack(self.in_values)
+            pieces += (v.abs(), v, v.square())
+        elif n:
+            v = torch.stack(self.in_values).view(-1, 4)
+            pieces += (v.abs().amax(0), v.sum(0), v.square().sum(0))
+        else:
+            pieces.append(self._no_inputs[:12])
+        pieces.append(torch.stack([nonfinite, loss_nonfinite]).to(dt))  # int64 counts: cat is slow on mixed dtypes
+        host = torch.from_numpy(np.array([grad_norm is not None, m, self.exceptions, self.in_numel, stop,
+                                          param_sq is not None, local_seconds], dtype=np.float32))
+        pieces.append(host if dev.type == "cpu" else host.to(dev, non_blocking=True))
         if self.layout.buckets:
-            pieces.append(self._buckets())
+            pieces.append(self._buckets() if self.bucket_parts else self._no_buckets)
         return torch.cat(pieces)
 
     def _buckets(self) -> torch.Tensor:
         nb, dt, dev = self.layout.buckets, self.dtype, self.device
-        if not self.bucket_parts:
-            return torch.zeros(2 * nb, device=dev, dtype=dt)
         psl = torch.cat([p for p, _ in self.bucket_parts]).to(dev, dt)
         t = torch.cat([t for _, t in self.bucket_parts]).to(dev, dt)
         idx = (t * (nb / self.num_train_timesteps)).long().clamp_(0, nb - 1)
         fin = torch.isfinite(psl)
-        values = torch.cat([torch.where(fin, psl, torch.zeros((), device=dev, dtype=dt)), fin.to(dt)])
+        values = torch.cat([torch.where(fin, psl, self._zero), fin.to(dt)])
         return torch.zeros(2 * nb, device=dev, dtype=dt).index_add_(0, torch.cat([idx, idx + nb]), values)
 
     def micro_flags(self) -> list[tuple[bool, int, float, bool]]:
@@ -308,18 +327,18 @@ class Window:
         n = len(self.losses)
         if n == 0:
             return []
-        losses = torch.stack([x.to(self.device) for x in self.losses]).to(self.dtype)
-        bad_loss = (~torch.isfinite(losses)).tolist()
+        losses = torch.stack(self.losses)
+        bad_loss = [not math.isfinite(x) for x in losses.tolist()]
         counts, absmax = [0] * n, [0.0] * n
         if self.in_values:
-            vals, nonfinite = self._inputs()
-            per_tensor = torch.cat([nonfinite, vals[:, :2].abs().amax(1)]).tolist()
+            v = torch.stack(self.in_values).view(-1, 4)[:, :2].abs().amax(1)
+            per_tensor = torch.cat([torch.stack(self.in_counts).to(self.dtype), v]).tolist()
             k = len(self.in_micro)
             for i, m in enumerate(self.in_micro):
                 counts[m] += int(per_tensor[i])
                 a = per_tensor[k + i]
                 absmax[m] = a if (math.isnan(a) or a > absmax[m]) else absmax[m]
-        return [(bad_loss[i], counts[i], absmax[i], self.exceptions[i]) for i in range(n)]
+        return [(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
 
 
 def gather_and_read(accelerator: Any, row: torch.Tensor) -> list[list[float]]:

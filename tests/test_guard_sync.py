@@ -159,3 +159,28 @@ def test_no_sync_in_the_guarded_step_under_cuda_sync_debug_mode(tmp_path):
         torch.cuda.set_sync_debug_mode(0)
         signals.gather_and_read = read
     assert guard.step_count == 8 and guard.skipped_total == 0
+
+
+def test_packing_a_step_takes_about_ten_device_ops():
+    """One micro-step, one input tensor (the unmodified loop's common case): record + pack stay small."""
+    from vidstab import signals
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    window = signals.Window(torch.device("cpu"), buckets=10, num_train_timesteps=1000)
+    loss, x, norm = torch.tensor(0.5), torch.randn(2, 4, 8, 8), torch.tensor(1.0)
+    with OpCounter() as rec:
+        window.record(loss, {"sample": x})
+    recorded = list(rec.ops)
+    with OpCounter() as packed:
+        row = window.pack(norm, False, None, None, None, 0.01)
+    assert len(recorded) <= 7, recorded  # 2 detaches (views), aminmax, sum, norm, x - x, count_nonzero
+    assert len(packed.ops) <= 12, packed.ops
+    assert row.shape == (signals.Layout(10).width,) and row[signals.GRAD_NORM] == 1.0

@@ -177,3 +177,23 @@ def test_input_statistics_cover_every_floating_tensor_of_the_batch(tmp_path):
     assert abs(metrics[0]["input_absmax"] - ref) < 1e-3 * ref and metrics[0]["input_nonfinite"] == 0
     assert result.skipped and result.findings[0].detector == "nonfinite" and metrics[2]["input_nonfinite"] == 1
     assert "inputs on rank(s) [0]" in result.findings[0].message
+
+
+def test_nothing_but_the_verdict_runs_between_the_read_and_the_optimizer_step(tmp_path):
+    """When the torch optimizer steps, this step's statistics, events and trackers have not run yet."""
+    acc, model, opt, sched, guard = build(accum=1, guard_dir=tmp_path)
+    inner = opt.optimizer
+    original, seen = inner.step, []
+
+    def observed_step(*a, **k):
+        logged = [e["step"] for e in read_events(tmp_path, "metrics")]
+        seen.append((guard.step_count, logged[-1] if logged else None, guard.detectors[3].ema.count))
+        return original(*a, **k)
+
+    observed_step._wrapped_by_lr_sched = True  # it calls the scheduler-tracked original: no ordering warning
+    inner.step = observed_step
+    user_loop(acc, model, opt, sched, 4)
+    inner.step = original
+    # at step k: the metrics of step k-1 are the newest, and grad_spike has absorbed k steps, not k+1
+    assert guard.detectors[3].name == "grad_spike"
+    assert seen == [(0, None, 0), (1, 0, 1), (2, 1, 2), (3, 2, 3)]

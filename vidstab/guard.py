@@ -133,7 +133,7 @@ class Guard:
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._handles: list[Any] = []
         self._user_norm: tuple[torch.Tensor | None, float | None] | None = None  # from the user's clip_grad_norm_
-        self._model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the micro-step's first forward
+        self._model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the latest forward
         self._forward_names: list[str] = []
         self._hold_scheduler = False
         self._scale_known = False
@@ -200,8 +200,9 @@ class Guard:
         setattr(obj, name, fn)
 
     def _see_model_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook: keep references to the first training forward's inputs of each micro-step."""
-        if self._model_inputs is None and torch.is_grad_enabled():
+        """Forward pre-hook: keep references to the inputs of the latest forward with grad enabled (the one
+        the next backward is most likely about; a forward without a backward is simply replaced)."""
+        if torch.is_grad_enabled():
             self._model_inputs = (args, kwargs)
 
     def _model_batch(self) -> dict[str, torch.Tensor] | None:
@@ -461,7 +462,7 @@ class Guard:
             "applied": s.applied,
         }
         self.events.log("metrics", s.step, **metrics)
-        if s.step % self.config.log_every == 0:
+        if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):
             log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
         bad_ranks = sorted({r for f in s.findings for r in f.ranks})
         for f in s.findings:

@@ -102,10 +102,10 @@ def build(kind: str, quick: bool):
     """(model factory, latent shape, description) of one size class."""
     if kind == "mlp":
         shape = (8, 4, 2, 8, 8)
-        return lambda: MLPDenoiser(4 * 2 * 8 * 8, 256, 3), shape, "MLP 512-256-256-512"
+        return lambda: MLPDenoiser(4 * 2 * 8 * 8, 128, 2), shape, "MLP 512-128-128-512"
     if kind == "transformer":
         shape = (4, 4, 2, 8, 8)
-        return lambda: TransformerDenoiser(4, 64, 2), shape, "transformer encoder, hidden 64, 2 layers, 128 tokens"
+        return lambda: TransformerDenoiser(4, 64, 1), shape, "transformer encoder, hidden 64, 1 layer, 128 tokens"
     from vidstab.reference.model import VideoDiT
 
     shape = (2, 4, 4, 8, 8) if quick else (2, 4, 4, 16, 16)

@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch

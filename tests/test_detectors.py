@@ -9,7 +9,7 @@ import random
 import pytest
 
 from vidstab import ConfigError, GuardConfig, StepStats, Verdict
-from vidstab.detectors import absorb, build_detectors, judge
+from vidstab.detectors import DETECTORS, absorb, build_detectors, judge
 
 
 def run(detectors, seq, skip_on=Verdict.SKIP):
@@ -34,9 +34,7 @@ def noisy(n, start=0, level=1.0, sigma=0.05, seed=0):
 
 def only(name, **overrides):
     """Detectors of a config where only ``name`` (and its overrides) is enabled."""
-    d = {k: {"enabled": k == name} for k in ("nonfinite", "exception", "nonfinite_params", "grad_spike", "grad_growth",
-                                            "loss_spike", "clip_rate", "loss_scale", "param_growth",
-                                            "lr_jump", "update_ratio", "input_range", "consecutive_skips", "repeated_spikes")}
+    d = {k: {"enabled": k == name} for k in DETECTORS}
     d[name].update(overrides)
     return build_detectors(GuardConfig.from_dict(d))
 

@@ -29,7 +29,7 @@ import torch
 from . import capture, signals
 from .atomic import write_json_atomic
 from .config import GuardConfig
-from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge
+from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge, published
 from .events import EventLog, log_to_trackers
 from .localize import locate_nonfinite
 
@@ -218,6 +218,8 @@ class Guard:
             max_grad_norm=max_grad_norm,
             clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
             lr=self._lr(),
+            lr_peak=self._lr_peak(),
+            lr_scheduled=self._lr_scheduled(),
             loss_scale=table[0][S.LOSS_SCALE] if table[0][S.LOSS_SCALE] >= 0 else None,
             param_norm=param_norm,
             update_ratio=update_ratio,
@@ -229,6 +231,7 @@ class Guard:
             timestep_bucket_loss=buckets,
             input_absmax=max(r[S.IN_ABSMAX] for r in table),
             input_nonfinite=int(sum(r[S.IN_NONFINITE] for r in table)),
+            input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_COUNT] for r in table)),
         )
         s.overflow = bool(
             getattr(self.accelerator, "scaler", None) is not None
@@ -305,6 +308,7 @@ class Guard:
             "loss_by_t": s.timestep_bucket_loss,
             "verdict": s.verdict.name,
             "applied": s.applied,
+            **published(self.detectors),  # each detector's own thresholds for the next step (the dashboard's lines)
         }
         self.events.log("metrics", s.step, **metrics)
         if s.step % self.config.log_every == 0:
@@ -431,6 +435,21 @@ class Guard:
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         return float(lr) if isinstance(lr, (int, float)) else None  # a tensor LR would need a sync: not read
 
+    def _lr_peak(self) -> float | None:
+        """The largest LR the schedule can produce for group 0: base LR at attach x ``lr_multiplier``, or
+        the group's ``max_lr`` (OneCycleLR/CyclicLR) when larger."""
+        if not self.optimizer.param_groups or not self._orig_lrs:
+            return None
+        peak = self._orig_lrs[0] * self.lr_multiplier
+        max_lr = self.optimizer.param_groups[0].get("max_lr")
+        return max(peak, float(max_lr) * self.lr_multiplier) if isinstance(max_lr, (int, float)) else peak
+
+    def _lr_scheduled(self) -> float | None:
+        """The LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
+        sch = self._scheduler()
+        last = getattr(sch, "_last_lr", None) if sch is not None else None
+        return float(last[0]) if last and isinstance(last[0], (int, float)) else None
+
     def scale_lr(self, factor: float) -> None:
         """Multiply the LR persistently: param-group lrs now, and the scheduler's ``base_lrs`` so the
         factor survives ``lr_scheduler.step()`` (LambdaLR & co. recompute ``base_lr * f(step)``)."""
@@ -545,6 +564,10 @@ class Guard:
     def close(self) -> None:
         """Close the event log."""
         self.events.close()
+
+
+def _rms(sum_sq: float, count: float) -> float | None:
+    return math.sqrt(sum_sq / count) if count > 0 else None
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:

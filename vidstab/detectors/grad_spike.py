@@ -5,15 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check
 
 
 @dataclass
-class GradSpikeConfig:
+class GradSpikeConfig(DetectorConfig):
     """Configuration of the ``grad_spike`` detector."""
 
-    enabled: bool = True
-    """Judge the pre-clip global gradient norm against its running statistics."""
     action: str = "skip"
     """``warn | skip | rollback``. Skip: a 10x gradient is almost always one bad batch, and clipping
     alone would still move the weights a full clipped step in that batch's direction."""
@@ -36,8 +34,7 @@ class GradSpikeConfig:
     escalating to a rollback of a healthy run through ``repeated_spikes``); 0.25 gave none, with no
     divergence detected later."""
 
-    def validate(self, prefix: str = "grad_spike") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(self.zscore > 0, f"{prefix}.zscore", "must be > 0", self.zscore)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
@@ -94,6 +91,20 @@ class GradSpikeDetector(Detector):
             else:
                 self.early = []
             self.ema.add(s.grad_norm)
+
+    def published(self) -> dict[str, float]:
+        """The reference and the lowest norm the next step would be flagged at (the dashboard's red line)."""
+        n = self.ema.count
+        if n < min(self.config.warmup_steps, self.config.ratio_warmup_steps):
+            return {}
+        ref = self.reference()
+        lines = []
+        if n >= self.config.ratio_warmup_steps:
+            lines.append(ref * self.config.ratio)
+        if n >= self.config.warmup_steps:
+            std = max(math.sqrt(max(self.ema.var, 0.0)), self.config.min_std_fraction * abs(self.ema.mean), 1e-12)
+            lines.append(self.ema.mean + self.config.zscore * std)
+        return {"grad_norm_ema": ref, "grad_spike_threshold": min(lines)}
 
     def state_dict(self) -> dict:
         return {"ema": self.ema.state_dict(), "early": list(self.early)}

@@ -350,6 +350,11 @@ def test_lr_bound_refuses_the_update_before_it_is_applied_in_a_short_finetune(tm
     assert any(v == Verdict.ROLLBACK for _, v, _ in verdicts)  # consecutive refusals escalate
     assert not guard.healthy
     guard.close()
+    # The escalation's event names the cause (what an abort message carries as its reason), not the symptom.
+    events = [json.loads(x) for x in (tmp_path / "vidstab" / "events-rank0.jsonl").read_text().splitlines()]
+    request = next(e for e in events if e["kind"] == "rollback_request")
+    assert request["detector"] == "consecutive_skips"
+    assert "first change: learning rate / precision (lr_bound at step 12)" in request["message"]
 
 
 def test_input_scale_catches_a_slow_drift_and_a_constant_rescale():

@@ -4,9 +4,10 @@ A slowly diverging run warns long before any step is bad enough to skip (an LR r
 ``update_ratio`` dozens of steps ahead; growing attention logits: ``param_growth`` and ``grad_growth``).
 One warning is a forecast; warnings from several independent detectors within a window are a trend.
 This escalation detector turns that into an action while the weights are still good. Its finding names
-``figures["trend_start"]``, the step of the trend's first warning: the rollback should go to a checkpoint
-taken before it (checkpoints taken within ``GuardConfig.health_window`` steps of a warning are not
-rollback targets already).
+``figures["trend_start"]``, the step of the trend's first warning. The rollback goes to the last healthy
+checkpoint, and that one predates the trend: a checkpoint taken within ``GuardConfig.health_window`` steps
+after a warning is no rollback target, and with ``window <= health_window`` (the defaults: 50 and 50)
+every step between the trend's first warning and the rollback is within that distance of a warning.
 """
 
 from __future__ import annotations
@@ -24,19 +25,24 @@ class TrendConfig(DetectorConfig):
 
     action: str = "rollback"
     """``warn | skip | rollback``. Rollback: the weights are still good now and will not be soon."""
-    window: int = 100
-    """Steps over which warnings are collected."""
+    window: int = 50
+    """Steps over which warnings are collected. Keep it <= ``GuardConfig.health_window``: then no checkpoint
+    taken after the trend began is healthy, so the rollback lands before the trend (module docstring)."""
     min_detectors: int = 2
-    """Act when at least this many different detectors (of ``detectors``) warned within ``window`` steps."""
+    """Act when at least this many different detectors (of ``detectors``) warned within ``window`` steps ..."""
+    min_steps: int = 2
+    """... on at least this many different steps: one bad batch often trips two detectors at once, and a
+    one-off is a skip's business (``grad_spike``), not a trend."""
     detectors: tuple[str, ...] = field(default_factory=lambda: (
         "lr_bound", "lr_jump", "update_ratio", "grad_growth", "param_growth", "loss_spike", "input_scale",
-        "input_range", "grad_spike"))
-    """Which detectors' findings count. ``clip_rate`` and ``loss_scale`` describe a lasting regime, not a
-    trend, and are left out."""
+        "input_range"))
+    """Which detectors' WARN findings count (a finding that already skips has acted; ``repeated_spikes``
+    escalates those). ``clip_rate`` and ``loss_scale`` describe a lasting regime, not a trend."""
 
     def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(self.min_detectors >= 1, f"{prefix}.min_detectors", "must be >= 1", self.min_detectors)
+        check(self.min_steps >= 1, f"{prefix}.min_steps", "must be >= 1", self.min_steps)
         check(all(isinstance(d, str) for d in self.detectors), f"{prefix}.detectors", "must be detector names",
               self.detectors)
 
@@ -51,16 +57,17 @@ class TrendDetector(Detector):
         self.warnings: deque[tuple[int, str]] = deque()
         self.timeline = Timeline(horizon=config.window)
 
-    def _recent(self, s: StepStats) -> list[tuple[int, str]]:
-        mine = [(s.step, f.detector) for f in s.findings if f.detector in self.config.detectors]
-        return [(st, d) for st, d in self.warnings if st > s.step - self.config.window] + mine
+    def _counted(self, s: StepStats) -> list[tuple[int, str]]:
+        return [(s.step, f.detector) for f in s.findings
+                if f.detector in self.config.detectors and f.verdict == Verdict.WARN]
 
     def observe(self, s: StepStats) -> Finding | None:
-        if s.verdict >= Verdict.ROLLBACK or not any(f.detector in self.config.detectors for f in s.findings):
+        mine = self._counted(s)
+        if s.verdict >= Verdict.ROLLBACK or not mine:
             return None
-        recent = self._recent(s)
+        recent = [(st, d) for st, d in self.warnings if st > s.step - self.config.window] + mine
         names = sorted({d for _, d in recent})
-        if len(names) < self.config.min_detectors:
+        if len(names) < self.config.min_detectors or len({st for st, _ in recent}) < self.config.min_steps:
             return None
         start = min(st for st, _ in recent)
         return self.finding(
@@ -75,7 +82,7 @@ class TrendDetector(Detector):
             self.timeline.clear()
             return
         self.timeline.add(s.step, s.findings)
-        self.warnings.extend((s.step, f.detector) for f in s.findings if f.detector in self.config.detectors)
+        self.warnings.extend(self._counted(s))
         while self.warnings and self.warnings[0][0] <= s.step - self.config.window:
             self.warnings.popleft()
 

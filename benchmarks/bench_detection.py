@@ -245,7 +245,7 @@ def markdown(fig: dict, rows: list[str], e2e: dict | None) -> str:
 # ------------------------------------------------------------------------------------------------------
 # End-to-end: the reference trainer with recovery on
 # ------------------------------------------------------------------------------------------------------
-E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "big_latent_flow")
+E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "lr_ramp_x1.05", "big_latent_flow")
 
 
 @dataclass

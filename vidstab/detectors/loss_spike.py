@@ -26,7 +26,7 @@ class LossSpikeConfig(DetectorConfig):
     warmup_steps: int = 20
     """Applied steps absorbed before the detector judges."""
     min_std_fraction: float = 0.1
-    """Floor of the EMA std as a fraction of the EMA mean (see ``grad_spike.min_std_fraction``)."""
+    """Floor of the EMA std as a fraction of the EMA mean (a harmless wiggle in a quiet phase is not a 6-sigma event)."""
 
     def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)

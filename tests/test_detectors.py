@@ -382,7 +382,10 @@ def test_input_scale_catches_a_slow_drift_and_a_constant_rescale():
     ref = scale_reference(cache)
     assert abs(ref.rms - 1.0) < 0.05 and ref.ratio(5.5 * ref.rms) == pytest.approx(5.5)
     out = run(only("input_scale", reference_rms=ref.rms), [stats(i, input_rms=5.5) for i in range(5)])
-    assert out[0][1] == Verdict.SKIP and out[0][2] == {"input_scale"}
+    assert out[0][1] == Verdict.SKIP and out[0][2] == {"input_scale"}  # x5.5 > instant_ratio 4: no median delay
+    # One odd batch at x3 is not acted on (median of 5); three in a row are.
+    out = run(only("input_scale", reference_rms=1.0), [stats(i, input_rms=x) for i, x in enumerate([1, 3, 1, 1, 3, 3, 3])])
+    assert [v for _, v, _ in out][:5] == [Verdict.OK] * 5 and out[-1][1] == Verdict.SKIP
 
 
 def test_guard_input_rms_is_the_reference_maths(tmp_path):
@@ -428,7 +431,7 @@ def test_escalation_names_the_cause_in_triage_order():
     seq = noisy(40)
     for s in seq:
         s.input_rms = 1.0
-    seq += [stats(40 + i, grad_norm=30.0, input_rms=4.0) for i in range(5)]
+    seq += [stats(40 + i, grad_norm=30.0, input_rms=3.0) for i in range(5)]  # x3: acted on via the 5-step median
     out = run(dets, seq)
     assert out[-1][1] == Verdict.ROLLBACK
     msg = next(f.message for f in seq[-1].findings if f.detector == "consecutive_skips")

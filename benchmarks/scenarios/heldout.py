@@ -36,7 +36,11 @@ HELDOUT_VERSION = 1
 FAMILIES = ("dit", "unet_eps", "plain_tf_flow")
 SCHEDULES = ("cosine_warmup", "linear", "constant_nowarmup", "long_warmup", "cosine_restarts", "step_decay",
              "batch_change")
-HEALTHY_SEEDS = (100, 101)
+#: Draw A was looked at while the defaults were still changing (one pattern in it, a false grad_spike skip
+#: of the transformer, motivated the log-space z-test: see RESULTS.md); draw B was recorded only after every
+#: default was frozen and is the clean held-out figure.
+DRAW_SEEDS = {"A": (100, 101), "B": (102,)}
+HEALTHY_SEEDS = DRAW_SEEDS["A"]
 RUN_STEPS = 400
 PARAM_NORM_EVERY = 10  # the guard's default cadence; the recorded rows carry it
 MAX_GRAD_NORM = 1.0

@@ -11,7 +11,8 @@ scaling factor) is below its 10x. This detector judges the RMS of the step's inp
 * otherwise the median RMS of the first ``reference_steps`` applied steps, frozen from then on.
 
 The judged value is the median RMS of the last ``smooth_steps`` steps, so one unusual batch is not a
-trend, while a persistent change shows within ``smooth_steps // 2 + 1`` steps.
+trend, while a persistent change shows within ``smooth_steps // 2 + 1`` steps; a step whose own RMS is
+``instant_ratio`` away (x4: no healthy batch of a latent pipeline is) is acted on at once.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class InputScaleConfig(DetectorConfig):
     """Warn when the judged RMS is this many times above or below the reference."""
     act_ratio: float = 2.0
     """Act (``action``) when it is this many times above or below the reference."""
+    instant_ratio: float = 4.0
+    """Act on a single step whose own RMS is this many times above or below the reference (no smoothing
+    delay for a rescale as large as a dropped VAE scaling factor, x5.5)."""
     quiet_steps: int = 50
     """After a warning, no new warning for this many steps (actions are never silenced)."""
 
@@ -103,6 +107,8 @@ class InputScaleConfig(DetectorConfig):
         check(self.warn_ratio > 1, f"{prefix}.warn_ratio", "must be > 1", self.warn_ratio)
         check(self.act_ratio >= self.warn_ratio, f"{prefix}.act_ratio", f"must be >= warn_ratio={self.warn_ratio}",
               self.act_ratio)
+        check(self.instant_ratio >= self.act_ratio, f"{prefix}.instant_ratio", f"must be >= act_ratio={self.act_ratio}",
+              self.instant_ratio)
         check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
 
 
@@ -124,12 +130,14 @@ class InputScaleDetector(Detector):
         if x is None or not math.isfinite(x) or x <= 0 or self.reference is None:
             return None
         window = list(self.recent)[1 - self.config.smooth_steps:] + [x] if self.config.smooth_steps > 1 else [x]
-        judged = statistics.median(window)
+        judged = statistics.median_low(window)  # a majority of the recent steps must be off, even early on
+        if max(x / self.reference, self.reference / x) >= self.config.instant_ratio:
+            judged, window = x, [x]  # too far to wait for the median
         ratio = judged / self.reference
         far = max(ratio, 1.0 / ratio)
         figures = {"input_rms": x, "judged_rms": judged, "reference_rms": self.reference, "ratio": ratio}
         source = "given" if self.config.reference_rms is not None else f"first {self.config.reference_steps} steps"
-        msg = (f"input RMS {judged:.4g} (median of the last {len(window)} steps) is x{ratio:.3g} the reference "
+        msg = (f"input RMS {judged:.4g} ({'this step' if len(window) == 1 else f'median of the last {len(window)} steps'}) is x{ratio:.3g} the reference "
                f"{self.reference:.4g} ({source}): check the data pipeline / VAE scaling factor")
         if far >= self.config.act_ratio:
             return self.finding(msg, figures)

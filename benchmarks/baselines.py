@@ -5,9 +5,9 @@ all have the same shape: ``observe(StepRecord) -> bool`` (True = the rule fires 
 step of a recording in order, and they keep whatever state their source keeps -- including its blind
 spots (e.g. a running mean that a NaN poisons forever), because that is what users run today.
 
-``VidstabReplay`` feeds vidstab's own detector classes ``StepStats`` built from the same records, in the
-guard's order and with the guard's two phases (observe all, then update with the final verdict and
-whether the step was applied), so detection is compared on identical runs.
+``VidstabReplay`` hands each recorded step, as the packed row the guard gathers, to a real ``vidstab.Guard``:
+its own statistics builder and judge (observe all, then update with the final verdict and whether the
+step was applied), so detection is compared on identical runs and nothing of the guard is re-implemented.
 
 Offline replay is valid for detection quality because every detector here is a pure function of the
 per-step signals. Caveat: in a live run a detector that SKIPs or rolls back changes the trajectory after

@@ -130,8 +130,11 @@ def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):
     out = tmp_path / "run"
     # Spikes only warn here, so the run is left to diverge and we can see whether the growth detector
     # forecast it. A slowly rising LR (x1.3 per step from step 60) makes the grad norm grow exponentially.
+    # lr_bound (which refuses the ramp from 3x the schedule's peak on) and trend (which rolls back on the
+    # corroborated warnings) are set to warn / off for the same reason.
     warn_only = tmp_path / "warn_only.yaml"
-    warn_only.write_text("grad_spike: {action: warn}\nloss_spike: {action: warn}\nrepeated_spikes: {enabled: false}\n")
+    warn_only.write_text("grad_spike: {action: warn}\nloss_spike: {action: warn}\nrepeated_spikes: {enabled: false}\n"
+                         "lr_bound: {action: warn}\ntrend: {enabled: false}\n")
     run_trainer(out, "--max_train_steps", "110", "--checkpointing_steps", "200", "--inject_fault", "lr_ramp@60=1.3",
                 "--vidstab_config", str(warn_only), "--max_retries", "0", check=False)
     warns = [e["step"] for e in events(out, kind="warn") if e.get("detector") == "grad_growth"]

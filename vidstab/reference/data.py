@@ -19,6 +19,7 @@ the CPU build of torch.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,7 +112,15 @@ def _bounce(start: np.ndarray, velocity: np.ndarray, t: np.ndarray, low: np.ndar
     return low + span - np.abs(u - span)
 
 
-def moving_shapes_dataset(num_videos: int, num_frames: int, resolution: int, seed: int) -> datasets.Dataset:
+def frame_size(resolution: int | tuple[int, int]) -> tuple[int, int]:
+    """``(height, width)`` of a clip from a square side or an ``(height, width)`` pair."""
+    if isinstance(resolution, (tuple, list)):
+        height, width = (int(v) for v in resolution)
+        return height, width
+    return int(resolution), int(resolution)
+
+
+def moving_shapes_dataset(num_videos: int, num_frames: int, resolution: int | tuple[int, int], seed: int) -> datasets.Dataset:
     """A procedurally generated data set of coloured squares and discs bouncing around a plain background.
 
     Every video has its own background colour and two shapes (each a square or a disc with its own colour,
@@ -122,43 +131,46 @@ def moving_shapes_dataset(num_videos: int, num_frames: int, resolution: int, see
     Sample ids are ``shapes-s{seed}-{index:05d}``. Vectorised numpy: 64 videos of 8x32x32 build in a few
     tens of milliseconds.
 
-    Returns a :class:`datasets.Dataset` formatted as torch: ``ds[i]["video"]`` is a float32 tensor
-    ``[num_frames, 3, resolution, resolution]`` in ``[-1, 1]``.
+    ``resolution`` is the square side or an ``(height, width)`` pair. Returns a :class:`datasets.Dataset`
+    formatted as torch: ``ds[i]["video"]`` is a float32 tensor ``[num_frames, 3, height, width]`` in ``[-1, 1]``.
     """
-    if num_videos < 1 or num_frames < 1 or resolution < 4:
+    height, width = frame_size(resolution)
+    if num_videos < 1 or num_frames < 1 or min(height, width) < 4:
         raise ValueError(
-            f"moving_shapes_dataset needs num_videos >= 1, num_frames >= 1 and resolution >= 4, got "
+            f"moving_shapes_dataset needs num_videos >= 1, num_frames >= 1 and height, width >= 4, got "
             f"num_videos={num_videos}, num_frames={num_frames}, resolution={resolution}"
         )
     rng = np.random.default_rng(seed)
-    n, k, size = num_videos, _SHAPES_PER_VIDEO, float(resolution)
+    n, k, size = num_videos, _SHAPES_PER_VIDEO, float(min(height, width))
+    extent = np.array([width, height], dtype=np.float64)  # (x, y)
 
     # Per-video and per-shape parameters, all drawn up front in a fixed order (determinism).
     background = rng.uniform(0.0, 0.35, size=(n, 3))  # dark backgrounds
     colour = rng.uniform(0.45, 1.0, size=(n, k, 3))  # bright shapes, so they stand out
     is_disc = rng.random(size=(n, k)) < 0.5
     radius = rng.uniform(0.10, 0.22, size=(n, k)) * size  # half the side of a square
-    low, high = radius, size - radius  # centre stays inside the frame
-    start = rng.uniform(0.0, 1.0, size=(n, k, 2)) * (high - low)[..., None] + low[..., None]
+    low, high = radius[..., None], extent - radius[..., None]  # [n, k, 2]: centre stays inside the frame
+    start = rng.uniform(0.0, 1.0, size=(n, k, 2)) * (high - low) + low
     speed = rng.uniform(0.04, 0.12, size=(n, k)) * size  # pixels per frame
     angle = rng.uniform(0.0, 2.0 * np.pi, size=(n, k))
     velocity = np.stack([np.cos(angle), np.sin(angle)], axis=-1) * speed[..., None]
 
     # Centres for every frame: [n, k, T, 2] (x, y).
     t = np.arange(num_frames, dtype=np.float64)[None, None, :, None]
-    centre = _bounce(start[:, :, None, :], velocity[:, :, None, :], t, low[..., None, None], high[..., None, None])
+    centre = _bounce(start[:, :, None, :], velocity[:, :, None, :], t, low[:, :, None, :], high[:, :, None, :])
 
     # Pixel centres, and the distance of each pixel from each shape: [n, k, T, H, W].
-    grid = np.arange(resolution, dtype=np.float64) + 0.5
-    dx = grid[None, None, None, None, :] - centre[..., 0, None, None]
-    dy = grid[None, None, None, :, None] - centre[..., 1, None, None]
+    grid_x = np.arange(width, dtype=np.float64) + 0.5
+    grid_y = np.arange(height, dtype=np.float64) + 0.5
+    dx = grid_x[None, None, None, None, :] - centre[..., 0, None, None]
+    dy = grid_y[None, None, None, :, None] - centre[..., 1, None, None]
     disc_distance = np.sqrt(dx * dx + dy * dy)
     square_distance = np.maximum(np.abs(dx), np.abs(dy))
     distance = np.where(is_disc[:, :, None, None, None], disc_distance, square_distance)
     coverage = np.clip(radius[:, :, None, None, None] + 0.5 - distance, 0.0, 1.0)
 
     # Paint shape by shape over the background (later shapes on top): [n, T, 3, H, W] in [0, 1].
-    frames = np.broadcast_to(background[:, None, :, None, None], (n, num_frames, 3, resolution, resolution))
+    frames = np.broadcast_to(background[:, None, :, None, None], (n, num_frames, 3, height, width))
     for j in range(k):
         alpha = coverage[:, j, :, None, :, :]
         frames = frames * (1.0 - alpha) + colour[:, j, None, :, None, None] * alpha
@@ -224,30 +236,57 @@ def _decode_frames(path: Path, sample_id: str, num_frames: int, frame_stride: in
     return np.stack(frames)
 
 
-def _resize_center_crop(frames: torch.Tensor, resolution: int) -> torch.Tensor:
-    """Resize ``[T, 3, H, W]`` so the short side is ``resolution`` (antialiased), then crop the centre square."""
+#: A source frame side below this many pixels, or a crop that keeps less than this share of the frame, gets a warning.
+MIN_SOURCE_SIDE = 16
+MIN_KEPT_SHARE = 0.5
+
+
+def _resize_center_crop(frames: torch.Tensor, resolution: int | tuple[int, int]) -> torch.Tensor:
+    """Resize ``[T, 3, H, W]`` (antialiased) so it covers ``resolution`` (side or (height, width)), then crop the centre."""
     _, _, h, w = frames.shape
-    scale = resolution / min(h, w)
-    new_h, new_w = max(resolution, round(h * scale)), max(resolution, round(w * scale))
+    out_h, out_w = frame_size(resolution)
+    scale = max(out_h / h, out_w / w)
+    new_h, new_w = max(out_h, round(h * scale)), max(out_w, round(w * scale))
     if (new_h, new_w) != (h, w):
         frames = F.interpolate(frames, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
-    top, left = (new_h - resolution) // 2, (new_w - resolution) // 2
-    return frames[:, :, top : top + resolution, left : left + resolution]
+    top, left = (new_h - out_h) // 2, (new_w - out_w) // 2
+    return frames[:, :, top : top + out_h, left : left + out_w]
+
+
+def resize_warning(height: int, width: int, resolution: int | tuple[int, int]) -> str | None:
+    """Why rescaling ``height x width`` frames to ``resolution`` loses the picture, or None when it is fine.
+
+    Tiny sources (2x2) are blown up from a handful of pixels; extreme aspect ratios (330x8) are mostly
+    cropped away. Both train on something that is not the video.
+    """
+    out_h, out_w = frame_size(resolution)
+    scale = max(out_h / height, out_w / width)
+    kept = (out_h * out_w) / (height * width * scale * scale)
+    if min(height, width) < MIN_SOURCE_SIDE and scale > 1:
+        return f"{height}x{width} frames are upscaled {scale:.1f}x to {out_h}x{out_w}"
+    if kept < MIN_KEPT_SHARE:
+        return f"{height}x{width} frames are cropped to {out_h}x{out_w}, keeping {kept:.0%} of the picture"
+    return None
 
 
 def load_video_file(
     path: str | os.PathLike,
     sample_id: str,
     num_frames: int,
-    resolution: int,
+    resolution: int | tuple[int, int],
     frame_stride: int = 1,
 ) -> torch.Tensor:
-    """Decode one video file into a validated float32 ``[num_frames, 3, resolution, resolution]`` in [-1, 1].
+    """Decode one video file into a validated float32 ``[num_frames, 3, height, width]`` in [-1, 1].
 
-    Raises :class:`BadSampleError` (never a bare PyAV error) when the file cannot be used.
+    ``resolution`` is the square side or ``(height, width)``. Frames that rescale badly (see
+    :func:`resize_warning`) give a ``UserWarning`` naming the file. Raises :class:`BadSampleError`
+    (never a bare PyAV error) when the file cannot be used.
     """
     path = Path(path)
     rgb = _decode_frames(path, sample_id, num_frames, frame_stride)
+    problem = resize_warning(rgb.shape[1], rgb.shape[2], resolution)
+    if problem is not None:
+        warnings.warn(f"video {sample_id!r} (file {path}): {problem}", UserWarning, stacklevel=2)
     frames = torch.from_numpy(rgb).permute(0, 3, 1, 2).float()  # [T, 3, H, W], 0..255
     frames = _resize_center_crop(frames, resolution)
     video = (frames / 127.5 - 1.0).clamp_(-1.0, 1.0).contiguous()  # antialiasing can overshoot slightly
@@ -257,7 +296,7 @@ def load_video_file(
 def video_folder_dataset(
     data_dir: str | os.PathLike,
     num_frames: int,
-    resolution: int,
+    resolution: int | tuple[int, int],
     *,
     frame_stride: int = 1,
     skip_bad_samples: bool = False,
@@ -267,7 +306,9 @@ def video_folder_dataset(
     Files ending in one of :data:`VIDEO_EXTENSIONS` (any case) are found recursively and sorted by their
     path relative to ``data_dir``, which is also their ``sample_id``. From each file the clip is frames
     ``0, frame_stride, 2*frame_stride, ...`` (``num_frames`` of them), resized so the short side is
-    ``resolution`` and centre-cropped to a square, scaled to ``[-1, 1]``.
+    ``resolution`` and centre-cropped to a square (or covers ``(height, width)`` and is centre-cropped to it),
+    scaled to ``[-1, 1]``. A frame size that rescales badly (tiny, or an extreme aspect ratio) is warned
+    about, naming the file.
 
     A file that cannot be decoded, is empty, is too short or decodes to non-finite values raises
     :class:`BadSampleError` naming the file and the problem. With ``skip_bad_samples=True`` it is left out
@@ -279,7 +320,7 @@ def video_folder_dataset(
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"video data folder {str(data_dir)!r} does not exist or is not a folder")
-    if num_frames < 1 or resolution < 1 or frame_stride < 1:
+    if num_frames < 1 or min(frame_size(resolution)) < 1 or frame_stride < 1:
         raise ValueError(
             f"need num_frames >= 1, resolution >= 1 and frame_stride >= 1, got num_frames={num_frames}, "
             f"resolution={resolution}, frame_stride={frame_stride}"

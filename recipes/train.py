@@ -7,7 +7,7 @@
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
-micro-batches: latents -> timesteps + noise (seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
+micro-batches: latents -> timesteps + noise (drawn on the device, seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
 loss -> ``guard.backward``; then ``guard.step`` clips, makes one lockstep decision on every rank, and
 steps or skips the optimizer. Everything else here is building those pieces and bookkeeping.
 """
@@ -64,6 +64,14 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
     return cache
 
 
+def objective_config(args: argparse.Namespace) -> ObjectiveConfig:
+    """The diffusion objective the flags describe (the flow-matching fields only matter for flow matching)."""
+    return ObjectiveConfig(
+        prediction_type=args.prediction_type, num_train_timesteps=args.num_train_timesteps, flow_shift=args.flow_shift,
+        weighting_scheme=args.weighting_scheme, logit_mean=args.logit_mean, logit_std=args.logit_std, mode_scale=args.mode_scale,
+    )
+
+
 def build_accelerator(args: argparse.Namespace) -> Accelerator:
     """The run's Accelerator: precision from --mixed_precision or else Accelerate's own config, trackers checked."""
     out = Path(args.output_dir)
@@ -111,7 +119,7 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
         ctx.batches_consumed += 1
         with acc.accumulate(model):
             latents, _ = faults.corrupt_batch(step, batch["latents"])
-            draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index))
+            draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index, latents.device))
             captured = {"latents": latents, **draws}  # what an incident bundle stores to replay this micro-batch
             error, per_sample = None, None
             with faults.module_fault(step, acc.unwrap_model(model)):
@@ -148,7 +156,7 @@ class Run:
         cache = build_latents(args, acc)
         latent_channels = cache[0]["latents"].shape[0]
         self.model = build_model(args, latent_channels)
-        self.objective = DiffusionObjective(ObjectiveConfig(prediction_type=args.prediction_type, num_train_timesteps=args.num_train_timesteps))
+        self.objective = DiffusionObjective(objective_config(args))
         dataloader = torch.utils.data.DataLoader(
             cache, batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
             num_workers=args.dataloader_num_workers, generator=torch.Generator().manual_seed(args.seed),

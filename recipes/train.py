@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 
 import vidstab
 from args import RUN_CONTROL_FLAGS, parse_args
+from export import export_pipeline
+from validation import run_validation
 from args import apply_backend_flags, check_trackers, lr_scheduler_kwargs, resolve_max_train_steps, scaled_learning_rate
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 from vidstab.faults import FaultInjector
@@ -48,7 +50,7 @@ logger = get_logger("vidstab.train")
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
 def build_latents(args: argparse.Namespace, accelerator: Accelerator):
-    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards."""
+    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards; returns (cache, vae)."""
     with accelerator.main_process_first():
         if args.data_dir:
             videos, skipped = video_folder_dataset(
@@ -61,7 +63,7 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
         vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
         log = (lambda msg: logger.info(msg)) if accelerator.is_main_process else (lambda msg: None)
         cache = encode_to_cache(videos, vae, Path(args.output_dir) / "latent_cache", clamp=args.latent_clamp, log=log)
-    return cache
+    return cache, vae
 
 
 def objective_config(args: argparse.Namespace) -> ObjectiveConfig:
@@ -153,7 +155,10 @@ class Run:
         apply_backend_flags(args)
         self.faults = FaultInjector(args.inject_fault, acc.process_index)
 
-        cache = build_latents(args, acc)
+        cache, self.vae = build_latents(args, acc)
+        self.cache = cache
+        self.vae_on_device = None  # moved to the training device at the first validation
+        self.reference_latents = None  # data clips the validation samples are compared with, read at the first validation
         latent_channels = cache[0]["latents"].shape[0]
         self.model = build_model(args, latent_channels)
         self.objective = DiffusionObjective(objective_config(args))
@@ -210,6 +215,17 @@ class Run:
         self.batches_consumed = int(state["batches_consumed"])
         self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed)
         return int(state["step"])
+
+
+def export_run(run: Run) -> dict:
+    """``output_dir/transformer/`` (+ ``transformer_ema/``, ``vae/``, ``scheduler/``): see recipes/export.py."""
+    args = run.args
+    written = export_pipeline(
+        args.output_dir, run.accelerator.unwrap_model(run.model), ema=run.ema, vae=run.vae, vae_path=args.vae,
+        objective=run.objective.to_dict(), normalization=run.cache.normalization, latent_shape=run.cache.latent_shape,
+    )
+    run.guard.events.log("export", run.guard.global_step, folders={k: str(Path(v).relative_to(args.output_dir)) for k, v in written.items()})
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,12 +290,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
                 run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
+            if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
+                run_validation(run, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
         # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
         run.checkpoints.wait()
     progress.close()
+    acc.wait_for_everyone()
+    exported = None
+    if exit_code == 0 and step >= args.max_train_steps and acc.is_main_process:
+        exported = export_run(run)
+        run_validation(run, step)
     acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
@@ -293,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         acc.print(
             f"done: {step}/{args.max_train_steps} steps, loss {first_loss if first_loss is None else round(first_loss, 4)} -> "
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
-            f"outputs in {args.output_dir} (checkpoints/, logs/, vidstab/events-rank*.jsonl, report: {report_path})"
+            f"outputs in {args.output_dir} (checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "
+            f"report: {report_path})"
         )
     return exit_code
 

@@ -49,6 +49,7 @@ SECTIONS = (
     "Input statistics per rank",
     "Events",
     "Incidents",
+    "Samples",
     "Notes",
 )
 #: Default spike ratio and EMA decay of the grad_spike detector (see vidstab/detectors/grad_spike.py),
@@ -772,6 +773,23 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
             f'<code>vidstab replay RUN_DIR/&lt;bundle&gt;</code>.</p>')
 
 
+def _samples_section(log: RunLog, out_dir: Path) -> str:
+    """Validation samples of the reference trainer (events ``kind="validation"``): preview strips and clips."""
+    rows = [e for e in log.events if e.get("kind") == "validation" and e.get("strip")]
+    if not rows:
+        return '<p class="nodata">no data: no validation samples (recipes/train.py writes them at the end of a run)</p>'
+    body = []
+    for e in rows[-5:]:
+        strip = os.path.relpath(log.run_dir / str(e["strip"]), out_dir)
+        clips = " ".join(f'<a href="{html.escape(os.path.relpath(log.run_dir / str(v), out_dir))}">{html.escape(Path(str(v)).name)}</a>'
+                         for v in e.get("videos", []))
+        figures = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("nn_distance", "noise_nn_distance", "data_nn_distance") if e.get(k) is not None)
+        body.append(f'<p>step {html.escape(str(e.get("step")))}{" (EMA)" if e.get("ema") else ""}: {clips}<br>'
+                    f'<span class="caption">{html.escape(figures)}</span><br><img src="{html.escape(strip)}" alt="samples"></p>')
+    return "".join(body) + ('<p class="caption">One row of frames per clip. nn distance: how far sampled latents are from the '
+                            'nearest training clip, next to Gaussian noise and the data\'s own spacing.</p>')
+
+
 def _notes_section(log: RunLog) -> str:
     if not log.notes:
         return '<p class="nodata">no data: every log line was read</p>'
@@ -810,6 +828,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> str
         "Input statistics per rank": lambda: _inputs_section(log),
         "Events": lambda: _events_section(log),
         "Incidents": lambda: _incidents_section(log, out_dir),
+        "Samples": lambda: _samples_section(log, out_dir),
         "Notes": lambda: _notes_section(log),
     }
     parts = []

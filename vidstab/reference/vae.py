@@ -226,6 +226,14 @@ def _data_fingerprint(dataset: Any, batch_size: int) -> tuple[str, list[str], tu
 # ----------------------------------------------------------------------------------------------------
 
 
+def denormalize_latents(latents: torch.Tensor, normalization: dict) -> torch.Tensor:
+    """Undo ``z = (latent - mean) / std`` per channel (``normalization`` as in a cache manifest)."""
+    shape = (-1, 1, 1, 1)
+    mean = torch.tensor(normalization["mean"], dtype=latents.dtype, device=latents.device).view(shape)
+    std = torch.tensor(normalization["std"], dtype=latents.dtype, device=latents.device).view(shape)
+    return latents * std + mean
+
+
 class LatentCacheError(RuntimeError):
     """A latent cache folder that is missing, incomplete or damaged (the message says which file and how)."""
 
@@ -285,10 +293,7 @@ class LatentCache(torch.utils.data.Dataset):
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
         """Undo the normalisation (``latents [..., C, T', H', W']`` -> VAE latents), e.g. before ``vae.decode``."""
-        shape = (-1, 1, 1, 1)
-        mean = torch.tensor(self.normalization["mean"], dtype=latents.dtype, device=latents.device).view(shape)
-        std = torch.tensor(self.normalization["std"], dtype=latents.dtype, device=latents.device).view(shape)
-        return latents * std + mean
+        return denormalize_latents(latents, self.normalization)
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike, *, verify: bool = True) -> LatentCache:

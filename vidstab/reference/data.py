@@ -305,11 +305,14 @@ def resize_warning(height: int, width: int, resolution: int | tuple[int, int]) -
     out_h, out_w = frame_size(resolution)
     scale = max(out_h / height, out_w / width)
     kept = (out_h * out_w) / (height * width * scale * scale)
+    problems = []
     if min(height, width) < MIN_SOURCE_SIDE and scale > 1:
-        return f"{height}x{width} frames are upscaled {scale:.1f}x to {out_h}x{out_w}"
+        problems.append(f"upscaled {scale:.1f}x")
     if kept < MIN_KEPT_SHARE:
-        return f"{height}x{width} frames are cropped to {out_h}x{out_w}, keeping {kept:.0%} of the picture"
-    return None
+        problems.append(f"centre-cropped, keeping {kept:.0%} of the picture")
+    if not problems:
+        return None
+    return f"{height}x{width} frames are {' and '.join(problems)} (training size {out_h}x{out_w})"
 
 
 def load_video_file(

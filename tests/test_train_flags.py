@@ -93,10 +93,11 @@ def test_lr_power_shapes_the_polynomial_decay():
 
 
 def test_epochs_scale_lr_and_restarts_reach_the_run(tmp_path):
-    """--num_train_epochs sets the step count, --scale_lr the peak LR, --lr_num_cycles the restarts."""
+    """--num_train_epochs sets the step count, --scale_lr the peak LR, --lr_num_cycles the restarts,
+    --height/--width the clip size, --num_validation_videos 0 turns sampling off."""
     out = tmp_path / "run"
     proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
-                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48")
+                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0")
     # 16 clips / batch 4 = 4 steps per epoch
     assert "done: 8/8 steps" in proc.stdout
     lr = [m["lr"] for m in events(out, kind="metrics")]
@@ -106,6 +107,9 @@ def test_epochs_scale_lr_and_restarts_reach_the_run(tmp_path):
 
     cache = json.loads((out / "latent_cache" / "manifest.json").read_text())
     assert cache["latent_shape"][-2:] == [4, 6]  # 32x48 frames through the 8x VAE
+    # --num_validation_videos 0: the model is exported, nothing is sampled
+    assert (out / "transformer" / "config.json").is_file() and not (out / "validation").exists()
+    assert not events(out, kind="validation")
 
 
 def test_logging_steps_tracker_name_and_logging_dir(tmp_path):

@@ -23,7 +23,7 @@ RUN_CONTROL_FLAGS = {
     "config", "output_dir", "max_train_steps", "num_train_epochs", "resume_from_checkpoint", "checkpointing_steps",
     "checkpoints_total_limit", "no_async_save", "report_to", "logging_steps", "logging_dir", "tracker_name",
     "dataloader_num_workers", "inject_fault", "audit", "max_retries", "validation_steps", "num_validation_videos",
-    "validation_num_inference_steps",
+    "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoints_total_limit", type=int, default=3, help="Newest K kept (plus the last good one).")
     ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
     ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")
+    ckpt.add_argument("--overwrite_output_dir", action="store_true", help="Start over in an output_dir that holds a run (it is moved to previous-runs/).")
     val = p.add_argument_group("validation")
     val.add_argument("--validation_steps", type=int, default=None, help="Sample validation clips every this many steps (always at the end).")
     val.add_argument("--num_validation_videos", type=int, default=2, help="Clips per validation (0: no validation).")
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     stab.add_argument("--vidstab_config", type=str, default=None, help="YAML of vidstab.GuardConfig fields.")
     stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
     stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
+    stab.add_argument("--reset_recovery", action="store_true", help="Forget the rollback state (LR back-off, open incident) carried over in vidstab/recovery.json.")
     stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module.")
     stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
     return p

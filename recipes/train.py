@@ -30,14 +30,14 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 import vidstab
-from args import RUN_CONTROL_FLAGS, parse_args
+from args import (RUN_CONTROL_FLAGS, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
+                  scaled_learning_rate)
 from export import export_pipeline
 from validation import run_validation
-from args import apply_backend_flags, check_trackers, lr_scheduler_kwargs, resolve_max_train_steps, scaled_learning_rate
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
+from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
@@ -151,6 +151,8 @@ class Run:
         out = Path(args.output_dir)
         self.accelerator = build_accelerator(args)
         acc = self.accelerator
+        # One run per folder: another live trainer, or the same command again without resuming, is refused.
+        vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
         self.faults = FaultInjector(args.inject_fault, acc.process_index)
@@ -203,7 +205,8 @@ class Run:
         self.checkpoints.register("vidstab", self.guard)
         if self.ema is not None:
             self.checkpoints.register("ema", self.ema)
-        self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out)
+        self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
+                                 reset=args.reset_recovery)
         self.batches_consumed = 0
         self.data = None
 
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.init_trackers(args.tracker_name, config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     if args.audit:
-        from vidstab.audit import audit_before_training
+        from vidstab.tools.audit import audit_before_training
 
         sample = next(iter(run.dataloader))
         report = audit_before_training(acc.unwrap_model(run.model), sample["latents"], sample["sample_ids"], vars(args), None)
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if result.rollback is not None:
                 try:
-                    state = run.recovery.rollback(result.rollback, step, incident=str(result.incident) if result.incident else None)
+                    state = run.recovery.rollback(result.rollback, step, incident=result.incident,
+                                                  cause=rollback_cause(result.rollback, result.findings))
                 except RunAborted as exc:
                     acc.print(str(exc))
                     exit_code = 3
@@ -288,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not state.get("skip_data", True):
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
+            run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
                 run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.end_training()
     if acc.is_main_process:
         try:
-            from vidstab.report import write_report
+            from vidstab.tools.report import write_report
 
             report_path = write_report(args.output_dir)
         except Exception as exc:  # the dashboard must never turn a finished run into a failed one

@@ -36,17 +36,14 @@ finite values, and ``nonfinite``/``nan``/``inf`` counts.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
 import os
 import platform
 import re
-import shutil
 import statistics
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -55,8 +52,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import fsync_dir
+from .atomic import atomic_folder
 from .localize import tensor_stats
+from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -125,55 +123,11 @@ class Incident:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JSON helpers
-
-
-def json_float(v: Any) -> float | None:
-    """Inverse of the non-finite spelling: ``"nan"``/``"inf"``/``"-inf"`` and numbers -> float; else None."""
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
-        return float(v)
-    return None
-
-
-def to_json_safe(obj: Any) -> Any:
-    """Convert ``obj`` to strict-JSON-compatible data.
-
-    Non-finite floats -> ``"nan"``/``"inf"``/``"-inf"``; 0-d tensors and numpy scalars -> numbers;
-    other tensors -> lists (small metadata only); enums -> their name; paths -> strings; tuples/sets ->
-    lists; dataclasses -> dicts; dict keys -> strings. Anything else -> ``str(obj)``, never a pickle.
-    """
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, enum.Enum):
-        return obj.name
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)  # "nan", "inf", "-inf"
-    if isinstance(obj, torch.Tensor):
-        return to_json_safe(obj.detach().cpu().item() if obj.numel() == 1 and obj.ndim == 0 else obj.detach().cpu().tolist())
-    if isinstance(obj, Mapping):
-        return {str(k): to_json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_json_safe(v) for v in obj]
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_json_safe({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        try:
-            return to_json_safe(obj.item())
-        except (TypeError, ValueError):
-            pass
-    return str(obj)
+# JSON helpers (the convention is vidstab/strict_json.py's)
 
 
 def _dumps(meta: dict) -> str:
-    return json.dumps(to_json_safe(meta), indent=1, allow_nan=False, sort_keys=False) + "\n"
+    return dumps_strict(meta, indent=1, sort_keys=False) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,11 +270,6 @@ def _versions() -> dict[str, str | None]:
     return {"torch": torch.__version__, "accelerate": acc, "vidstab": vidstab_version, "python": platform.python_version()}
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def write_incident(
     run_dir: str | os.PathLike,
     *,
@@ -405,29 +354,10 @@ def write_incident(
     text = _dumps(meta)  # serialise before touching the disk: a bad field fails without leftovers
 
     base = incident_dir_name(step, rank, micro_step)
-    tmp = incidents / f".tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(tensors, str(tmp / BATCH_FILE), metadata={"format": "pt", "vidstab_schema": str(SCHEMA_VERSION)})
-        (tmp / META_FILE).write_text(text, encoding="utf-8")
-        for f in (BATCH_FILE, META_FILE):
-            _fsync_file(tmp / f)
-        fsync_dir(tmp)
-        n = 1
-        while True:
-            final = incidents / (base if n == 1 else f"{base}-{n}")
-            try:
-                os.rename(tmp, final)  # fails if `final` exists and is non-empty: never overwrite
-                break
-            except OSError:
-                if not final.exists():
-                    raise
-                n += 1
-        fsync_dir(incidents)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    with atomic_folder(incidents, base, exists="number") as folder:
+        save_file(tensors, str(folder.tmp / BATCH_FILE), metadata={"format": "pt", "vidstab_schema": str(SCHEMA_VERSION)})
+        (folder.tmp / META_FILE).write_text(text, encoding="utf-8")
+    return folder.path
 
 
 # ----------------------------------------------------------------------------------------------------

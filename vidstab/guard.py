@@ -174,8 +174,11 @@ class Guard:
         stats = self._build_stats(step, table, max_grad_norm, norm is not None)
         # 3. Same table on every rank -> same verdict on every rank.
         judge(self.detectors, stats)
-        self._last_verdict = stats.verdict
-        if any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore for f in stats.findings):
+        # A skip of bad input data (finite weights) says nothing about the model's health.
+        bad_data_only = _bad_input_only(stats, self.config.health_ignore)
+        self._last_verdict = Verdict.OK if bad_data_only else stats.verdict
+        if not bad_data_only and any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore
+                                     for f in stats.findings):
             self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
@@ -543,8 +546,19 @@ class Guard:
         return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
 
     def close(self) -> None:
-        """Close the event log."""
+        """Log ``stop`` (``reason="closed"``: the report reads the run as finished) and close the event log."""
+        if not self.events.closed:
+            self.events.log("stop", self.step_count, reason="closed")
         self.events.close()
+
+
+def _bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
+    """True when the step's only finding is ``nonfinite`` and every rank with a non-finite loss also had
+    non-finite inputs: bad data, skipped before it reached the weights, not a sick model (a ``nonfinite``
+    SKIP on bad inputs still never applies the step; this only keeps checkpoints healthy)."""
+    loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
+    return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
+            and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:

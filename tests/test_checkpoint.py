@@ -436,8 +436,8 @@ def test_two_processes_save_load_and_a_failure_on_one_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_stalled_between_creating_and_writing_its_marker_does_not_break_the_save(tmp_path):
-    """Issue 10: a non-main rank's ``.rank{R}.done`` marker must never be seen half-written."""
+def test_a_rank_stalled_between_creating_and_writing_its_files_does_not_break_the_save(tmp_path):
+    """Issue 10: a non-main rank's files (and its report that they are done) are never taken half-written."""
     r = _launch_two("ckpt_marker_race.py", tmp_path)
     for mode in ("sync", "async"):
         assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]

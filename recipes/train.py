@@ -39,6 +39,8 @@ from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
 
+import sharding  # noqa: E402  (recipes/sharding.py: --fsdp)
+
 logger = get_logger("vidstab.train")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 # Flags that steer a run but not its numbers: a resume may change them without a "config changed" warning.
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report_to", type=str, default="tensorboard", help='Tracker(s) for `log_with`: "tensorboard", "wandb", "all" or "none".')
     run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps.")
     run.add_argument("--dataloader_num_workers", type=int, default=0)
+    run.add_argument("--fsdp", action="store_true", help="Shard the DiT per block with FSDP2; sharded (DCP) checkpoints (see recipes/sharding.py).")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--learning_rate", type=float, default=3e-4)
     opt.add_argument("--lr_scheduler", type=str, default="constant_with_warmup", help="diffusers.optimization.get_scheduler name.")
@@ -226,7 +229,9 @@ class Run:
 
         cache = build_latents(args, acc)
         latent_channels = cache[0]["latents"].shape[0]
-        self.model = build_model(args, latent_channels)
+        if args.fsdp and args.use_ema:
+            raise SystemExit("--use_ema with --fsdp is not supported yet (EMA shadow weights would be DTensors)")
+        self.model = sharding.shard_model(acc, build_model(args, latent_channels), args.fsdp)
         self.objective = DiffusionObjective(ObjectiveConfig(prediction_type=args.prediction_type, num_train_timesteps=args.num_train_timesteps))
         optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
@@ -243,7 +248,7 @@ class Run:
         )
         if len(dataloader) == 0:
             raise SystemExit(f"data set of {len(cache)} clips is smaller than one batch of {args.train_batch_size}")
-        self.model, self.optimizer, self.dataloader, self.lr_scheduler = acc.prepare(self.model, optimizer, dataloader, lr_scheduler)
+        self.model, self.optimizer, self.dataloader, self.lr_scheduler = sharding.prepare(acc, args.fsdp, self.model, optimizer, dataloader, lr_scheduler)
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
         unwrapped = acc.unwrap_model(self.model)
@@ -252,7 +257,7 @@ class Run:
             guard_config.enabled = False
         guard_config.num_train_timesteps = args.num_train_timesteps
         self.checkpoints = CheckpointManager(
-            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save),
+            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save, sharded=args.fsdp or None),
             config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
         )
         self.guard = vidstab.attach(

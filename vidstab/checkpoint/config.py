@@ -41,6 +41,10 @@ class CheckpointConfig:
     """Save models and optimizers as sharded DCP checkpoints (every rank writes its own shards; see
     ``vidstab/checkpoint/dcp_backend.py``). None: when a registered model has DTensor parameters (FSDP2).
     Loading follows what the checkpoint's manifest says, whatever this is set to."""
+    on_replica_mismatch: str = "repair"
+    """After a load, replicated state (guard, recovery, scheduler, trainer state) is hashed on every rank and
+    compared: ``"repair"`` replaces a copy that differs from rank 0's by rank 0's, ``"refuse"`` raises
+    :class:`CheckpointError` naming it (see ``vidstab/checkpoint/consistency.py``)."""
     checksum: str = "crc32"
     """Per-file checksum recorded in the manifest and verified on load: ``"crc32"`` or ``"sha256"``.
     CRC-32 detects truncation, all single-bit flips and burst errors up to 32 bits, which is what a

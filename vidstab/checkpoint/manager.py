@@ -27,7 +27,8 @@ from .. import statedict_io as sio
 from ..events import log_event
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
-from .dcp_backend import ShardedBackend, has_dtensor_params
+from .consistency import ensure_identical
+from .dcp_backend import ShardedBackend, has_dtensor_params, is_optimizer
 from .full_state import FullStateBackend
 from .layout import RESERVED, file_stem, rel, step_name
 from .reader import read_checkpoint
@@ -371,6 +372,15 @@ class CheckpointManager:
         if skipped:
             logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
                            path, cands[0], len(skipped))
+        # One source of truth for replicated state: what every rank read is compared (and repaired from
+        # rank 0, or refused) before anything is applied.
+        replicated = {n: payload["objects"][n] for n, o in self._objects.items()
+                      if not isinstance(o, torch.nn.Module) and not is_optimizer(o)}
+        replicated["_trainer"] = payload["trainer"]
+        replicated, repaired = ensure_identical(replicated, self.rank, self.world_size, self.group,
+                                                repair=self.config.on_replica_mismatch == "repair")
+        payload["trainer"] = replicated.pop("_trainer")
+        payload["objects"].update(replicated)
         backend = self._backend_of(payload["manifest"])
         if backend is self.sharded:
             self.sharded.apply(payload, self._objects, path=path, group=self.group)
@@ -378,6 +388,8 @@ class CheckpointManager:
             backend.apply(payload, self._objects)
         ts = dict(payload["trainer"])
         info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped}
+        if repaired:
+            info["repaired_from_rank0"] = repaired
         ts["_checkpoint"] = info
         self.last_loaded = info
         return ts

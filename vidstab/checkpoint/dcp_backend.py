@@ -128,6 +128,41 @@ def _checksum_filesystem(algo: str):
     return _ChecksumFileSystem()
 
 
+def _reusing_stager(reuse: bool, pin: bool):
+    """A ``dcp.async_save`` stager that copies the state to host memory, reusing last save's buffers when
+    ``reuse`` and the state has the same keys and shapes (like the full-state backend's ``reuse_buffers``:
+    the stall is then the copy alone, not page faults of fresh allocations). torch's own caching stager
+    always pins memory, which fails without CUDA."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    def signature(sd) -> list:
+        out = []
+        for k, v in sd.items():
+            out.append((k, signature(v)) if isinstance(v, dict) else (k, tuple(v.shape), v.dtype))
+        return out
+
+    class ReusingStager(AsyncStager):
+        _synchronize_after_execute = False
+
+        def __init__(self) -> None:
+            self.cache, self.key = None, None
+
+        def stage(self, state_dict):
+            key = signature(state_dict)
+            if not reuse or self.cache is None or key != self.key:
+                self.cache, self.key = _create_cpu_state_dict(state_dict, pin_memory=pin), key
+            staged = _copy_state_dict(state_dict, self.cache, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize()  # the copies must land before the loop changes the state
+            return staged
+
+        def synchronize_staging(self) -> None:
+            pass
+
+    return ReusingStager()
+
+
 def _storage_writer(path: str, algo: str, fsync: bool):
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -144,6 +179,7 @@ class ShardedBackend(FullStateBackend):
 
     def __init__(self, accelerator, config: CheckpointConfig) -> None:
         super().__init__(accelerator, config)
+        self._stager = None  # dcp.async_save's host-memory stager, kept across saves
 
     # ------------------------------------------------------------------ pairing
     def _model_of(self, objects: dict[str, Any], opt) -> tuple[str, torch.nn.Module]:
@@ -211,7 +247,11 @@ class ShardedBackend(FullStateBackend):
         writer = _storage_writer(path, self.config.checksum, self.config.fsync)
         no_dist = group is None
         if copy:
-            fut = dcp.async_save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist)
+            if self._stager is None:
+                self._stager = _reusing_stager(self.config.reuse_buffers,
+                                               self.config.pin_memory and torch.cuda.is_available())
+            fut = dcp.async_save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist,
+                                 async_stager=self._stager)
             spec.sharded = None  # DCP staged its own copy: drop the references to live state
 
             def result():

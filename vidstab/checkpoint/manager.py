@@ -42,7 +42,8 @@ logger = logging.getLogger("vidstab.checkpoint")
 class CheckpointManager:
     """Atomic, validated, rotated checkpoints of everything registered, plus scaler and RNG states.
 
-    All ranks must call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
+    All ranks must construct it together (at world size > 1 it creates its own gloo process group) and
+    call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
 
     Example::
 

@@ -52,7 +52,7 @@ class CheckpointManager:
         ckpt.register("lr_scheduler", lr_scheduler); ckpt.register("vidstab", guard)
         trainer_state = ckpt.load("latest")   # None on a fresh run
         ...
-        ckpt.save(step, healthy=result.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
+        ckpt.save(step, healthy=guard.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
         ...
         ckpt.wait()
     """

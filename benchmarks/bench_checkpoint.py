@@ -20,6 +20,22 @@ CRC-32 (~5 GB/s per core) stays below page cache + fsync; sha256 (~1.4 GB/s per 
 disk, which is why it is opt-in (``sync_sha256_vs_bare``). vidstab starts writeback every 16 MiB while it
 writes (``bare`` does not), so its final fsync overlaps the copy instead of following it. Background
 deletions of rotated checkpoints are finished (untimed) before each vidstab method.
+
+``--fsdp`` (2 processes, torchrun, FSDP2 ``fully_shard`` per layer on a gloo CPU mesh; the script launches
+itself): on the same sharded model + AdamW state, median of ``--repeats``, each method ending when every rank
+is done:
+
+* ``dcp_save``     plain ``torch.distributed.checkpoint.save`` of the model and flattened optimizer state
+                   (default FileSystemWriter: fsync'd, pickled ``.metadata``, no manifest/rename/pointers);
+* ``vidstab_sharded_sync`` ``CheckpointManager.save`` (sharded backend, ``async_save=False``): DCP through
+                   the safetensors writer, every file checksummed while written, ranks agree, manifest,
+                   atomic rename, pointers, rotation;
+* ``vidstab_sharded_async_stall`` / ``_total`` ``save`` with ``async_save=True`` (``dcp.async_save`` on the
+                   checkpoint gloo group: the stall is its host-memory staging) and until ``wait()``;
+* ``accelerate_save_state`` ``accelerator.save_state`` with the model registered for checkpointing
+                   (``torch.save`` pickles of the sharded state, main process, no fsync).
+
+Targets: vidstab_sharded_sync <= 1.3 x dcp_save; async stall <= 0.2 x vidstab_sharded_sync.
 The last line of output is one JSON object.
 """
 
@@ -60,12 +76,15 @@ def build(width: int, depth: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fsdp", action="store_true", help="2-process FSDP2 sharded checkpoints (see above)")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=12, help="Linear(width, width) layers; 12 x 1024 -> ~50 MB")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir on the same disk as /tmp)")
     a = p.parse_args(argv)
+    if a.fsdp:
+        return fsdp_main(a, argv if argv is not None else sys.argv[1:])
 
     # On a small shared CPU box torch's intra-op threads mostly spin against each other (a 4 MB copy_
     # can take 100 ms under load); one thread measures the checkpoint code, not the contention.
@@ -176,6 +195,132 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['sync_sha256_vs_bare']:.2f} x bare; async stall = "
           f"{res['async_stall_vs_sync']:.2f} x sync (target <= 0.2); accelerate save_state = "
           f"{res['accelerate_vs_bare']:.2f} x bare")
+    print(json.dumps(res))
+    return 0
+
+
+def fsdp_main(a: argparse.Namespace, argv: list[str]) -> int:
+    """``--fsdp``: relaunch on 2 processes under torchrun, then time each method on every rank."""
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), os.path.abspath(__file__), *argv]
+        return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(a.threads)
+    acc = Accelerator(cpu=True)
+    rank = acc.process_index
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width) for _ in range(a.depth)])
+    mesh = init_device_mesh("cpu", (acc.num_processes,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, a.width)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt = acc.prepare(opt)
+    acc.register_for_checkpointing(model)
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel: the global count
+    work = tempfile.mkdtemp(prefix="vidstab-bench-fsdp-", dir=a.dir) if rank == 0 else None
+    holder = [work]
+    dist.broadcast_object_list(holder, src=0)  # a path string between our own two processes
+    work = holder[0]
+    times: dict[str, list[float]] = {k: [] for k in ("dcp_save", "vidstab_sharded_sync", "vidstab_sharded_async_stall",
+                                                     "vidstab_sharded_async_total", "accelerate_save_state")}
+    sizes: dict[str, int] = {}
+    managers = {mode: CheckpointManager(acc, os.path.join(work, f"vidstab_{mode}"),
+                                        CheckpointConfig(keep=1, async_save=mode == "async"))
+                for mode in ("sync", "async")}
+    for m in managers.values():
+        m.register("model", model)
+        m.register("optimizer", opt)
+
+    def timed(key: str, fn) -> float:
+        for m in managers.values():
+            m.wait()  # rotated checkpoints' background deletes finish untimed
+        if rank == 0:
+            os.sync()
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()  # the method is done when every rank is
+        el = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(el, op=dist.ReduceOp.MAX)
+        times[key].append(float(el))
+        return float(el)
+
+    def plain_dcp(out: str) -> None:
+        flat = get_optimizer_state_dict(model, opt.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": get_model_state_dict(model), "optimizer": flat}, checkpoint_id=out)
+
+    try:
+        for rep in range(a.repeats):
+            out = os.path.join(work, f"dcp{rep}")
+            timed("dcp_save", lambda: plain_dcp(out))
+            sizes["dcp_save"] = dir_bytes(out)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(out)
+            path = [None]
+            timed("vidstab_sharded_sync", lambda: path.__setitem__(0, managers["sync"].save(rep + 1, trainer_state={})))
+            sizes["vidstab_sharded_sync"] = dir_bytes(path[0])
+            stall = [0.0]
+
+            def async_save():
+                t = time.perf_counter()
+                path[0] = managers["async"].save(rep + 1, trainer_state={})
+                stall[0] = time.perf_counter() - t
+                managers["async"].wait()
+            timed("vidstab_sharded_async_total", async_save)
+            el = torch.tensor([stall[0]], dtype=torch.float64)
+            dist.all_reduce(el, op=dist.ReduceOp.MAX)
+            times["vidstab_sharded_async_stall"].append(float(el))
+            sizes["vidstab_sharded_async_total"] = sizes["vidstab_sharded_async_stall"] = dir_bytes(path[0])
+            out = os.path.join(work, f"accelerate{rep}")
+            timed("accelerate_save_state", lambda: acc.save_state(out))
+            sizes["accelerate_save_state"] = dir_bytes(out)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(out)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    if rank != 0:
+        return 0
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"state: FSDP2 on 2 processes, {n_params / 1e6:.1f} M params fp32 + AdamW, sharded, median of {a.repeats}, "
+          f"torch {torch.__version__}")
+    print(f"{'method':<30}{'seconds':>10}{'MB':>9}{'x dcp.save':>12}")
+    for k, v in med.items():
+        print(f"{k:<30}{v:>10.3f}{sizes[k] / 1e6:>9.1f}{v / med['dcp_save']:>12.2f}")
+    res = {
+        "bench": "checkpoint_fsdp",
+        "world_size": acc.num_processes,
+        "params_m": round(n_params / 1e6, 2),
+        "seconds": {k: round(v, 4) for k, v in med.items()},
+        "bytes": sizes,
+        "sharded_sync_vs_dcp_save": round(med["vidstab_sharded_sync"] / med["dcp_save"], 3),
+        "async_stall_vs_sync": round(med["vidstab_sharded_async_stall"] / med["vidstab_sharded_sync"], 3),
+        "accelerate_vs_dcp_save": round(med["accelerate_save_state"] / med["dcp_save"], 3),
+    }
+    res["targets_met"] = res["sharded_sync_vs_dcp_save"] <= 1.3 and res["async_stall_vs_sync"] <= 0.2
+    print(f"vidstab sharded save = {res['sharded_sync_vs_dcp_save']:.2f} x plain dcp.save (target <= 1.3); async "
+          f"stall = {res['async_stall_vs_sync']:.2f} x sync (target <= 0.2); accelerate save_state = "
+          f"{res['accelerate_vs_dcp_save']:.2f} x dcp.save")
     print(json.dumps(res))
     return 0
 

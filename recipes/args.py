@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tracker_name", type=str, default="vidstab-train", help="Project name given to `init_trackers`.")
     run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps (the JSONL event log gets every step).")
     run.add_argument("--dataloader_num_workers", type=int, default=0)
+    run.add_argument("--fsdp", action="store_true", help="Shard the DiT per block with FSDP2; sharded (DCP) checkpoints (see recipes/sharding.py).")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--learning_rate", type=float, default=3e-4)
     opt.add_argument("--scale_lr", action="store_true", help="Multiply the LR by batch size x accumulation x processes.")

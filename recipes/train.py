@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 import vidstab
 from args import (RUN_CONTROL_FLAGS, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
+import sharding  # recipes/sharding.py: --fsdp
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
@@ -162,7 +163,9 @@ class Run:
         self.vae_on_device = None  # moved to the training device at the first validation
         self.reference_latents = None  # data clips the validation samples are compared with, read at the first validation
         latent_channels = cache[0]["latents"].shape[0]
-        self.model = build_model(args, latent_channels)
+        if args.fsdp and args.use_ema:
+            raise SystemExit("--use_ema with --fsdp is not supported yet (EMA shadow weights would be DTensors)")
+        self.model = sharding.shard_model(acc, build_model(args, latent_channels), args.fsdp)
         self.objective = DiffusionObjective(objective_config(args))
         dataloader = torch.utils.data.DataLoader(
             cache, batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
@@ -177,7 +180,8 @@ class Run:
             weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
         )
         lr_scheduler = get_scheduler(args.lr_scheduler, optimizer, **lr_scheduler_kwargs(args, acc.num_processes))
-        self.model, self.optimizer, self.dataloader, self.lr_scheduler = acc.prepare(self.model, optimizer, dataloader, lr_scheduler)
+        self.model, self.optimizer, self.dataloader, self.lr_scheduler = sharding.prepare(
+            acc, args.fsdp, self.model, optimizer, dataloader, lr_scheduler)
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
         unwrapped = acc.unwrap_model(self.model)
@@ -187,7 +191,7 @@ class Run:
         guard_config.num_train_timesteps = args.num_train_timesteps
         guard_config.log_every = args.logging_steps  # --logging_steps: tracker interval (events JSONL gets every step)
         self.checkpoints = CheckpointManager(
-            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save),
+            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save, sharded=args.fsdp or None),
             config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
         )
         self.guard = vidstab.attach(
@@ -220,15 +224,25 @@ class Run:
         return int(state["step"])
 
 
-def export_run(run: Run) -> dict:
-    """``output_dir/transformer/`` (+ ``transformer_ema/``, ``vae/``, ``scheduler/``): see recipes/export.py."""
+def export_run(run: Run, model: VideoDiT) -> dict:
+    """``output_dir/transformer/`` (+ ``transformer_ema/``, ``vae/``, ``scheduler/``) of ``model``, the plain
+    model (``sharding.full_model``): see recipes/export.py. Main process only."""
     args = run.args
     written = export_pipeline(
-        args.output_dir, run.accelerator.unwrap_model(run.model), ema=run.ema, vae=run.vae, vae_path=args.vae,
+        args.output_dir, model, ema=run.ema, vae=run.vae, vae_path=args.vae,
         objective=run.objective.to_dict(), normalization=run.cache.normalization, latent_shape=run.cache.latent_shape,
     )
     run.guard.events.log("export", run.guard.global_step, folders={k: str(Path(v).relative_to(args.output_dir)) for k, v in written.items()})
     return written
+
+
+def validate(run: Run, step: int) -> None:
+    """Validation sampling during training (every rank calls it; the main process samples)."""
+    if run.args.num_validation_videos < 1:
+        return
+    plain = sharding.full_model(run.accelerator, run.model, VideoDiT)
+    if plain is not None:
+        run_validation(run, step, plain)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
                 run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
-                run_validation(run, step)
+                validate(run, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
@@ -305,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     acc.wait_for_everyone()
     exported = None
-    if exit_code == 0 and step >= args.max_train_steps and acc.is_main_process:
-        exported = export_run(run)
-        run_validation(run, step)
+    if exit_code == 0 and step >= args.max_train_steps:
+        plain = sharding.full_model(acc, run.model, VideoDiT)  # every rank: a collective under --fsdp
+        if acc.is_main_process:
+            exported = export_run(run, plain)
+            run_validation(run, step, plain)
     acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()

@@ -40,12 +40,13 @@ def log_to_trackers(accelerator, step: int, result: dict) -> None:
         accelerator.log({f"validation/{k}": v for k, v in scalars.items()}, step=step)
 
 
-def run_validation(run, step: int) -> dict | None:
-    """Sample ``--num_validation_videos`` clips on the main process; returns the logged event (None elsewhere)."""
+def run_validation(run, step: int, model=None) -> dict | None:
+    """Sample ``--num_validation_videos`` clips on the main process; returns the logged event (None elsewhere).
+    ``model``: the plain model to sample (``sharding.full_model`` under ``--fsdp``); default the unwrapped one."""
     args, acc = run.args, run.accelerator
     if args.num_validation_videos < 1 or not acc.is_main_process:
         return None
-    model = acc.unwrap_model(run.model)
+    model = acc.unwrap_model(run.model) if model is None else model
     if run.ema is not None:  # diffusers' convention: validate the EMA weights, then put the live ones back
         run.ema.store(model.parameters())
         run.ema.copy_to(model.parameters())

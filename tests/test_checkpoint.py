@@ -417,11 +417,11 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
     assert ckpt.load("latest")["step"] == 1
 
 
-def _launch_two(script: str, out) -> subprocess.CompletedProcess:
-    """``tests/scripts/{script} out`` on 2 real CPU processes (gloo) through ``accelerate launch``."""
+def _launch_two(script: str, out, *args: str) -> subprocess.CompletedProcess:
+    """``tests/scripts/{script} out *args`` on 2 real CPU processes (gloo) through ``accelerate launch``."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
-                           os.path.join(os.path.dirname(__file__), "scripts", script), str(out)],
+                           os.path.join(os.path.dirname(__file__), "scripts", script), str(out), *args],
                           capture_output=True, text=True, timeout=180, env=env)
 
 
@@ -436,9 +436,27 @@ def test_two_processes_save_load_and_a_failure_on_one_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_stalled_between_creating_and_writing_its_marker_does_not_break_the_save(tmp_path):
-    """Issue 10: a non-main rank's ``.rank{R}.done`` marker must never be seen half-written."""
+def test_a_rank_stalled_between_creating_and_writing_its_files_does_not_break_the_save(tmp_path):
+    """Issue 10: a non-main rank's files (and its report that they are done) are never taken half-written."""
     r = _launch_two("ckpt_marker_race.py", tmp_path)
     for mode in ("sync", "async"):
         assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_replicated_state_is_identical_on_every_rank_after_a_load(tmp_path):
+    """Issue 9 item 5: node-local folders whose guard state differs (a stale copy on one node) give every
+    rank rank 0's state, or a clear refusal; never replicas that decide differently."""
+    for node, mult in (("node0", 0.25), ("node1", 1.0)):
+        AcceleratorState._reset_state(True)
+        acc = Accelerator(cpu=True)
+        guard = GuardStandIn()
+        guard.state["lr_multiplier"] = mult
+        ckpt = CheckpointManager(acc, str(tmp_path / node), CheckpointConfig(async_save=False))
+        ckpt.register("model", acc.prepare(torch.nn.Linear(4, 4)))
+        ckpt.register("vidstab", guard)
+        ckpt.save(2, trainer_state={"step": 2})
+    r = _launch_two("ckpt_replicas.py", tmp_path)
+    for mode in ("repair", "refuse"):
+        assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]

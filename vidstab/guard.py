@@ -541,6 +541,8 @@ class Guard:
         cfg = self.config
         if self._replay_fn is None or not (cfg.localize_every_step or (cfg.localize_first_nonfinite and not self.localized)):
             return None
+        if self._sharded:  # a sharded model's forward all-gathers: replaying it on the bad rank alone would hang
+            return {"error": "not localized: the model is sharded (FSDP), a one-rank replay would deadlock"}
         self.localized = True
         model = self.accelerator.unwrap_model(self.model)
         fn = self._replay_fn

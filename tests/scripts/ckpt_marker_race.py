@@ -2,9 +2,10 @@
 `accelerate launch --multi_gpu --num_processes 2`).
 
 Fault injection in a dependency, not in the checkpoint manager: on rank 1 only, ``os.write`` sleeps
-before writing to any file whose name contains ``.rank1.done`` -- a process descheduled right after
-``open(O_CREAT)``. The main process polls for that marker; if it can see the file before its bytes are
-there it parses an empty file. Every save must succeed and load back. Prints "OK rank R" on success.
+before the first write to every file it creates in a checkpoint being written -- a process descheduled
+right after ``open(O_CREAT)``. The main process must not take an empty or partial file of rank 1's (once a
+``.rank1.done`` marker it polled for and parsed; now the digests rank 1 sends when it has finished) as
+finished. Every save must succeed and load back. Prints "OK rank R" on success.
 """
 
 import os
@@ -26,8 +27,8 @@ if acc.process_index == 1:
             name = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             name = ""
-        if ".rank1.done" in os.path.basename(name) and fd not in stalls:
-            stalls.append(fd)
+        if "/.tmp-" in name and name not in stalls:
+            stalls.append(name)
             time.sleep(0.5)  # created, still empty: what a descheduled process leaves visible
         return _real_write(fd, data)
 
@@ -43,6 +44,6 @@ for mode in ("sync", "async"):
     ckpt.wait()
     assert ckpt.load("latest")["step"] == 2
     if acc.process_index == 1:
-        assert stalls, "the stall was never injected (marker written some other way?)"
+        assert stalls, "the stall was never injected (files written some other way?)"
     print(f"OK rank {acc.process_index} {mode}", flush=True)
 acc.end_training()

@@ -15,6 +15,10 @@ The package, one concern per file (see ``docs/ARCHITECTURE.md``):
 - :mod:`.reader` -- verifying a folder and handing the bytes to a backend to decode.
 - :mod:`.full_state` -- the full-state backend: one safetensors (+ JSON) file per registered object,
   RNG per rank (single process and DDP).
+- :mod:`.dcp_backend` -- the sharded backend: FSDP2 models and their optimizers through
+  ``torch.distributed.checkpoint`` (every rank writes its own safetensors shards; reshards on load).
+- :mod:`.consistency` -- replicated state (guard, scheduler, trainer state) identical on every rank after
+  a load: hashed, compared, repaired from rank 0 or refused.
 - :mod:`.manager` -- :class:`CheckpointManager`, which owns every collective, so all ranks agree on a
   snapshot, on a save's success before ``latest`` moves, and on which checkpoint they load.
 

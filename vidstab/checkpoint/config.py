@@ -35,7 +35,16 @@ class CheckpointConfig:
     """Remove ``.tmp-*`` leftovers of killed saves when the manager starts (main process). Set False for a
     tool that opens the folder of a run that is still training, whose save may be in flight."""
     rank_timeout_s: float = 1800.0
-    """How long the main process waits for other ranks' files before giving up on a checkpoint."""
+    """How long the writer waits for a rank that is alive but has not finished writing (its collectives'
+    timeout) before giving up on a checkpoint. A rank that dies is noticed within seconds regardless."""
+    sharded: bool | None = None
+    """Save models and optimizers as sharded DCP checkpoints (every rank writes its own shards; see
+    ``vidstab/checkpoint/dcp_backend.py``). None: when a registered model has DTensor parameters (FSDP2).
+    Loading follows what the checkpoint's manifest says, whatever this is set to."""
+    on_replica_mismatch: str = "repair"
+    """After a load, replicated state (guard, recovery, scheduler, trainer state) is hashed on every rank and
+    compared: ``"repair"`` replaces a copy that differs from rank 0's by rank 0's, ``"refuse"`` raises
+    :class:`CheckpointError` naming it (see ``vidstab/checkpoint/consistency.py``)."""
     checksum: str = "crc32"
     """Per-file checksum recorded in the manifest and verified on load: ``"crc32"`` or ``"sha256"``.
     CRC-32 detects truncation, all single-bit flips and burst errors up to 32 bits, which is what a

@@ -33,6 +33,8 @@ logger = logging.getLogger("vidstab.checkpoint")
 class FullStateBackend:
     """Snapshot, decode and apply the full state of registered objects (see module doc)."""
 
+    name = "full"
+
     def __init__(self, accelerator, config: CheckpointConfig) -> None:
         self.accelerator = accelerator
         self.config = config

@@ -18,15 +18,17 @@ import secrets
 import shutil
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .. import statedict_io as sio
-from ..atomic import write_atomic
 from ..events import log_event
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
+from .consistency import ensure_identical
+from .dcp_backend import ShardedBackend, has_dtensor_params, is_optimizer
 from .full_state import FullStateBackend
 from .layout import RESERVED, file_stem, rel, step_name
 from .reader import read_checkpoint
@@ -40,7 +42,8 @@ logger = logging.getLogger("vidstab.checkpoint")
 class CheckpointManager:
     """Atomic, validated, rotated checkpoints of everything registered, plus scaler and RNG states.
 
-    All ranks must call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
+    All ranks must construct it together (at world size > 1 it creates its own gloo process group) and
+    call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
 
     Example::
 
@@ -68,7 +71,12 @@ class CheckpointManager:
         self.rank = accelerator.process_index
         self.world_size = accelerator.num_processes
         self.is_main = accelerator.is_main_process
-        self.backend = FullStateBackend(accelerator, self.config)
+        _refuse_unsupported(accelerator)
+        self.full_state = FullStateBackend(accelerator, self.config)
+        self.sharded = ShardedBackend(accelerator, self.config)
+        self.group = _checkpoint_group(self.world_size, self.config.rank_timeout_s)
+        """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
+        background thread while training uses the default group, and a dead peer errors within seconds."""
         self._objects: dict[str, Any] = {}
         self._deleters: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
@@ -97,7 +105,21 @@ class CheckpointManager:
             raise ValueError(f"cannot register {name!r}: reserved or not a plain file name")
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name!r}: object needs state_dict() and load_state_dict()")
+        _refuse_unsupported_object(name, obj)
         self._objects[name] = obj
+
+    @property
+    def backend(self) -> FullStateBackend:
+        """The backend the next save uses: sharded (DCP) when a registered model has DTensor parameters
+        (FSDP2) or ``CheckpointConfig.sharded`` says so, else full state."""
+        want = self.config.sharded
+        if want is None:
+            want = any(isinstance(o, torch.nn.Module) and has_dtensor_params(self.accelerator.unwrap_model(o))
+                       for o in self._objects.values())
+        return self.sharded if want else self.full_state
+
+    def _backend_of(self, manifest: dict) -> FullStateBackend:
+        return self.sharded if manifest.get("backend") == ShardedBackend.name else self.full_state
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
@@ -112,12 +134,13 @@ class CheckpointManager:
         nonce = self._shared_nonce()
         tmp_dir = os.path.join(self.root, f"{layout.TMP_PREFIX}{name}-{nonce}")
         copy = self.config.async_save
+        backend = self.backend
         files = []
         try:
             if self.is_main:
                 os.makedirs(self.root, exist_ok=True)
                 os.mkdir(tmp_dir)
-            files = self.backend.snapshot(self._objects, copy, trainer_state or {})
+            files = backend.snapshot(self._objects, copy, trainer_state or {})
         except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
             error: Exception | None = e
         else:
@@ -132,9 +155,16 @@ class CheckpointManager:
                 raise CheckpointError(msg + f"{type(error).__name__}: {error}") from error
             raise CheckpointError(msg + "failed on another rank (see its log)")
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
+        job.backend = backend.name
+        for spec in [f for f in files if f.sharded is not None]:
+            # dcp.async_save stages its host copy here (the stall) and writes in its own thread.
+            job.sharded_write = self.sharded.start_write(spec, tmp_dir, self.group, copy)
+            job.files.remove(spec)
         if copy:
             self._job = job
-            self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}")
+            # A daemon: a writer blocked on a dead peer must never keep the process from exiting.
+            self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}",
+                                            daemon=True)
             self._thread.start()
             return os.path.join(self.root, name)
         self._run_job(job)
@@ -158,6 +188,8 @@ class CheckpointManager:
             self._deleters.pop().join()
         job, self._job = self._job, None
         err = job.error if job is not None else None
+        if isinstance(err, _PeerLost):
+            raise err  # the default group has lost the same peer: another collective would fail or hang
         if not self._all_ok(err is None):
             if job is not None and self.is_main:
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
@@ -172,17 +204,29 @@ class CheckpointManager:
 
     # -- writing (background thread or inline)
     def _run_job(self, job: SaveJob) -> None:
+        """Write this rank's files, tell the main process their digests (or this rank's error), publish."""
+        error: BaseException | None = None
         try:
+            sharded = job.sharded_write() if job.sharded_write is not None else {}
+            job.sharded_write = None
             write_files(job, self.config.checksum, self.config.fsync)
-            if not self.is_main:
-                if self.config.fsync:
-                    sio.fsync_files(job.unsynced)
-                # Temp file + rename: the main process polls for this name, so it must never see it empty.
-                write_atomic(os.path.join(job.tmp_dir, f".rank{self.rank}.done"), json.dumps(job.digests),
-                             fsync=self.config.fsync)
-                return
-            digests = {**job.digests, **self._collect_ranks(job)}
-            self._finalize(job, digests, job.unsynced)
+            job.digests.update(sharded)
+            if not self.is_main and self.config.fsync:
+                sio.fsync_files(job.unsynced)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below
+            error = e
+        try:
+            reports = self._exchange(job, error)
+            if self.is_main:
+                digests: dict[str, dict] = {}
+                for r, rep in enumerate(reports):
+                    if not rep["ok"]:
+                        raise CheckpointError(f"checkpoint {job.name} could not be written: "
+                                              f"rank {r} failed to write its files ({rep['error']})")
+                    digests.update(rep["digests"])
+                self._finalize(job, digests, job.unsynced)
+            elif error is not None:
+                raise error
         except BaseException as e:  # noqa: BLE001 - surfaced by _finish_pending on every rank
             job.error = e if isinstance(e, CheckpointError) else CheckpointError(
                 f"checkpoint {job.name} could not be written: {type(e).__name__}: {e}")
@@ -190,54 +234,41 @@ class CheckpointManager:
                 job.error.__cause__ = e
             if self.is_main:
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
-            else:
-                try:  # empty file: needs no data blocks, so it works on a full disk
-                    os.close(os.open(os.path.join(job.tmp_dir, f".rank{self.rank}.failed"),
-                                     os.O_WRONLY | os.O_CREAT, 0o644))
-                except OSError:
-                    pass
 
-    def _collect_ranks(self, job: SaveJob) -> dict[str, dict]:
-        """The main process waits for every other rank's ``.rank{R}.done`` marker (their files' digests).
-        This is the "all ranks finished" barrier of a save; it works from a background thread, where
-        collectives on the training process group must not be used."""
-        out: dict[str, dict] = {}
-        deadline = time.monotonic() + self.config.rank_timeout_s
-        pending = set(range(self.world_size)) - {self.rank}
-        bad: dict[int, str] = {}
-        while pending:
-            for r in sorted(pending):
-                if os.path.exists(os.path.join(job.tmp_dir, f".rank{r}.failed")):
-                    raise CheckpointError(f"checkpoint {job.name} could not be written: rank {r} failed to write its files")
-                done = os.path.join(job.tmp_dir, f".rank{r}.done")
-                if os.path.exists(done):
-                    try:
-                        with open(done, "rb") as fh:
-                            digests = json.loads(fh.read())
-                        if not isinstance(digests, dict):
-                            raise ValueError(f"a {type(digests).__name__}, not an object")
-                    except (OSError, ValueError) as e:
-                        # Markers are renamed into place whole, so this is a damaged file (or one from
-                        # an older writer still being filled): look again until the deadline.
-                        bad[r] = f"{type(e).__name__}: {e}"
-                        continue
-                    out.update(digests)
-                    os.unlink(done)
-                    pending.discard(r)
-            if pending:
-                if time.monotonic() > deadline:
-                    why = "".join(f"; rank {r}'s marker is unreadable ({bad[r]})" for r in sorted(pending) if r in bad)
-                    raise CheckpointError(f"checkpoint {job.name}: ranks {sorted(pending)} did not finish writing "
-                                          f"within {self.config.rank_timeout_s:.0f}s{why}")
-                time.sleep(0.02)
-        return out
+    def _exchange(self, job: SaveJob, error: BaseException | None) -> list[dict]:
+        """Every rank's ``{"ok", "error", "digests"}`` for ``job`` (all ranks, on the checkpoint group).
+
+        This is the "all ranks finished writing" barrier of a save. It runs in the writer thread, so it
+        uses the dedicated gloo group, whose collectives fail within seconds when a peer's connection
+        closes (a dead rank) and after ``rank_timeout_s`` when a peer hangs; the main process then never
+        publishes the folder. Raises :class:`_PeerLost`."""
+        mine = {"ok": error is None, "digests": (job.digests or {}) if error is None else {},
+                "error": None if error is None else f"{type(error).__name__}: {error}"}
+        if self.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+            width = int(max(s.item() for s in sizes))
+            bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(bufs, torch.cat([data, torch.zeros(width - data.numel(), dtype=torch.uint8)]),
+                            group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError (closed connection, timeout)
+            raise _PeerLost(f"checkpoint {job.name} could not be written: lost contact with another rank during "
+                            f"the save ({type(e).__name__}: {str(e).splitlines()[0][:300]}); the unfinished "
+                            f"folder is never loaded. A rank probably died: see its log.") from e
+        return [json.loads(bytes(b[: int(n.item())].numpy())) for b, n in zip(bufs, sizes)]
 
     def _finalize(self, job: SaveJob, digests: dict[str, dict], unsynced: list[str]) -> None:
         """Write the manifest, make everything durable, publish (rename, pointers), rotate (main process)."""
         from .. import __version__
 
-        manifest = write_manifest(job, digests, config_hash=self.config_hash, vidstab_version=__version__,
-                                  world_size=self.world_size, objects={n: file_stem(n) for n in self._objects})
+        manifest = write_manifest(job, digests, backend=job.backend, config_hash=self.config_hash,
+                                  vidstab_version=__version__, world_size=self.world_size,
+                                  objects={n: file_stem(n) for n in self._objects})
         final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer)
         job.path = final
         seconds = time.perf_counter() - job.t0
@@ -342,18 +373,34 @@ class CheckpointManager:
         if skipped:
             logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
                            path, cands[0], len(skipped))
-        self.backend.apply(payload, self._objects)
+        # One source of truth for replicated state: what every rank read is compared (and repaired from
+        # rank 0, or refused) before anything is applied.
+        replicated = {n: payload["objects"][n] for n, o in self._objects.items()
+                      if not isinstance(o, torch.nn.Module) and not is_optimizer(o)}
+        replicated["_trainer"] = payload["trainer"]
+        replicated, repaired = ensure_identical(replicated, self.rank, self.world_size, self.group,
+                                                repair=self.config.on_replica_mismatch == "repair")
+        payload["trainer"] = replicated.pop("_trainer")
+        payload["objects"].update(replicated)
+        backend = self._backend_of(payload["manifest"])
+        if backend is self.sharded:
+            self.sharded.apply(payload, self._objects, path=path, group=self.group)
+        else:
+            backend.apply(payload, self._objects)
         ts = dict(payload["trainer"])
         info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped}
+        if repaired:
+            info["repaired_from_rank0"] = repaired
         ts["_checkpoint"] = info
         self.last_loaded = info
         return ts
 
     def _read(self, path: str, decode: bool = True) -> dict:
         """Verify every file of the checkpoint at ``path`` and (optionally) decode what this rank needs."""
-        dec = (lambda ckpt, raw: self.backend.decode(ckpt, raw, self._objects)) if decode else None
-        return read_checkpoint(path, self.rank, self.is_main, self.backend.needed_files(self._objects), dec,
-                               config_hash=self.config_hash)
+        backend = self._backend_of(layout.read_manifest(path))
+        dec = (lambda ckpt, raw: backend.decode(ckpt, raw, self._objects)) if decode else None
+        return read_checkpoint(path, self.rank, self.is_main, backend.needed_files(self._objects), dec,
+                               config_hash=self.config_hash, keep_file=getattr(backend, "keep_file", None))
 
     # ------------------------------------------------------------------ collectives
     def _params_finite(self) -> bool:
@@ -390,3 +437,49 @@ class CheckpointManager:
 
     def _shared_nonce(self) -> str:
         return f"{self._broadcast_int(secrets.randbits(31) if self.is_main else 0):08x}"
+
+
+class _PeerLost(CheckpointError):
+    """A rank stopped answering during a save (died or hung): raised without any further collective."""
+
+
+def _checkpoint_group(world_size: int, timeout_s: float):
+    """A gloo process group of all ranks for the checkpoint writer, created once per manager (all ranks
+    construct the manager together). Gloo on CPU tensors whatever the training backend (NCCL on GPU), as
+    torchtitan does for async checkpointing: DCP's collectives and the writer's exchange then overlap
+    training without sharing its communicator."""
+    if world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise CheckpointError(f"world size is {world_size} but torch.distributed is not initialized")
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+_DEEPSPEED_MSG = ("vidstab checkpoints cannot serve a DeepSpeed engine yet (its ZeRO-partitioned optimizer "
+                  "and engine state live outside torch state dicts). Use accelerator.save_state()/load_state() "
+                  "for DeepSpeed runs -- the vidstab guard (detection, lockstep skip, incident bundles) still "
+                  "works there, but rollback to last_good does not -- or train with FSDP2 "
+                  "(accelerate launch --use_fsdp --fsdp_version 2), whose checkpoints vidstab shards with DCP.")
+
+
+def _refuse_unsupported(accelerator) -> None:
+    """Refuse, at construction, the set-ups these checkpoints cannot serve (never hang later)."""
+    state = getattr(accelerator, "state", None)
+    dtype = str(getattr(getattr(accelerator, "distributed_type", None), "value", getattr(accelerator, "distributed_type", "")))
+    if getattr(state, "deepspeed_plugin", None) is not None or dtype.upper() == "DEEPSPEED":
+        raise CheckpointError(_DEEPSPEED_MSG)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is not None and int(getattr(plugin, "fsdp_version", 1) or 1) < 2:
+        raise CheckpointError("vidstab checkpoints serve FSDP2 (DTensor parameters, saved with DCP), not FSDP1: "
+                              "launch with --fsdp_version 2")
+
+
+def _refuse_unsupported_object(name: str, obj: Any) -> None:
+    kind = type(obj).__name__
+    if kind in ("DeepSpeedEngine", "PipelineEngine") or type(obj).__module__.startswith("deepspeed"):
+        raise CheckpointError(f"cannot register {name!r}: " + _DEEPSPEED_MSG)
+    if kind == "FullyShardedDataParallel":
+        raise CheckpointError(f"cannot register {name!r}: FSDP1 modules are not supported; use FSDP2 (fully_shard, "
+                              "or accelerate launch --use_fsdp --fsdp_version 2)")

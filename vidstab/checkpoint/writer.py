@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,8 @@ class FileSpec:
     """-> raw bytes (JSON)."""
     metadata: dict[str, str] | None = None
     """safetensors header metadata."""
+    sharded: dict | None = None
+    """-> tensors/DTensors handed to DCP by the sharded backend (a folder, not one file)."""
 
 
 @dataclass
@@ -65,6 +68,10 @@ class SaveJob:
     """This rank's files: name -> manifest entry (size and checksum), once written."""
     unsynced: list[str] | None = None
     """This rank's files, written but not yet fsync'd."""
+    backend: str = "full"
+    """Which backend wrote it (recorded in the manifest; the loader picks the same one)."""
+    sharded_write: Callable[[], dict[str, dict]] | None = None
+    """The sharded backend's DCP write (started or to run); returns its files' manifest entries."""
 
 
 def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:

@@ -1,0 +1,56 @@
+"""``recipes/train.py --fsdp`` with 2 real processes (FSDP2 per DiT block on a gloo CPU mesh, sharded DCP
+checkpoints): lockstep skip, rollback with LR back-off, bitwise resume, 2 -> 1 process resume."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_utils import events, losses_by_step, run_trainer
+
+
+def _shards(output_dir, step) -> dict[str, torch.Tensor]:
+    """Every rank's shards of the checkpoint of ``step`` (model and optimizer), by file and key."""
+    folder = output_dir / "checkpoints" / f"step_{step:06d}" / "dcp"
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 2, files  # one file per rank: each wrote its own shards
+    return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.slow
+def test_fsdp_nan_on_rank1_skipped_in_lockstep_resume_is_bitwise_and_resumes_in_one_process(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    fault = ["--inject_fault", "nan_batch@4:1", "--fsdp", "--checkpointing_steps", "3"]
+    run_trainer(full, "--max_train_steps", "6", *fault, nproc=2)
+    run_trainer(split, "--max_train_steps", "3", *fault, nproc=2)
+    run_trainer(split, "--max_train_steps", "6", *fault, "--resume_from_checkpoint", "latest", nproc=2)
+    for rank in (0, 1):
+        assert [e["step"] for e in events(full, rank, "skip")] == [4], rank  # lockstep: both ranks skip
+        assert [e["step"] for e in events(split, rank, "skip")] == [4], rank
+        a, b = losses_by_step(full, rank), losses_by_step(split, rank)
+        assert [a[s] for s in (3, 5)] == [b[s] for s in (3, 5)], (a, b)
+    a, b = _shards(full, 6), _shards(split, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
+    assert all(torch.isfinite(v).all() for k, v in a.items() if v.is_floating_point())
+    # The 2-process sharded checkpoint resumes in 1 process (DCP reshards on load).
+    one = tmp_path / "one"
+    shutil.copytree(split, one)
+    proc = run_trainer(one, "--max_train_steps", "8", "--fsdp", "--checkpointing_steps", "4",
+                       "--resume_from_checkpoint", "latest")
+    assert "done: 8/8 steps" in proc.stdout
+    assert [r["step"] for r in events(one, kind="resume")][-1] == 6
+
+
+@pytest.mark.slow
+def test_fsdp_lr_spike_rolls_back_to_last_good_with_lr_backoff(tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--max_train_steps", "14", "--checkpointing_steps", "4", "--inject_fault", "lr_spike@9=1e4",
+                       "--fsdp", nproc=2)
+    for rank in (0, 1):
+        rollbacks = events(out, rank, "rollback")
+        assert rollbacks, f"no rollback on rank {rank}:\n{proc.stdout[-2000:]}"
+        assert rollbacks[0]["lr_multiplier"] == 0.5
+    assert "done: 14/14 steps" in proc.stdout
+    assert all(torch.isfinite(v).all() for v in _shards(out, 14).values() if v.is_floating_point())

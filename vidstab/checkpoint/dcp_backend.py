@@ -1,0 +1,341 @@
+"""The sharded backend: FSDP2 models and their optimizers through ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its own shards, in parallel; nothing is gathered to one rank. Layout inside
+``step_N/`` (besides the files every backend writes: ``trainer.json``, ``scaler.json``, ``rng-rank{R}.*``
+and the JSON of other registered objects)::
+
+    dcp/shard-0000R-model-00001-of-00001.safetensors   rank R-1's local shards (HuggingFaceStorageWriter)
+    sharded.json       every DCP key -> object, global shape, dtype (main process; checked before loading)
+    optimizer.json     the optimizer's non-tensor state by parameter name (lr, betas, ...)
+
+No pickle: DCP's default format pickles its ``.metadata`` and loads non-tensor items with
+``torch.load(weights_only=False)``. Here DCP goes through ``HuggingFaceStorageWriter`` /
+``HuggingFaceStorageReader`` (safetensors shards whose headers carry each shard's offsets), is given only
+tensors and DTensors (that writer would silently write a ``torch.save`` zip for anything else), and every
+file it writes is checksummed while written (:class:`_ChecksumFileSystem`) so it is verified like any other.
+
+Optimizer state is keyed by parameter name (``flatten_optimizer_state_dict=True``), so a checkpoint saved
+at one world size loads at another (DCP reshards) and a mismatch names the parameter.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import statedict_io as sio
+from .config import CheckpointConfig, CheckpointError
+from .full_state import FullStateBackend
+from .layout import file_stem
+from .writer import FileSpec
+
+__all__ = ["ShardedBackend", "DCP_DIR", "SHARDED_INDEX", "has_dtensor_params", "is_optimizer"]
+
+logger = logging.getLogger("vidstab.checkpoint")
+
+DCP_DIR = "dcp"
+"""Sub-folder of the DCP shards: ``HuggingFaceStorageReader`` reads every ``.safetensors`` file of a folder."""
+SHARDED_INDEX = "sharded.json"
+_FLAT = None  # StateDictOptions(flatten_optimizer_state_dict=True), built on first use
+
+
+def _options():
+    global _FLAT
+    if _FLAT is None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+    return _FLAT
+
+
+def has_dtensor_params(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters (FSDP2 ``fully_shard``, tensor parallel)."""
+    return any(hasattr(p, "device_mesh") and hasattr(p, "to_local") for p in module.parameters())
+
+
+def is_optimizer(obj: Any) -> bool:
+    """A ``torch.optim.Optimizer`` (Accelerate's ``AcceleratedOptimizer`` is one; a scheduler, which also has
+    an ``optimizer`` attribute, is not)."""
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _inner_optimizer(obj: Any) -> torch.optim.Optimizer:
+    inner = getattr(obj, "optimizer", obj)  # AcceleratedOptimizer -> the torch optimizer it wraps
+    return inner if isinstance(inner, torch.optim.Optimizer) else obj
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Write-only stream that checksums and counts the bytes passing through to ``raw``."""
+
+    def __init__(self, raw, hasher) -> None:
+        super().__init__()
+        self.raw, self.hasher, self.count = raw, hasher, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        mv = memoryview(b).cast("B")
+        self.hasher.update(mv)
+        n = self.raw.write(mv)
+        self.count += len(mv)
+        return n if n is not None else len(mv)
+
+    def tell(self) -> int:
+        return self.count
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.flush()
+        super().close()
+
+
+def _checksum_filesystem(algo: str):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _ChecksumFileSystem(FileSystem):
+        """DCP's local file system, recording size and checksum of every file it writes (as written: the
+        shards are never re-read to checksum them)."""
+
+        def __init__(self) -> None:
+            self.digests: dict[str, sio.FileDigest] = {}
+            self._lock = threading.Lock()
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as raw:
+                if "w" not in mode and "a" not in mode:
+                    yield raw
+                    return
+                stream = _ChecksumStream(raw, sio.new_checksum(algo))
+                yield stream
+                stream.flush()
+                with self._lock:
+                    self.digests[os.fspath(path)] = sio.FileDigest(stream.count, algo, stream.hasher.hexdigest())
+
+    return _ChecksumFileSystem()
+
+
+def _reusing_stager(reuse: bool, pin: bool):
+    """A ``dcp.async_save`` stager that copies the state to host memory, reusing last save's buffers when
+    ``reuse`` and the state has the same keys and shapes (like the full-state backend's ``reuse_buffers``:
+    the stall is then the copy alone, not page faults of fresh allocations). torch's own caching stager
+    always pins memory, which fails without CUDA."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    def signature(sd) -> list:
+        out = []
+        for k, v in sd.items():
+            out.append((k, signature(v)) if isinstance(v, dict) else (k, tuple(v.shape), v.dtype))
+        return out
+
+    class ReusingStager(AsyncStager):
+        _synchronize_after_execute = False
+
+        def __init__(self) -> None:
+            self.cache, self.key = None, None
+
+        def stage(self, state_dict):
+            key = signature(state_dict)
+            if not reuse or self.cache is None or key != self.key:
+                self.cache, self.key = _create_cpu_state_dict(state_dict, pin_memory=pin), key
+            staged = _copy_state_dict(state_dict, self.cache, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize()  # the copies must land before the loop changes the state
+            return staged
+
+        def synchronize_staging(self) -> None:
+            pass
+
+    return ReusingStager()
+
+
+def _storage_writer(path: str, algo: str, fsync: bool):
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    writer = HuggingFaceStorageWriter(path, save_distributed=True)  # each rank writes its own shard file
+    writer.fs = _checksum_filesystem(algo)
+    writer.sync_files = fsync
+    return writer
+
+
+class ShardedBackend(FullStateBackend):
+    """Models (and the optimizers over their parameters) through DCP; everything else as :class:`FullStateBackend`."""
+
+    name = "sharded"
+
+    def __init__(self, accelerator, config: CheckpointConfig) -> None:
+        super().__init__(accelerator, config)
+        self._stager = None  # dcp.async_save's host-memory stager, kept across saves
+
+    # ------------------------------------------------------------------ pairing
+    def _model_of(self, objects: dict[str, Any], opt) -> tuple[str, torch.nn.Module]:
+        """The registered model whose parameters ``opt`` updates (``get_optimizer_state_dict`` keys by name)."""
+        ids = {id(p) for g in _inner_optimizer(opt).param_groups for p in g["params"]}
+        for n, m in objects.items():
+            if isinstance(m, torch.nn.Module) and ids & {id(p) for p in self.accelerator.unwrap_model(m).parameters()}:
+                return n, self.accelerator.unwrap_model(m)
+        raise CheckpointError("a registered optimizer updates no registered model's parameters: register the model "
+                              "too (sharded checkpoints store optimizer state by parameter name)")
+
+    def _dcp_state(self, objects: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
+        """``({object: {key: tensor/DTensor}}, {optimizer: {key: non-tensor}})`` of what goes through DCP."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        tensors: dict[str, dict] = {}
+        rest: dict[str, dict] = {}
+        for n, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                tensors[n] = dict(get_model_state_dict(self.accelerator.unwrap_model(obj)))
+            elif is_optimizer(obj):
+                _, model = self._model_of(objects, obj)
+                flat = get_optimizer_state_dict(model, _inner_optimizer(obj), options=_options())
+                tensors[n] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+                rest[n] = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        return tensors, rest
+
+    # ------------------------------------------------------------------ save
+    def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict) -> list[FileSpec]:
+        """This rank's small files, plus one :class:`FileSpec` named :data:`DCP_DIR` whose ``sharded`` state
+        the manager hands to DCP (staged to host memory by ``dcp.async_save`` for an async save)."""
+        tensors, rest = self._dcp_state(objects)
+        files: list[FileSpec] = []
+        if self.is_main:
+            index = {}
+            for n, sd in tensors.items():
+                for k, v in sd.items():
+                    index[f"{n}.{k}"] = {"object": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+            files.append(FileSpec(SHARDED_INDEX, data=sio.dumps({"dir": DCP_DIR, "format": "dcp-huggingface-safetensors",
+                                                                 "keys": index})))
+            for n, r in rest.items():
+                leftovers, structure = sio.flatten(r)
+                assert not leftovers
+                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
+            for n, obj in objects.items():
+                if isinstance(obj, torch.nn.Module) or is_optimizer(obj):
+                    continue
+                ts, structure = sio.flatten(obj.state_dict(), prefix="t")
+                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
+                if ts:
+                    files.append(FileSpec(f"{file_stem(n)}.safetensors",
+                                          tensors={k: v.detach().clone() if copy else v.detach() for k, v in ts.items()}))
+        clone = (lambda f, k, t: t.detach().clone()) if copy else (lambda f, k, t: t)
+        files += self.common_files(trainer_state, clone)
+        files.append(FileSpec(DCP_DIR, sharded=tensors))
+        return files
+
+    def start_write(self, spec: FileSpec, tmp_dir: str, group, copy: bool):
+        """Hand ``spec.sharded`` to DCP, writing into ``tmp_dir/dcp``. ``copy``: ``dcp.async_save`` (stages a
+        host copy now, writes in DCP's thread; returns its future); else returns a callable that runs
+        ``dcp.save`` (in the manager's writer). Either way the result is the writer's file digests."""
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(tmp_dir, DCP_DIR)
+        writer = _storage_writer(path, self.config.checksum, self.config.fsync)
+        no_dist = group is None
+        if copy:
+            if self._stager is None:
+                self._stager = _reusing_stager(self.config.reuse_buffers,
+                                               self.config.pin_memory and torch.cuda.is_available())
+            fut = dcp.async_save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist,
+                                 async_stager=self._stager)
+            spec.sharded = None  # DCP staged its own copy: drop the references to live state
+
+            def result():
+                fut.result()
+                return self._digests(writer, tmp_dir)
+            return result
+
+        def run():
+            dcp.save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist)
+            spec.sharded = None
+            return self._digests(writer, tmp_dir)
+        return run
+
+    @staticmethod
+    def _digests(writer, tmp_dir: str) -> dict[str, dict]:
+        out = {}
+        for p, d in writer.fs.digests.items():
+            rel = os.path.relpath(p, tmp_dir).replace(os.sep, "/")
+            out[rel] = d.to_json()
+        return out
+
+    # ------------------------------------------------------------------ load
+    def needed_files(self, objects: dict[str, Any]) -> dict[str, str]:
+        out = {SHARDED_INDEX: "sharded tensors"}
+        for n, obj in objects.items():
+            if not isinstance(obj, torch.nn.Module):
+                out[f"{file_stem(n)}.json"] = n
+        return out
+
+    @staticmethod
+    def keep_file(f: str) -> bool:
+        """DCP reads its shards itself: they are verified, not kept in memory."""
+        return not f.startswith(DCP_DIR + "/")
+
+    def decode(self, ckpt: str, raw: dict[str, bytes], objects: dict[str, Any]) -> dict:
+        from safetensors.torch import load as st_load
+
+        out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX])["keys"]}
+        for n, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                continue
+            structure = sio.loads(raw[f"{file_stem(n)}.json"])
+            if is_optimizer(obj):
+                out["objects"][n] = sio.unflatten(structure, {})
+            else:
+                stem = file_stem(n)
+                tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
+                out["objects"][n] = sio.unflatten(structure, tensors)
+        out.update(self.decode_common(raw))
+        out["ckpt"] = ckpt
+        return out
+
+    def apply(self, payload: dict, objects: dict[str, Any], path: str = "", group=None) -> None:
+        """Check every parameter's name and shape against the checkpoint, then ``dcp.load`` (all ranks
+        together; DCP reshards to this world size) and load the models, optimizers and other objects."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        ckpt, index = payload["ckpt"], payload["index"]
+        targets, _ = self._dcp_state(objects)  # initialises empty optimizer states (torch does it the same way)
+        for n, sd in targets.items():
+            for k, v in sd.items():
+                fqn = f"{n}.{k}"
+                saved = index.get(fqn)
+                if saved is None:
+                    raise CheckpointError(f"{ckpt}: {n!r} has no saved state for {k!r} (the model or optimizer "
+                                          "differs from the one saved)")
+                if list(v.shape) != saved["shape"]:
+                    raise CheckpointError(f"{ckpt}: {n}.{k} has shape {tuple(saved['shape'])} in the checkpoint, "
+                                          f"this run has {tuple(v.shape)}")
+        extra = sorted(k for k, e in index.items()
+                       if e["object"] in targets and k[len(e["object"]) + 1:] not in targets[e["object"]])
+        if extra:
+            raise CheckpointError(f"{ckpt}: saved state this run has no place for: {extra[:5]}")
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(path, DCP_DIR)),
+                 process_group=group, no_dist=group is None)
+        for n, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                set_model_state_dict(self.accelerator.unwrap_model(obj), targets[n])
+            elif is_optimizer(obj):
+                _, model = self._model_of(objects, obj)
+                flat = {**payload["objects"][n], **targets[n]}
+                set_optimizer_state_dict(model, _inner_optimizer(obj), flat, options=_options())
+            else:
+                obj.load_state_dict(payload["objects"][n])
+        self.apply_common(payload)

@@ -297,10 +297,14 @@ class VidstabReplay:
         row = [0.0] * S.Layout(self.config.timestep_buckets).width
         finite_loss = _finite(r.loss)
         row[S.GRAD_NORM], row[S.NORM_OK] = r.grad_norm, 1.0
-        row[S.LOSS_SUM], row[S.LOSS_COUNT] = (r.loss, 1.0) if finite_loss else (0.0, 0.0)
+        row[S.LOSS_TOTAL], row[S.LOSS_SUM] = 1.0, (r.loss if finite_loss else 0.0)
         row[S.LOSS_NONFINITE] = 0.0 if finite_loss else 1.0
-        row[S.IN_ABSMAX], row[S.IN_NONFINITE] = r.input_absmax, float(r.input_nonfinite)
-        row[S.LOSS_SCALE] = -1.0 if r.loss_scale is None else r.loss_scale
+        # One input "tensor" whose absmax is the recorded one; no sum of squares recorded, so its RMS reads 0
+        # (input_scale ignores a non-positive RMS).
+        row[S.IN_NUMEL], row[S.IN_ABSMAX_HI] = 1.0, r.input_absmax
+        row[S.NONFINITE_ALL] = float(r.input_nonfinite) + row[S.LOSS_NONFINITE]
+        row[S.LOSS_SCALE] = 0.0 if r.loss_scale is None else r.loss_scale
+        self.guard._scale_known = r.loss_scale is not None  # what the guard's own step sets from the scaler
         prev, every = self._prev, self.config.param_norm_every
         if prev is not None and every > 0 and prev.step % every == 0:
             row[S.PARAM_PENDING] = 1.0

@@ -11,7 +11,6 @@ Each folder is written next to its final place and renamed, so a crash never lea
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from pathlib import Path
@@ -39,7 +38,11 @@ def _save_folder(obj, folder: Path) -> Path:
 
 def ema_copy(model: torch.nn.Module, ema) -> torch.nn.Module:
     """A copy of ``model`` holding the EMA weights (``diffusers.training_utils.EMAModel``)."""
-    averaged = copy.deepcopy(model)
+    # A fresh instance from the config, not a deepcopy: the live model carries hooks (the guard's forward
+    # pre-hook holds the event log's open file) that must not be copied.
+    averaged = type(model).from_config(model.config)
+    averaged.load_state_dict(model.state_dict())
+    averaged.to(next(model.parameters()).device)
     ema.copy_to(averaged.parameters())
     return averaged
 

@@ -30,7 +30,7 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 import vidstab
-from vidstab.checkpoint import CheckpointConfig, CheckpointManager
+from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
@@ -272,6 +272,7 @@ class Run:
             self.checkpoints.register("ema", self.ema)
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out)
         self.batches_consumed = 0
+        self.checkpoint_failures = 0
         self.data = None
 
     def trainer_state(self, step: int) -> dict:
@@ -282,6 +283,49 @@ class Run:
         self.batches_consumed = int(state["batches_consumed"])
         self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed)
         return int(state["step"])
+
+
+def _checkpoint_failed(run: Run, step: int, error: CheckpointError) -> None:
+    """A failed save never ends the run: earlier checkpoints are untouched (the writer only publishes a
+    complete folder), so training goes on and the next interval tries again. Logged as a ``warn`` event
+    (detector ``checkpoint``), which the report lists."""
+    run.checkpoint_failures += 1
+    intact = run.checkpoints.latest_path_str() or "none yet"
+    message = f"checkpoint save failed ({error}); training continues, the next interval retries; newest intact checkpoint: {intact}"
+    logger.warning(message, main_process_only=True)
+    run.guard.events.log("warn", step, detector="checkpoint", message=message, figures={"failures": run.checkpoint_failures},
+                         bad_ranks=[])
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Save ``step``; a failure of the previous (async) save or of this one is logged, not raised."""
+    try:
+        run.checkpoints.wait()  # surfaces the previous async save's failure before this one starts
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+    try:
+        run.checkpoints.save(step, healthy=run.guard.healthy, trainer_state=run.trainer_state(step))
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+
+
+def finish_checkpoints(run: Run, step: int, retry: bool) -> bool:
+    """Wait for the last save; True when it was written. A failed final save is retried once (``retry``:
+    the model in memory is the one to keep; never after an abort)."""
+    try:
+        run.checkpoints.wait()
+        return True
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+    if not retry:
+        return False
+    try:
+        run.checkpoints.save(step, healthy=run.guard.healthy, trainer_state=run.trainer_state(step))
+        run.checkpoints.wait()
+        return True
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
 
     step = 0
     if args.resume_from_checkpoint:
-        state = run.checkpoints.load(args.resume_from_checkpoint)
+        try:
+            state = run.checkpoints.load(args.resume_from_checkpoint)
+        except CheckpointError as exc:  # no such checkpoint, every one damaged, another world size: say which
+            acc.print(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {exc}")
+            return 2
         if state is None:
             acc.print(f"no checkpoint found for --resume_from_checkpoint {args.resume_from_checkpoint}; starting from scratch")
         else:
@@ -345,12 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
-                run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
+                save_checkpoint(run, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
         # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
-        run.checkpoints.wait()
+        if not finish_checkpoints(run, step, retry=exit_code == 0) and exit_code == 0:
+            exit_code = 4  # trained to the end, but the final state is not on disk
     progress.close()
     acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
@@ -365,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         acc.print(
             f"done: {step}/{args.max_train_steps} steps, loss {first_loss if first_loss is None else round(first_loss, 4)} -> "
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
+            + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
+               if run.checkpoint_failures else "") +
             f"outputs in {args.output_dir} (checkpoints/, logs/, vidstab/events-rank*.jsonl, report: {report_path})"
         )
     return exit_code

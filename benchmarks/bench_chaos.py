@@ -13,6 +13,9 @@ segments. Before each resumed segment one fault is applied, drawn from:
 - ``sigterm``: SIGTERM at a random step (the trainer should save and exit cleanly);
 - ``truncate`` / ``bitflip``: damage a random file of the newest checkpoint on disk (between segments).
 
+Then every damaged-state drill of ``tests/checkpoint_drills.py`` runs once (section "drills": passed,
+failed, skipped; the same drills are tests in ``tests/test_checkpoint_safety.py``).
+
 Every segment restarts with ``--resume_from_checkpoint latest``; the last one runs to the end. Counted:
 runs resumed and finished; checkpoints lost (a checkpoint that was complete on disk -- valid manifest --
 and that we did not damage, found missing or failing its manifest's sizes/checksums after a fault, or a
@@ -357,6 +360,29 @@ def _checkpoint_name(field_value) -> str:
     return m.group(0) if m else ""
 
 
+# ------------------------------------------------------------------------------------------------------
+# Damaged-state drills (tests/checkpoint_drills.py): counted here, each also a test in tests/
+# ------------------------------------------------------------------------------------------------------
+def run_checkpoint_drills(workdir: Path) -> dict:
+    """Run every checkpoint drill of ``tests/checkpoint_drills.py`` (manifest names outside the folder,
+    links, FIFOs, devices, unreadable pointers/manifests, the clock stepped back, an unremovable damaged
+    checkpoint, another world size, no such checkpoint, Accelerate/diffusers coexistence, classic damage)
+    in-process against real files; print one row each and return the counts. A drill has no baseline: it
+    states what vidstab must do and passes or fails."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from checkpoint_drills import DRILLS, run_drill
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    rows = [run_drill(name, workdir / name) for name in DRILLS]
+    print(f"== Checkpoint drills: {len(rows)} (tests/checkpoint_drills.py) ==")
+    for r in rows:
+        verdict = "skipped" if r["ok"] is None else ("pass" if r["ok"] else "FAIL")
+        print(f"{r['drill']:34s} {verdict:7s} {r['detail'][:110]}")
+    return {"total": len(rows), "passed": sum(r["ok"] is True for r in rows),
+            "failed": sum(r["ok"] is False for r in rows), "skipped": sum(r["ok"] is None for r in rows),
+            "failed_names": [r["drill"] for r in rows if r["ok"] is False], "details": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -394,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(1, cfg.runs):
         reports[i] = chaos_run(i, cfg, ref_model if ref_ok else None, work)
 
+    drills = run_checkpoint_drills(work / "drills")
     print(f"== Chaos: {cfg.runs} run(s) x {cfg.kills} fault(s), {cfg.steps} steps, checkpoint every "
           f"{cfg.checkpointing_steps}, async saves; reference finished: {ref_ok} ==")
     print(f"{'run':>3s} {'faults (landed at step)':60s} {'resumes':>7s} {'lost':>4s} {'finished':>8s} {'identical':>9s}")
@@ -424,6 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
         "weights_identical": sum(1 for r in reports if r.identical is True),
         "max_abs_diff": max((r.max_abs_diff for r in reports if r.max_abs_diff is not None), default=None),
         "details": [asdict(r) for r in reports],
+        "drills": drills,
     }
     print(json.dumps(summary, default=str))
     return summary

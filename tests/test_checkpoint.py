@@ -417,14 +417,28 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
     assert ckpt.load("latest")["step"] == 1
 
 
+def _launch_two(script: str, out) -> subprocess.CompletedProcess:
+    """``tests/scripts/{script} out`` on 2 real CPU processes (gloo) through ``accelerate launch``."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
+                           os.path.join(os.path.dirname(__file__), "scripts", script), str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+
+
 @pytest.mark.slow
 def test_two_processes_save_load_and_a_failure_on_one_rank(tmp_path):
     """Real 2-process DDP on CPU: per-rank RNG files, and a write error on rank 1 raises on both ranks."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_ddp.py")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
-                        script, str(tmp_path)], capture_output=True, text=True, timeout=180, env=env)
+    r = _launch_two("ckpt_ddp.py", tmp_path)
     for mode in ("async", "sync"):
         assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 0 got: checkpoint step_000004 could not be written: rank 1 failed" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_rank_stalled_between_creating_and_writing_its_marker_does_not_break_the_save(tmp_path):
+    """Issue 10: a non-main rank's ``.rank{R}.done`` marker must never be seen half-written."""
+    r = _launch_two("ckpt_marker_race.py", tmp_path)
+    for mode in ("sync", "async"):
+        assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]

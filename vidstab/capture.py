@@ -43,10 +43,8 @@ import math
 import os
 import platform
 import re
-import shutil
 import statistics
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -55,7 +53,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import fsync_dir
+from .atomic import atomic_folder
 from .localize import tensor_stats
 
 __all__ = [
@@ -316,11 +314,6 @@ def _versions() -> dict[str, str | None]:
     return {"torch": torch.__version__, "accelerate": acc, "vidstab": vidstab_version, "python": platform.python_version()}
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def write_incident(
     run_dir: str | os.PathLike,
     *,
@@ -405,29 +398,10 @@ def write_incident(
     text = _dumps(meta)  # serialise before touching the disk: a bad field fails without leftovers
 
     base = incident_dir_name(step, rank, micro_step)
-    tmp = incidents / f".tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(tensors, str(tmp / BATCH_FILE), metadata={"format": "pt", "vidstab_schema": str(SCHEMA_VERSION)})
-        (tmp / META_FILE).write_text(text, encoding="utf-8")
-        for f in (BATCH_FILE, META_FILE):
-            _fsync_file(tmp / f)
-        fsync_dir(tmp)
-        n = 1
-        while True:
-            final = incidents / (base if n == 1 else f"{base}-{n}")
-            try:
-                os.rename(tmp, final)  # fails if `final` exists and is non-empty: never overwrite
-                break
-            except OSError:
-                if not final.exists():
-                    raise
-                n += 1
-        fsync_dir(incidents)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    with atomic_folder(incidents, base, exists="number") as folder:
+        save_file(tensors, str(folder.tmp / BATCH_FILE), metadata={"format": "pt", "vidstab_schema": str(SCHEMA_VERSION)})
+        (folder.tmp / META_FILE).write_text(text, encoding="utf-8")
+    return folder.path
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .atomic import fsync_dir
+from .atomic import fsync_dir, fsync_paths
 
 __all__ = [
     "flatten",
@@ -308,20 +308,5 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def fsync_files(paths: list[str]) -> None:
-    """fsync several files concurrently: the file system can commit them in one journal transaction
-    instead of one per file (small files dominate the count)."""
-    def one(p: str) -> None:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    if len(paths) <= 1:
-        for p in paths:
-            one(p)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(8, len(paths)), thread_name_prefix="vidstab-fsync") as ex:
-        list(ex.map(one, paths))  # list() re-raises the first error
+    """fsync several files concurrently (:func:`vidstab.atomic.fsync_paths`)."""
+    fsync_paths(paths)

@@ -28,10 +28,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from vidstab.atomic import fsync_dir
+from vidstab.atomic import atomic_folder
 from vidstab.reference.data import BadSampleError, collate_videos, validate_video
 
 __all__ = [
@@ -403,9 +400,8 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
     ):
         raise LatentCacheError(f"refusing to replace {str(cache_dir)!r}: it is not empty and not a latent cache")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cache_dir.name}-", dir=parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-    try:
+    with atomic_folder(parent, cache_dir.name) as folder:
+        tmp = folder.tmp
         per_sample = max(1, latents[0].numel() * latents.element_size())
         per_shard = max(1, SHARD_BYTES // per_sample)
         shards = []
@@ -413,8 +409,6 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
             name = f"latents-{index:05d}.safetensors"
             chunk = latents[start : start + per_shard].contiguous()
             save_file({"latents": chunk}, str(tmp / name), metadata={"first_index": str(start)})
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
             shards.append(
                 {"file": name, "num_samples": int(chunk.shape[0]), "bytes": (tmp / name).stat().st_size,
                  "sha256": _sha256_file(tmp / name)}
@@ -422,25 +416,6 @@ def _write_cache(cache_dir: Path, latents: torch.Tensor, manifest: dict) -> dict
         manifest = {**manifest, "shards": shards, "created": time.time()}
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-
-        # A folder cannot be renamed over a non-empty one: move the old cache aside, move the new one in.
-        old = None
-        if cache_dir.exists():
-            old = parent / f".old-{cache_dir.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(cache_dir, old)
-        os.rename(tmp, cache_dir)
-        fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        # Left-overs of a swap interrupted by a crash are never in use: tidy them.
-        for stale in parent.glob(f".old-{cache_dir.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -1,0 +1,392 @@
+"""The checkpoint manager: the one place that runs collectives, so every rank takes the same path.
+
+All ranks call :meth:`CheckpointManager.save`, :meth:`~CheckpointManager.wait` and
+:meth:`~CheckpointManager.load` together. A save is: agree on a nonce and on the snapshot (a failure on
+any rank fails the save on all), write this rank's files (:mod:`.writer`, in a background thread for async
+saves), let the main process learn every rank's digests, publish. The next ``save``/``wait``/``load`` joins
+the writer and all ranks agree (one small all-reduce) on whether it succeeded, so a failure on any rank
+raises :class:`CheckpointError` on all ranks at the same call instead of leaving them out of step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .. import statedict_io as sio
+from ..atomic import write_atomic
+from ..events import log_event
+from . import layout
+from .config import CheckpointConfig, CheckpointError, CheckpointInfo
+from .full_state import FullStateBackend
+from .layout import RESERVED, file_stem, rel, step_name
+from .reader import read_checkpoint
+from .writer import SaveJob, publish, rotate, write_files, write_manifest
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("vidstab.checkpoint")
+
+
+class CheckpointManager:
+    """Atomic, validated, rotated checkpoints of everything registered, plus scaler and RNG states.
+
+    All ranks must call :meth:`save`, :meth:`wait` and :meth:`load` together (they contain collectives).
+
+    Example::
+
+        ckpt = CheckpointManager(accelerator, output_dir, CheckpointConfig(keep=3))
+        ckpt.register("model", model); ckpt.register("optimizer", optimizer)
+        ckpt.register("lr_scheduler", lr_scheduler); ckpt.register("vidstab", guard)
+        trainer_state = ckpt.load("latest")   # None on a fresh run
+        ...
+        ckpt.save(step, healthy=result.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
+        ...
+        ckpt.wait()
+    """
+
+    def __init__(self, accelerator, output_dir: str, config: CheckpointConfig | None = None,
+                 config_hash: str | None = None) -> None:
+        self.accelerator = accelerator
+        self.output_dir = os.path.abspath(output_dir)
+        self.config = config or CheckpointConfig()
+        if self.config.keep < 1:
+            raise ValueError("CheckpointConfig.keep must be >= 1")
+        if self.config.checksum not in sio.CHECKSUMS:
+            raise ValueError(f"CheckpointConfig.checksum must be one of {sio.CHECKSUMS}, not {self.config.checksum!r}")
+        self.config_hash = config_hash
+        self.root = os.path.join(self.output_dir, self.config.subdir)
+        self.rank = accelerator.process_index
+        self.world_size = accelerator.num_processes
+        self.is_main = accelerator.is_main_process
+        self.backend = FullStateBackend(accelerator, self.config)
+        self._objects: dict[str, Any] = {}
+        self._deleters: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
+        self._job: SaveJob | None = None
+        self.last_saved: str | None = None
+        """Path of the newest checkpoint this manager finished writing."""
+        self.last_loaded: dict | None = None
+        """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
+        if self.is_main:
+            os.makedirs(self.root, exist_ok=True)
+            if self.config.remove_stale:
+                layout.remove_stale(self.root)
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, obj: Any) -> None:
+        """Register an object to save/load under ``name``.
+
+        ``torch.nn.Module`` (prepared/wrapped is fine) -> ``{name}.safetensors`` from
+        ``accelerator.get_state_dict``, loaded with ``strict=True`` into the unwrapped model.
+        Anything else with ``state_dict``/``load_state_dict`` (optimizer, scheduler, EMA, guard) ->
+        ``{name}.json`` (+ ``{name}.safetensors`` when it holds tensors). ``lr_scheduler`` is stored as
+        ``scheduler.*``.
+        """
+        stem = file_stem(name)
+        if stem in RESERVED or stem.startswith("rng-") or not re.fullmatch(r"[A-Za-z0-9_.-]+", stem):
+            raise ValueError(f"cannot register {name!r}: reserved or not a plain file name")
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name!r}: object needs state_dict() and load_state_dict()")
+        self._objects[name] = obj
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
+        """Save a checkpoint of ``step``; returns the final folder path (complete once :meth:`wait` returns
+        when saving asynchronously). Raises :class:`CheckpointError` for a failure of this save (sync)
+        or of the previous async one."""
+        self._finish_pending()
+        step = int(step)
+        t0 = time.perf_counter()
+        name = step_name(step)
+        params_finite = self._params_finite() if self.config.check_params_finite else True
+        nonce = self._shared_nonce()
+        tmp_dir = os.path.join(self.root, f"{layout.TMP_PREFIX}{name}-{nonce}")
+        copy = self.config.async_save
+        files = []
+        try:
+            if self.is_main:
+                os.makedirs(self.root, exist_ok=True)
+                os.mkdir(tmp_dir)
+            files = self.backend.snapshot(self._objects, copy, trainer_state or {})
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
+            error: Exception | None = e
+        else:
+            error = None
+        # All ranks agree on the snapshot before anyone writes: this is also the barrier that keeps other
+        # ranks from writing before the main process created the folder.
+        if not self._all_ok(error is None):
+            if self.is_main:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            msg = f"checkpoint {name} could not be written: "
+            if error is not None:
+                raise CheckpointError(msg + f"{type(error).__name__}: {error}") from error
+            raise CheckpointError(msg + "failed on another rank (see its log)")
+        job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
+        if copy:
+            self._job = job
+            self._thread = threading.Thread(target=self._run_job, args=(job,), name=f"vidstab-ckpt-{name}")
+            self._thread.start()
+            return os.path.join(self.root, name)
+        self._run_job(job)
+        self._job = job
+        self._finish_pending(join_deleters=False)  # old checkpoints' bytes may still be freed meanwhile
+        return job.path or os.path.join(self.root, name)
+
+    def wait(self) -> str | None:
+        """Block until the pending async save (if any) is durable on every rank; re-raise its error.
+        Returns the path of the newest checkpoint written by this manager."""
+        self._finish_pending()
+        return self.last_saved
+
+    close = wait
+
+    def _finish_pending(self, join_deleters: bool = True) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        while join_deleters and self._deleters:
+            self._deleters.pop().join()
+        job, self._job = self._job, None
+        err = job.error if job is not None else None
+        if not self._all_ok(err is None):
+            if job is not None and self.is_main:
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            if err is not None:
+                if isinstance(err, CheckpointError):
+                    raise err
+                raise CheckpointError(f"checkpoint {job.name} could not be written: {err}") from err
+            raise CheckpointError(
+                f"checkpoint {job.name if job else '?'} could not be written: failed on another rank (see its log)")
+        if job is not None and job.path is not None:
+            self.last_saved = job.path
+
+    # -- writing (background thread or inline)
+    def _run_job(self, job: SaveJob) -> None:
+        try:
+            write_files(job, self.config.checksum, self.config.fsync)
+            if not self.is_main:
+                if self.config.fsync:
+                    sio.fsync_files(job.unsynced)
+                # Temp file + rename: the main process polls for this name, so it must never see it empty.
+                write_atomic(os.path.join(job.tmp_dir, f".rank{self.rank}.done"), json.dumps(job.digests),
+                             fsync=self.config.fsync)
+                return
+            digests = {**job.digests, **self._collect_ranks(job)}
+            self._finalize(job, digests, job.unsynced)
+        except BaseException as e:  # noqa: BLE001 - surfaced by _finish_pending on every rank
+            job.error = e if isinstance(e, CheckpointError) else CheckpointError(
+                f"checkpoint {job.name} could not be written: {type(e).__name__}: {e}")
+            if job.error is not e:
+                job.error.__cause__ = e
+            if self.is_main:
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            else:
+                try:  # empty file: needs no data blocks, so it works on a full disk
+                    os.close(os.open(os.path.join(job.tmp_dir, f".rank{self.rank}.failed"),
+                                     os.O_WRONLY | os.O_CREAT, 0o644))
+                except OSError:
+                    pass
+
+    def _collect_ranks(self, job: SaveJob) -> dict[str, dict]:
+        """The main process waits for every other rank's ``.rank{R}.done`` marker (their files' digests).
+        This is the "all ranks finished" barrier of a save; it works from a background thread, where
+        collectives on the training process group must not be used."""
+        out: dict[str, dict] = {}
+        deadline = time.monotonic() + self.config.rank_timeout_s
+        pending = set(range(self.world_size)) - {self.rank}
+        bad: dict[int, str] = {}
+        while pending:
+            for r in sorted(pending):
+                if os.path.exists(os.path.join(job.tmp_dir, f".rank{r}.failed")):
+                    raise CheckpointError(f"checkpoint {job.name} could not be written: rank {r} failed to write its files")
+                done = os.path.join(job.tmp_dir, f".rank{r}.done")
+                if os.path.exists(done):
+                    try:
+                        with open(done, "rb") as fh:
+                            digests = json.loads(fh.read())
+                        if not isinstance(digests, dict):
+                            raise ValueError(f"a {type(digests).__name__}, not an object")
+                    except (OSError, ValueError) as e:
+                        # Markers are renamed into place whole, so this is a damaged file (or one from
+                        # an older writer still being filled): look again until the deadline.
+                        bad[r] = f"{type(e).__name__}: {e}"
+                        continue
+                    out.update(digests)
+                    os.unlink(done)
+                    pending.discard(r)
+            if pending:
+                if time.monotonic() > deadline:
+                    why = "".join(f"; rank {r}'s marker is unreadable ({bad[r]})" for r in sorted(pending) if r in bad)
+                    raise CheckpointError(f"checkpoint {job.name}: ranks {sorted(pending)} did not finish writing "
+                                          f"within {self.config.rank_timeout_s:.0f}s{why}")
+                time.sleep(0.02)
+        return out
+
+    def _finalize(self, job: SaveJob, digests: dict[str, dict], unsynced: list[str]) -> None:
+        """Write the manifest, make everything durable, publish (rename, pointers), rotate (main process)."""
+        from .. import __version__
+
+        manifest = write_manifest(job, digests, config_hash=self.config_hash, vidstab_version=__version__,
+                                  world_size=self.world_size, objects={n: file_stem(n) for n in self._objects})
+        final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer)
+        job.path = final
+        seconds = time.perf_counter() - job.t0
+        self._rotate()
+        log_event(self.output_dir, self.rank, "checkpoint", job.step, path=rel(final, self.output_dir),
+                  healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
+        logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
+
+    def _write_pointer(self, pointer: str, target: str, sync_root: bool = True, tmp: str | None = None) -> None:
+        layout.replace_pointer(self.root, pointer, target, self.config.fsync, sync_root=sync_root, tmp=tmp)
+
+    def _rotate(self) -> None:
+        self._deleters += rotate(self.root, self.config.keep)
+
+    def set_latest(self, path: str) -> None:
+        """Point ``latest`` at an existing checkpoint (main process; e.g. after a rollback, so a restart
+        resumes on the current trajectory rather than the abandoned one)."""
+        if self.is_main:
+            self._write_pointer("latest", os.path.basename(os.path.normpath(path)))
+
+    def set_last_good(self, path: str) -> None:
+        """Point ``last_good`` at an existing checkpoint (main process; e.g. when the one it named proved bad:
+        a rollback to it failed again)."""
+        if self.is_main:
+            self._write_pointer("last_good", os.path.basename(os.path.normpath(path)))
+
+    # ------------------------------------------------------------------ listing
+    def _read_pointer(self, pointer: str) -> str | None:
+        return layout.read_pointer(self.root, pointer)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Complete-looking checkpoints (a parseable manifest), oldest step first. Files are not verified."""
+        return layout.list_checkpoints(self.root)
+
+    def _candidates(self, which: str) -> list[str]:
+        return layout.candidates(self.root, self.output_dir, which)
+
+    def latest_path_str(self) -> str | None:
+        """``latest`` as a path relative to the output dir (e.g. ``checkpoints/step_000100``), from the
+        pointer file without verifying the files (cheap: for incident bundles); None before the first save."""
+        name = self._read_pointer("latest")
+        return f"{self.config.subdir}/{name}" if name else None
+
+    def latest_valid(self) -> str | None:
+        """Path of the checkpoint ``load("latest")`` would use (fully verified), or None."""
+        return self._first_valid("latest")
+
+    def last_good(self) -> str | None:
+        """Path of the checkpoint ``load("last_good")`` would use (fully verified), or None."""
+        return self._first_valid("last_good")
+
+    def _first_valid(self, which: str) -> str | None:
+        for p in self._candidates(which):
+            try:
+                self._read(p, decode=False)
+                return p
+            except CheckpointError:
+                continue
+        return None
+
+    # ------------------------------------------------------------------ load
+    def load(self, which: str = "latest") -> dict | None:
+        """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
+
+        Every file is verified (present, size, checksum) and decoded before anything is applied; an
+        invalid checkpoint is skipped with a warning in favour of the previous valid one. Returns the
+        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "skipped"}`` saying which
+        checkpoint was used. Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
+        ``"last_good"`` (a fresh run); raises :class:`CheckpointError` if there are checkpoints but none
+        is valid, or ``which`` is a folder and neither it nor an older one is valid.
+        """
+        self._finish_pending()
+        cands = self._candidates(which)
+        if not cands and which in ("latest", "last_good"):
+            logger.info("no checkpoint under %s to resume from", self.root)
+            return None
+        skipped: list[list[str]] = []
+        chosen, payload = -1, None
+        if self.is_main:
+            for i, p in enumerate(cands):
+                try:
+                    payload = self._read(p)
+                    chosen = i
+                    break
+                except CheckpointError as e:
+                    skipped.append([rel(p, self.output_dir), str(e)])
+                    logger.warning("skipping checkpoint %s: %s", p, e)
+        chosen = self._broadcast_int(chosen)
+        if chosen < 0:
+            detail = "; ".join(f"{p}: {r}" for p, r in skipped) or f"no checkpoints under {self.root}"
+            raise CheckpointError(f"no valid checkpoint to load for {which!r} ({detail})")
+        path = cands[chosen]
+        error = None
+        if payload is None:
+            try:
+                payload = self._read(path)
+            except CheckpointError as e:
+                error = e
+        # Nothing is applied unless every rank read its part: no rank loads while another raises.
+        if not self._all_ok(error is None):
+            raise error or CheckpointError(f"{path}: another rank could not read it (see its log)")
+        if skipped:
+            logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
+                           path, cands[0], len(skipped))
+        self.backend.apply(payload, self._objects)
+        ts = dict(payload["trainer"])
+        info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped}
+        ts["_checkpoint"] = info
+        self.last_loaded = info
+        return ts
+
+    def _read(self, path: str, decode: bool = True) -> dict:
+        """Verify every file of the checkpoint at ``path`` and (optionally) decode what this rank needs."""
+        dec = (lambda ckpt, raw: self.backend.decode(ckpt, raw, self._objects)) if decode else None
+        return read_checkpoint(path, self.rank, self.is_main, self.backend.needed_files(self._objects), dec,
+                               config_hash=self.config_hash)
+
+    # ------------------------------------------------------------------ collectives
+    def _params_finite(self) -> bool:
+        flags = []
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module):
+                for p in obj.parameters():
+                    t = p.detach()
+                    if hasattr(t, "to_local"):
+                        t = t.to_local()
+                    if t.numel():
+                        # A sum propagates NaN/Inf and is much cheaper than isfinite (no bool tensor per
+                        # parameter); an fp32 sum overflowing on finite weights would itself be a sick model.
+                        flags.append(t.sum(dtype=torch.float32))
+        if not flags:
+            ok = True
+        else:
+            ok = bool(torch.isfinite(torch.stack(flags).sum()).item())  # one reduction, one host sync
+        return self._all_ok(ok)
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self.world_size == 1:
+            return ok
+        t = torch.tensor([0 if ok else 1], device=self.accelerator.device)
+        return int(self.accelerator.reduce(t, reduction="sum").item()) == 0
+
+    def _broadcast_int(self, v: int) -> int:
+        if self.world_size == 1:
+            return v
+        from accelerate.utils import broadcast
+
+        t = torch.tensor([v], dtype=torch.int64, device=self.accelerator.device)
+        return int(broadcast(t, from_process=0).item())
+
+    def _shared_nonce(self) -> str:
+        return f"{self._broadcast_int(secrets.randbits(31) if self.is_main else 0):08x}"

@@ -1,0 +1,161 @@
+"""Writing one checkpoint folder: files checksummed while written, ``manifest.json`` last, then publish.
+
+1. Every rank writes its files into ``checkpoints/.tmp-step_{STEP:06d}-{nonce}`` (the nonce is chosen by
+   the main process and broadcast), checksumming each file while writing it, concurrently
+   (:func:`write_files`).
+2. The main process learns every other rank's file digests (:mod:`.manager` owns how: the ranks' barrier),
+   writes ``manifest.json`` last and the new ``latest`` (and, when healthy, ``last_good``) pointer contents to
+   temp files, fsyncs its data files, the manifest, the pointer temp files and the folder in one concurrent
+   batch, renames the folder to ``step_{STEP:06d}`` (:func:`vidstab.atomic.publish_folder`), replaces the
+   pointers atomically, fsyncs ``checkpoints/`` (:func:`publish`), and only then rotates old ones
+   (:func:`rotate`).
+
+A crash before the rename leaves a ``.tmp-*`` folder that is never loaded; a crash after it finds every byte
+the manifest describes on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .. import statedict_io as sio
+from ..atomic import TMP_PREFIX, fsync_dir, publish_folder
+from .config import CheckpointInfo
+from .layout import MANIFEST, SCHEMA, list_checkpoints, pointer_tmp, read_pointer, replace_pointer
+
+__all__ = ["FileSpec", "SaveJob", "write_files", "write_manifest", "publish", "rotate"]
+
+
+@dataclass
+class FileSpec:
+    """One file of a checkpoint, as captured by a backend's snapshot."""
+
+    name: str
+    tensors: dict[str, torch.Tensor] | None = None
+    """-> a safetensors file."""
+    data: bytes | None = None
+    """-> raw bytes (JSON)."""
+    metadata: dict[str, str] | None = None
+    """safetensors header metadata."""
+
+
+@dataclass
+class SaveJob:
+    """One save in flight on one rank."""
+
+    step: int
+    name: str
+    tmp_dir: str
+    files: list[FileSpec]
+    healthy: bool
+    params_finite: bool
+    t0: float
+    error: BaseException | None = None
+    path: str | None = None
+    digests: dict[str, dict] | None = None
+    """This rank's files: name -> manifest entry (size and checksum), once written."""
+    unsynced: list[str] | None = None
+    """This rank's files, written but not yet fsync'd."""
+
+
+def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:
+    """Write ``job.files`` into ``job.tmp_dir``, checksummed while written (not fsync'd yet: the caller
+    batches fsyncs); sets ``job.digests`` and ``job.unsynced`` and releases the host copy."""
+
+    def write(f: FileSpec) -> tuple[str, dict]:
+        path = os.path.join(job.tmp_dir, f.name)
+        if f.tensors is not None:
+            return path, sio.write_safetensors(path, f.tensors, f.metadata, fsync=False, checksum=checksum,
+                                               writeback=fsync).to_json()
+        return path, sio.write_bytes(path, f.data, fsync=False, checksum=checksum).to_json()
+
+    # Files are written (and checksummed) concurrently: a checksum is single-threaded per file, so this is
+    # what lets sha256 keep up with a fast disk. fsyncs come after, in one batch.
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(job.files))), thread_name_prefix="vidstab-ckpt-write") as ex:
+        results = list(ex.map(write, job.files))
+    job.digests = {os.path.basename(p): d for p, d in results}
+    job.unsynced = [p for p, _ in results]
+    job.files = []  # release the host copy early
+
+
+def write_manifest(job: SaveJob, digests: dict[str, dict], **fields) -> dict:
+    """Write ``manifest.json`` (not fsync'd) into ``job.tmp_dir``; returns it. ``fields`` are added to the
+    standard ones (schema, step, files, health)."""
+    manifest = {
+        "schema": SCHEMA,
+        "step": job.step,
+        "files": dict(sorted(digests.items())),
+        "healthy": bool(job.healthy and job.params_finite),
+        "healthy_requested": bool(job.healthy),
+        "params_finite": bool(job.params_finite),
+        **fields,
+        "time": time.time(),
+    }
+    sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode(), fsync=False)
+    return manifest
+
+
+def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: bool,
+            replace=replace_pointer) -> str:
+    """Make the folder durable, rename it to its ``step_*`` name and move the pointers; returns its path.
+
+    ``unsynced``: files written but not yet fsync'd. They are fsync'd in one concurrent batch together with
+    the manifest, the new pointer files' contents and the folder itself (one journal commit where the file
+    system allows, instead of one per file). ``replace``: how a pointer is replaced (the manager's hook)."""
+    pointers: dict[str, str] = {}  # pointer -> its new content, written to a temp file
+    try:
+        for ptr in ("latest", "last_good") if healthy else ("latest",):
+            pointers[ptr] = pointer_tmp(root, ptr, job.name, fsync=False)
+        if fsync:
+            sio.fsync_files(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
+        # Same step saved again (e.g. after a rollback): the old folder is moved aside and deleted.
+        final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))
+        for ptr, tmp in pointers.items():
+            replace(ptr, job.name, sync_root=False, tmp=tmp)
+    except BaseException:
+        for tmp in pointers.values():
+            try:
+                os.unlink(tmp)  # the ones not yet moved into place
+            except OSError:
+                pass
+        raise
+    # One directory fsync makes the rename and both pointer replacements durable. Should a crash keep a
+    # pointer but lose the rename, load() ignores the dangling pointer and falls back to listing.
+    if fsync:
+        fsync_dir(root)
+    return final
+
+
+def rotate(root: str, keep: int) -> list[threading.Thread]:
+    """Delete all but the ``keep`` newest checkpoints (by save time) and those ``latest``/``last_good``
+    name; returns the threads freeing the bytes."""
+    infos: list[CheckpointInfo] = sorted(list_checkpoints(root), key=lambda i: i.time, reverse=True)
+    kept = {i.name for i in infos[:keep]}
+    for ptr in ("last_good", "latest"):
+        name = read_pointer(root, ptr)
+        if name:
+            kept.add(name)
+    threads = []
+    for i in infos:
+        if i.name not in kept:
+            # Rename first so a kill mid-delete never leaves a half-deleted folder under a step name.
+            trash = os.path.join(root, f"{TMP_PREFIX}del-{i.name}-{secrets.token_hex(4)}")
+            try:
+                os.rename(i.path, trash)
+            except OSError:
+                continue
+            # The bytes are freed in the background: nothing depends on it, and a kill mid-delete leaves a
+            # .tmp-* folder that the next start removes.
+            t = threading.Thread(target=shutil.rmtree, args=(trash, True), name="vidstab-ckpt-rm")
+            t.start()
+            threads.append(t)
+    return threads

@@ -359,7 +359,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
-            guard.events.log("resume", step, checkpoint=str(run.checkpoints.last_loaded))
     if run.data is None:
         run.data = batch_stream(acc, run.dataloader, 0)
     guard.global_step = step
@@ -416,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
             + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
                if run.checkpoint_failures else "") +
-            f"outputs in {args.output_dir} (checkpoints/, logs/, vidstab/events-rank*.jsonl, report: {report_path})"
+            f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl, report: {report_path})"
         )
     return exit_code
 

@@ -17,15 +17,7 @@ from vidstab.checkpoint import verify_checkpoint_files
 from trainer_utils import FAST, REPO, TRAIN, events, run_trainer
 
 
-# Drills whose fix lands with the checkpoint package split (they hang or read /dev/zero without it).
-PENDING = {"manifest_parent_escape", "manifest_absolute_path", "symlinked_file", "fifo_file", "fifo_manifest_and_pointer",
-           "device_file", "pointer_bad_bytes", "manifest_bad_bytes", "clock_stepped_back", "order_after_rollback",
-           "damaged_unmovable", "world_size_changed", "no_such_checkpoint", "accelerate_and_diffusers_coexist",
-           "size_checked_before_reading"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skip(reason="pending")) if n in PENDING else n
-                                  for n in sorted(DRILLS)])
+@pytest.mark.parametrize("name", sorted(DRILLS))
 def test_checkpoint_drill(name, tmp_path):
     try:
         DRILLS[name](tmp_path)
@@ -73,7 +65,6 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
     verify_checkpoint_files(checkpoint_root(out) / "step_000004")  # the earlier checkpoint is intact
 
 
-@pytest.mark.skip(reason="pending")
 @pytest.mark.slow
 def test_trainer_refuses_a_resume_on_another_world_size(tmp_path):
     """issue 15 item 6: a checkpoint of a 1-process run resumed by 2 processes is refused with a message

@@ -231,6 +231,15 @@ def drill_symlinked_file(work: Path) -> str:
     f.unlink()
     f.symlink_to(copy)
     reason = assert_refused(t, 4, 2, "model.safetensors", "symbolic link")
+    # A sub-folder (as the sharded backend's dcp/) that is a link to a folder elsewhere: refused too.
+    t = train_and_save(work / "run2", [2, 4])
+    (work / "outside").mkdir()
+    (work / "outside" / "extra.json").write_bytes(b"{}")
+    (t.folder(4) / "sub").symlink_to(work / "outside", target_is_directory=True)
+    man = manifest(t.folder(4))
+    man["files"]["sub/extra.json"] = crc_entry(b"{}")
+    write_manifest(t.folder(4), man)
+    assert_refused(t, 4, 2, "sub/extra.json", "symbolic link")
     return f"link refused: {reason}"
 
 
@@ -526,6 +535,54 @@ def drill_accelerate_and_diffusers_coexist(work: Path) -> str:
     return f"vidstab in {os.path.relpath(ckpt.root, out2)}; Accelerate rotation and diffusers scan unaffected"
 
 
+def drill_bundle_weights_reachable_or_refused(work: Path) -> str:
+    """issue 10: an incident bundle names a checkpoint. Rotation keeps it (``keep_for_incidents``), and when
+    a rollback saves that step again with other weights, ``vidstab replay`` refuses the bundle with a
+    message instead of replaying on weights the incident never saw."""
+    from vidstab.capture import write_incident
+    from vidstab.reference.model import VideoDiT
+    from vidstab.reference.objective import DiffusionObjective, step_generator
+    from vidstab.replay import ReplayError, replay
+
+    out = work / "run"
+    acc = fresh_accelerator()
+    torch.manual_seed(0)
+    model = acc.prepare(VideoDiT(in_channels=4, hidden_size=16, num_layers=1, num_heads=2))
+    with torch.no_grad():  # leave AdaLN-Zero's all-zero start, as a trained model has
+        for p in model.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(std=0.05)
+    ckpt = CheckpointManager(acc, str(out), CheckpointConfig(keep=1, async_save=False))
+    ckpt.register("model", model)
+    ckpt.save(2)
+    latents = torch.randn(2, 4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    latents[1, :, 0] = float("nan")
+    batch = {"latents": latents, **DiffusionObjective().sample(latents, step_generator(0, 3, 0, 0))}
+    spec = {"class": "vidstab.reference.model:VideoDiT", "config": dict(acc.unwrap_model(model).config),
+            "loss_fn": "vidstab.reference.objective:replay_loss", "loss_fn_kwargs": {"prediction_type": "epsilon"}}
+    bundle = write_incident(out, step=3, micro_step=0, rank=0, world_size=1, batch=batch, sample_ids=["a", "b"],
+                            finding={"detector": "nonfinite", "verdict": "SKIP", "message": "loss is NaN", "figures": {}},
+                            lr=1e-4, precision="no", seed=0, checkpoint=ckpt.latest_path_str(), model_spec=spec)
+    for step in (4, 6, 8):  # keep=1: without the bundle's claim, step 2 would be rotated away
+        ckpt.save(step)
+    names = sorted(i.name for i in ckpt.list())
+    assert "step_000002" in names and "step_000004" not in names, f"rotation kept {names}"
+    assert replay(bundle).reproduced is True
+    ckpt.load(str(Path(ckpt.root) / "step_000002"))  # a rollback to step 2 ...
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # ... that trains on differently
+    ckpt.save(2)
+    try:
+        replay(bundle)
+    except ReplayError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("replay ran on a checkpoint rewritten after the incident")
+    assert "rewritten after the incident" in msg and "--checkpoint" in msg, msg
+    return f"rotation kept {names}; after the rewrite: {msg[:120]}"
+
+
 DRILLS: dict[str, Callable[[Path], str]] = {
     "manifest_parent_escape": drill_manifest_parent_escape,
     "manifest_absolute_path": drill_manifest_absolute_path,
@@ -543,6 +600,7 @@ DRILLS: dict[str, Callable[[Path], str]] = {
     "no_such_checkpoint": drill_no_such_checkpoint,
     "classic_damage": drill_classic_damage,
     "accelerate_and_diffusers_coexist": drill_accelerate_and_diffusers_coexist,
+    "bundle_weights_reachable_or_refused": drill_bundle_weights_reachable_or_refused,
 }
 """Every drill, by name (the name is what the benchmark and the tests report)."""
 

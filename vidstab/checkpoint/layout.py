@@ -16,9 +16,9 @@ examples, which take every ``OUTPUT_DIR/checkpoint*`` entry for one of their ``c
 A folder counts as a checkpoint only with a well-formed ``manifest.json`` of this :data:`SCHEMA`; every file
 it lists carries its size and a checksum, checked before anything is decoded. Checkpoints travel (shared
 storage, other people), so nothing a folder holds is trusted further than this: every name in a manifest
-must be a plain file name inside the folder (no ``/``, no ``..``, no absolute path) and is opened only after
-``lstat`` shows a regular file (no symbolic link, FIFO or device), without following links and without
-blocking; sizes are compared before a byte is read, and no read goes past the recorded size. Pointer files
+must be a plain relative name inside the folder (no ``..``, no absolute path, no link on the way) and is
+opened only after ``lstat`` shows a regular file (no symbolic link, FIFO or device), without following
+links and without blocking; sizes are compared before a byte is read, and no read goes past the recorded size. Pointer files
 and manifests that cannot be read for any reason (bytes that are not UTF-8, the wrong JSON shape, a FIFO)
 count as damaged, like missing ones.
 
@@ -58,7 +58,10 @@ STEP_RE = re.compile(r"^step_(\d+)(?:-(\d+))?$")
 """A checkpoint folder: ``step_000100``, or ``step_000100-2`` (see the module doc)."""
 POINTERS = ("latest", "last_good")
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}")
-"""A file name a manifest may list: no separator, no leading dot (so never ``..``), at most 255 characters."""
+"""One component of a name a manifest may list: no separator, no leading dot (so never ``..``), at most 255
+characters. A name is one such component, or a few joined by ``/`` (e.g. the DCP backend's ``dcp/shard-*``),
+each an actual folder inside the checkpoint (never a link)."""
+MAX_DEPTH = 3
 MAX_MANIFEST_BYTES = 64 << 20
 """A manifest is a few kB (one entry per file); anything this large is not one, and is never read."""
 MAX_POINTER_BYTES = 4096
@@ -102,15 +105,32 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _open_regular(path: str) -> tuple[int, int]:
-    """Open the regular file ``path`` for reading without following a link or blocking; returns
-    ``(fd, size)``. Raises FileNotFoundError, :class:`_NotRegular` or OSError."""
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise _NotRegular(_kind(st.st_mode))
-    # O_NOFOLLOW and O_NONBLOCK: should the file be swapped for a link or a FIFO after the lstat, the open
-    # fails or returns at once instead of following it or blocking; fstat then sees what was opened.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(folder: str, name: str) -> tuple[int, int]:
+    """Open the regular file ``folder/name`` for reading without following a link (in ``name``; ``folder``
+    is taken as given) or blocking; returns ``(fd, size)``. Raises FileNotFoundError, :class:`_NotRegular`
+    or OSError."""
+    parts = name.split("/")
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Each step is relative to the folder already opened: nothing swapped in meanwhile is followed.
+        for part in parts[:-1]:
+            st = os.stat(part, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                raise _NotRegular(f"inside {_kind(st.st_mode)} ({part})")
+            sub = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW, dir_fd=dfd)
+            os.close(dfd)
+            dfd = sub
+        st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotRegular(_kind(st.st_mode))
+        # O_NOFOLLOW and O_NONBLOCK: should the file be swapped for a link or a FIFO after the stat, the open
+        # fails or returns at once instead of following it or blocking; fstat then sees what was opened.
+        fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=dfd)
+    finally:
+        os.close(dfd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -130,7 +150,8 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 def check_file_name(ckpt: str, name: Any) -> None:
     """Raise :class:`CheckpointError` unless ``name`` is a plain file name inside a checkpoint folder."""
-    if not isinstance(name, str) or not PLAIN_NAME.fullmatch(name):
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or len(parts) > MAX_DEPTH or not all(PLAIN_NAME.fullmatch(p) for p in parts):
         raise CheckpointError(f"{ckpt}: manifest lists {name!r}, not a plain file name inside the checkpoint folder "
                               "(refused before opening anything)")
 
@@ -168,7 +189,7 @@ def read_manifest(path: str) -> dict:
     name outside the folder."""
     name = os.path.basename(os.path.normpath(path))
     try:
-        fd, size = _open_regular(os.path.join(path, MANIFEST))
+        fd, size = _open_regular(path, MANIFEST)
         if size > MAX_MANIFEST_BYTES:
             os.close(fd)
             raise ValueError(f"{size} bytes, far more than any manifest")
@@ -207,7 +228,7 @@ def verify_file(ckpt: str, path: str, f: str, meta: Any, keep: bool = False, che
         raise CheckpointError(f"{ckpt}: manifest records no checksum for {f} (expected one of "
                               f"{', '.join(sio.CHECKSUMS)}; has {sorted(meta)})")
     try:
-        fd, actual = _open_regular(os.path.join(path, f))
+        fd, actual = _open_regular(path, f)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt}: file {f} is missing") from None
     except _NotRegular as e:
@@ -287,7 +308,7 @@ def read_pointer(root: str, pointer: str) -> str | None:
     regular file, too large, not ASCII, not a checkpoint folder name): a damaged pointer is a missing one."""
     path = os.path.join(root, pointer)
     try:
-        fd, size = _open_regular(path)
+        fd, size = _open_regular(root, pointer)
         if size > MAX_POINTER_BYTES:
             os.close(fd)
             raise ValueError(f"{size} bytes")

@@ -273,7 +273,25 @@ class CheckpointManager:
         layout.replace_pointer(self.root, pointer, target, self.config.fsync, sync_root=sync_root, tmp=tmp)
 
     def _rotate(self) -> None:
-        self._deleters += rotate(self.root, self.config.keep)
+        self._deleters += rotate(self.root, self.config.keep, self._incident_checkpoints())
+
+    def _incident_checkpoints(self) -> set[str]:
+        """Folder names (in this root) of the checkpoints the newest incident bundles replay on."""
+        from ..capture import META_FILE, list_incidents  # capture imports this package: import late
+
+        names: list[str] = []
+        for bundle in reversed(list_incidents(self.output_dir)):
+            if len(names) >= self.config.keep_for_incidents:
+                break
+            try:
+                named = json.loads((bundle / META_FILE).read_bytes()).get("checkpoint")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(named, str):
+                path = os.path.normpath(os.path.join(self.output_dir, named))
+                if os.path.dirname(path) == os.path.normpath(self.root) and os.path.basename(path) not in names:
+                    names.append(os.path.basename(path))
+        return set(names)
 
     def set_latest(self, path: str) -> None:
         """Point ``latest`` at an existing checkpoint (main process; e.g. after a rollback, so a restart

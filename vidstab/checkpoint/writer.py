@@ -157,12 +157,13 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
 _unremovable: set[str] = set()
 
 
-def rotate(root: str, keep: int) -> list[threading.Thread]:
+def rotate(root: str, keep: int, protected: set[str] = frozenset()) -> list[threading.Thread]:
     """Delete all but the ``keep`` checkpoints most worth keeping (:func:`~.layout.rotation_order`: the
-    newest checkpoint's trajectory by step, then abandoned ones) and those ``latest``/``last_good`` name;
-    returns the threads freeing the bytes. One that cannot be removed is left, with a warning (once)."""
+    newest checkpoint's trajectory by step, then abandoned ones), the ``protected`` folder names and those
+    ``latest``/``last_good`` name; returns the threads freeing the bytes. One that cannot be removed is
+    left, with a warning (once)."""
     order = rotation_order(root)
-    kept = {i.name for i in order[:keep]}
+    kept = {i.name for i in order[:keep]} | set(protected)
     for ptr in ("last_good", "latest"):
         name = read_pointer(root, ptr)
         if name:

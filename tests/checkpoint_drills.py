@@ -583,6 +583,33 @@ def drill_bundle_weights_reachable_or_refused(work: Path) -> str:
     return f"rotation kept {names}; after the rewrite: {msg[:120]}"
 
 
+def drill_frozen_base_weights(work: Path) -> str:
+    """issue 10: with frozen parameters (a LoRA-style fine-tune's base), a checkpoint holds only what
+    training changes plus a fingerprint of the frozen weights; a resume onto the same base restores the
+    trained part bitwise, a resume onto other base weights is refused with a message that says so."""
+    from safetensors import safe_open
+
+    full = train_and_save(work / "full", [2])
+    t = train_and_save(work / "run", [2], frozen=True)
+    want = t.weights()
+    with safe_open(str(t.folder(2) / "model.safetensors"), "pt") as fh:
+        keys, meta = set(fh.keys()), fh.metadata()
+    assert keys == {"2.weight", "2.bias"}, f"saved {sorted(keys)}"
+    assert "vidstab_frozen" in meta, meta
+    small, big = ((x.folder(2) / "model.safetensors").stat().st_size for x in (t, full))
+    assert small < big, (small, big)
+    same = Trainee(work / "run", frozen=True, seed=0)  # the same base weights (same seed)
+    assert same.ckpt.load("latest")["step"] == 2
+    got = same.weights()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    other = Trainee(work / "run", frozen=True, seed=1)  # another base model
+    before = other.weights()
+    msg = expect_error(lambda: other.ckpt.load("latest"), "other frozen (base) weights", "same base model")
+    after = other.weights()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed weights"
+    return f"model.safetensors {small} B instead of {big} B; other base: {msg[:140]}"
+
+
 DRILLS: dict[str, Callable[[Path], str]] = {
     "manifest_parent_escape": drill_manifest_parent_escape,
     "manifest_absolute_path": drill_manifest_absolute_path,
@@ -601,6 +628,7 @@ DRILLS: dict[str, Callable[[Path], str]] = {
     "classic_damage": drill_classic_damage,
     "accelerate_and_diffusers_coexist": drill_accelerate_and_diffusers_coexist,
     "bundle_weights_reachable_or_refused": drill_bundle_weights_reachable_or_refused,
+    "frozen_base_weights": drill_frozen_base_weights,
 }
 """Every drill, by name (the name is what the benchmark and the tests report)."""
 

@@ -63,6 +63,11 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
     stop = events(out, kind="stop")[-1]
     assert stop["exit_code"] == 4
     verify_checkpoint_files(checkpoint_root(out) / "step_000004")  # the earlier checkpoint is intact
+    # issue 13: a mistyped --resume_from_checkpoint says what exists instead of "incomplete save"
+    proc = run_trainer(out, "--max_train_steps", "6", "--resume_from_checkpoint", "checkpoint-4", check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no such checkpoint 'checkpoint-4'" in proc.stdout and "step_000004" in proc.stdout
+    assert "incomplete save" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -610,6 +610,29 @@ def drill_frozen_base_weights(work: Path) -> str:
     return f"model.safetensors {small} B instead of {big} B; other base: {msg[:140]}"
 
 
+def drill_resume_event(work: Path) -> str:
+    """issue 10: a loop that resumes through ``CheckpointManager.load`` gets a ``resume`` event naming the
+    checkpoint (and what was skipped); a rollback's load logs ``rollback``, not ``resume``."""
+    from vidstab.recovery import Recovery
+
+    out = work / "run"
+    train_and_save(out, [2, 4])
+    f = Path(checkpoint_root(out)) / "step_000004" / "optimizer.json"
+    f.write_bytes(f.read_bytes()[:-1])
+    t = Trainee(out)
+    t.ckpt.load("latest")
+    log = out / "vidstab" / "events-rank0.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    resumes = [r for r in rows if r["kind"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 2, resumes
+    assert resumes[0]["checkpoint"] == "vidstab/checkpoints/step_000002", resumes[0]
+    assert "step_000004" in json.dumps(resumes[0]["skipped"])
+    Recovery(t.acc, t.ckpt, run_dir=str(out)).rollback("drill", 3)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["kind"] for r in rows].count("resume") == 1 and rows[-1]["kind"] == "rollback", rows[-2:]
+    return f"resume event: {resumes[0]['checkpoint']} (skipped step_000004); rollback logged as rollback"
+
+
 DRILLS: dict[str, Callable[[Path], str]] = {
     "manifest_parent_escape": drill_manifest_parent_escape,
     "manifest_absolute_path": drill_manifest_absolute_path,
@@ -629,6 +652,7 @@ DRILLS: dict[str, Callable[[Path], str]] = {
     "accelerate_and_diffusers_coexist": drill_accelerate_and_diffusers_coexist,
     "bundle_weights_reachable_or_refused": drill_bundle_weights_reachable_or_refused,
     "frozen_base_weights": drill_frozen_base_weights,
+    "resume_event": drill_resume_event,
 }
 """Every drill, by name (the name is what the benchmark and the tests report)."""
 

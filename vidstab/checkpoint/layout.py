@@ -378,7 +378,7 @@ def _sequence(i: CheckpointInfo) -> int:
 
 
 def _order_key(i: CheckpointInfo) -> tuple:
-    """Step order (same step: the later save first-class, ``step_N-2`` after ``step_N``)."""
+    """Step order; within a step, save order (``step_N-2``, written when ``step_N`` could not be moved aside, after it)."""
     return i.step, _sequence(i), _suffix(i.name)
 
 

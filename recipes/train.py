@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.init_trackers("vidstab", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     if args.audit:
-        from vidstab.audit import audit_before_training
+        from vidstab.tools.audit import audit_before_training
 
         sample = next(iter(run.dataloader))
         report = audit_before_training(acc.unwrap_model(run.model), sample["latents"], sample["sample_ids"], vars(args), None)
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     acc.end_training()
     if acc.is_main_process:
         try:
-            from vidstab.report import write_report
+            from vidstab.tools.report import write_report
 
             report_path = write_report(args.output_dir)
         except Exception as exc:  # the dashboard must never turn a finished run into a failed one

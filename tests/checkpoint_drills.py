@@ -542,7 +542,7 @@ def drill_bundle_weights_reachable_or_refused(work: Path) -> str:
     from vidstab.capture import write_incident
     from vidstab.reference.model import VideoDiT
     from vidstab.reference.objective import DiffusionObjective, step_generator
-    from vidstab.replay import ReplayError, replay
+    from vidstab.tools.replay import ReplayError, replay
 
     out = work / "run"
     acc = fresh_accelerator()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from vidstab.audit import (
+from vidstab.tools.audit import (
     AuditReport,
     audit_before_training,
     audit_latent_cache,
@@ -240,7 +240,13 @@ def test_video_folder_audit_names_broken_and_blank_files(tmp_path):
     _write_video(tmp_path / "blank.mp4", np.full((6, 16, 16, 3), 128, dtype=np.uint8))
     (tmp_path / "broken.mp4").write_bytes(b"definitely not a video")
 
-    report = run_audit(data_dir=tmp_path, num_frames=4, resolution=16)
+    from functools import partial
+
+    from vidstab.reference.data import video_folder_dataset
+
+    # The audit decodes with the reader it is given (it imports no trainer code): here the reference loader's.
+    reader = partial(video_folder_dataset, skip_bad_samples=True)
+    report = run_audit(data_dir=tmp_path, video_reader=reader, num_frames=4, resolution=16)
     found = by_check(report.findings)
     assert not report.ok
     assert found["data.decode"]["severity"] == "block"

@@ -115,7 +115,7 @@ def test_localization_from_a_real_failure_is_stored(tmp_path):
 
 
 def test_finding_object_and_names_micro_step_and_repeat(tmp_path):
-    base = pytest.importorskip("vidstab.detectors.base")
+    from vidstab.detectors import base
     finding = base.Finding("grad_spike", base.Verdict.ROLLBACK, "norm 40x EMA", {"ratio": 40.0, "grad_norm": float("inf")})
     a = _write(tmp_path, finding=finding, micro_step=2, rank=1)
     b = _write(tmp_path, finding=finding, micro_step=2, rank=1)  # the same step failing again after a rollback

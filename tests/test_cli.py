@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vidstab.cli import main
+from vidstab.tools.cli import main
 
 from test_report import INCIDENT_IDS, make_run
 
 
 def vidstab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    # cwd first (the user's own modules), then whatever PYTHONPATH already holds (this checkout, in CI).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(cwd), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", "vidstab", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -116,3 +117,28 @@ def test_replay_is_delegated(tmp_path, capsys):
     # A folder that is not a bundle: the replay tool itself answers (exit 2, with its message).
     assert main(["replay", str(tmp_path / "no-such-bundle")]) == 2
     assert "no-such-bundle" in capsys.readouterr().err
+
+
+def test_audit_of_garbage_shards_names_the_file_and_exits_2(tmp_path):
+    cache = write_cache(tmp_path / "cache", poison=False)
+    (cache / "latents-00001.safetensors").write_bytes(b"\xff" * 64)  # header length says ~18 EB: "header too large"
+    proc = vidstab("audit", "--latents", str(cache), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "latents-00001.safetensors" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "broken.yaml").write_text("learning_rate: [1e-4\n")
+    assert main(["audit", "--config", str(tmp_path / "broken.yaml")]) == 2
+
+
+def test_audit_imports_only_what_the_command_line_names(tmp_path):
+    # The factory named on the command line is trusted by being named; nothing else is imported, and the
+    # current folder is not searched for it (it must be importable: here through PYTHONPATH).
+    (tmp_path / "mymodels.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    # Like the installed `vidstab` console script: a launcher outside the current folder.
+    launcher = tmp_path / "bin" / "vidstab_cli.py"
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom vidstab.tools.cli import main\nsys.exit(main())\n")
+    env_less = subprocess.run([sys.executable, str(launcher), "audit", "--model", "mymodels:build"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert env_less.returncode == 2 and "mymodels" in env_less.stderr and "PYTHONPATH" in env_less.stderr
+    ok = vidstab("audit", "--model", "mymodels:build", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr

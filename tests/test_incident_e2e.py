@@ -52,7 +52,7 @@ def test_report_of_a_real_run_has_every_section(tmp_path):
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "30", "--checkpointing_steps", "10", "--inject_fault", "nan_batch@12",
                 "--inject_fault", "lr_spike@20=1e4")
-    from vidstab.report import SECTIONS
+    from vidstab.tools.report import SECTIONS
 
     html = (out / "report.html").read_text()
     for section in SECTIONS:

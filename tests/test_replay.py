@@ -21,7 +21,7 @@ sys.path.insert(0, str(TESTS))
 from replay_user_model import make_batch, make_model, video_mse  # noqa: E402
 
 from vidstab.capture import write_incident  # noqa: E402
-from vidstab.replay import ReplayReport, main, replay  # noqa: E402
+from vidstab.tools.replay import ReplayReport, main, replay  # noqa: E402
 
 USER_SPEC = {
     "factory": "replay_user_model:make_model",
@@ -29,6 +29,9 @@ USER_SPEC = {
     "loss_fn": "replay_user_model:video_mse",
     "loss_fn_kwargs": {"noise_scale": 1.0},
 }
+# The user's own model module: replay imports it only when the user trusts it (vidstab.tools.trusted_import).
+TRUST = ["replay_user_model"]
+TRUST_ARGS = ("--trust", "replay_user_model")
 NONFINITE = {"detector": "nonfinite", "verdict": "SKIP", "message": "loss is NaN", "figures": {"grad_norm": float("nan")}}
 
 
@@ -68,11 +71,11 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_video_dit_nan_sample_reproduces_and_leave_one_out_names_it(tmp_path):
-    model_mod = pytest.importorskip("vidstab.reference.model")
+    from vidstab.reference.model import VideoDiT
     from vidstab.reference.objective import DiffusionObjective, step_generator
 
     torch.manual_seed(0)
-    model = model_mod.VideoDiT(in_channels=4, hidden_size=24, num_layers=1, num_heads=2)
+    model = VideoDiT(in_channels=4, hidden_size=24, num_layers=1, num_heads=2)
     with torch.no_grad():  # a "trained" model: leave AdaLN-Zero's all-zero start
         for p in model.parameters():
             if p.abs().sum() == 0:
@@ -112,7 +115,7 @@ def test_two_bad_samples_are_found_alone_when_leave_one_out_cannot(tmp_path):
     batch["latents"][0, 0, 0, 0, 0] = float("inf")
     batch["noise"][3, 1] = float("nan")
     bundle = user_bundle(tmp_path, batch=batch, ids=("a", "b", "c", "d"))
-    report = replay(bundle)
+    report = replay(bundle, trust=TRUST)
     assert report.reproduced is True
     assert report.data["culprits"] == ["a", "d"] and report.data["without_culprits_finite"] is True
 
@@ -122,7 +125,7 @@ def test_script_replays_a_user_model_and_writes_json_where_asked(tmp_path):
     batch["latents"][2] *= 1e3  # finite but out of range for normalised latents
     bundle = user_bundle(tmp_path, batch=batch)
     out = tmp_path / "report.json"
-    proc = run_script(str(bundle), "--device", "cpu", "--json", str(out))
+    proc = run_script(str(bundle), *TRUST_ARGS, "--device", "cpu", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "Verdict:" in proc.stdout and "clip-c" in proc.stdout
     saved = json.loads(out.read_text())
@@ -135,7 +138,7 @@ def test_script_replays_a_user_model_and_writes_json_where_asked(tmp_path):
 
 def test_module_making_inf_from_finite_inputs_is_localised_and_blamed(tmp_path):
     bundle = user_bundle(tmp_path, model_kwargs={"blowup": 1e39})
-    report = replay(bundle)
+    report = replay(bundle, trust=TRUST)
     assert report.reproduced is True
     assert report.localization["forward"]["module"] == "blowup"
     assert report.localization["forward"]["inputs_nonfinite"] is False
@@ -148,7 +151,7 @@ def test_module_making_inf_from_finite_inputs_is_localised_and_blamed(tmp_path):
 def test_overflow_only_in_fp16_points_at_precision(tmp_path):
     # 1e5 fits fp32 but not fp16 (max 65504): the step fails only under the run's fp16 autocast.
     bundle = user_bundle(tmp_path, model_kwargs={"blowup": 1e5}, precision="fp16")
-    report = replay(bundle)
+    report = replay(bundle, trust=TRUST)
     if "not available" in report.precision["summary"]:
         pytest.skip(report.precision["summary"])
     assert report.runs[0].finite and report.reproduced is True
@@ -170,17 +173,17 @@ def _true_grad_norm(model_kwargs=None) -> float:
 def test_spike_reproduces_within_tolerance_and_not_when_far_off(tmp_path):
     g = _true_grad_norm()
     spike = {"detector": "grad_spike", "verdict": "SKIP", "message": "norm 30x EMA", "figures": {"grad_norm": g * 1.05}}
-    report = replay(user_bundle(tmp_path / "a", finding=spike))
+    report = replay(user_bundle(tmp_path / "a", finding=spike), trust=TRUST)
     assert report.kind == "spike" and report.reproduced is True
     spike["figures"] = {"grad_norm": g * 3}
-    report = replay(user_bundle(tmp_path / "b", finding=spike))
+    report = replay(user_bundle(tmp_path / "b", finding=spike), trust=TRUST)
     assert report.reproduced is False and report.verdict.startswith("Does not reproduce")
 
 
 def test_lr_test_flags_an_update_that_blows_up_only_at_full_lr(tmp_path):
     spike = {"detector": "loss_spike", "verdict": "WARN", "message": "loss jumped", "figures": {"loss": 1.0}}
     bundle = user_bundle(tmp_path, finding=spike, lr=3.0, extra={"optimizer": "SGD"})
-    report = replay(bundle)
+    report = replay(bundle, trust=TRUST)
     assert report.lr["optimizer"] == "sgd"
     assert report.lr["jump_at_lr"] is True and report.lr["jump_at_lr_over_10"] is False
     assert report.lr["implicated"] is True and "LR:" in report.verdict
@@ -188,7 +191,7 @@ def test_lr_test_flags_an_update_that_blows_up_only_at_full_lr(tmp_path):
 
 def test_fresh_init_is_said_to_be_less_meaningful(tmp_path):
     bundle = user_bundle(tmp_path, checkpoint=False, model_kwargs={"blowup": 1e39})
-    report = replay(bundle)
+    report = replay(bundle, trust=TRUST)
     assert report.checkpoint is None
     assert any("fresh initialisation" in n for n in report.notes)
     assert "fresh initialisation" in report.verdict
@@ -207,30 +210,30 @@ def test_bundle_without_model_spec_exits_2_naming_it(tmp_path):
 def test_wrong_import_path_exits_2_naming_the_module(tmp_path, capsys):
     spec = dict(USER_SPEC, factory="nonexistent_pkg_xyz.models:make_model")
     bundle = user_bundle(tmp_path / "a", spec=spec)
-    assert main([str(bundle)]) == 2
+    assert main([str(bundle), "--trust", "nonexistent_pkg_xyz"]) == 2
     err = capsys.readouterr().err
-    assert "nonexistent_pkg_xyz.models" in err and "model.factory" in err
+    assert "nonexistent_pkg_xyz.models" in err and "model.factory" in err and "cannot import" in err
 
     bad_loss = user_bundle(tmp_path / "b", spec=dict(USER_SPEC, loss_fn="replay_user_model:no_such_loss"))
-    assert main([str(bad_loss)]) == 2
+    assert main([str(bad_loss), *TRUST_ARGS]) == 2
     assert "no attribute 'no_such_loss'" in capsys.readouterr().err
 
 
 def test_class_that_is_not_a_config_mixin_and_missing_checkpoint_exit_2(tmp_path, capsys):
     spec = {"class": "torch.nn:Linear", "config": {"in_features": 2, "out_features": 2},
             "loss_fn": "replay_user_model:video_mse"}
-    assert main([str(user_bundle(tmp_path / "a", spec=spec, checkpoint=False))]) == 2
+    assert main([str(user_bundle(tmp_path / "a", spec=spec, checkpoint=False)), *TRUST_ARGS, "--trust", "torch.nn:Linear"]) == 2
     assert "not a diffusers ConfigMixin" in capsys.readouterr().err
 
     bundle = user_bundle(tmp_path / "b")
     ckpt = tmp_path / "b" / "checkpoints" / "step_000005"
     (ckpt / "model.safetensors").unlink()
-    assert main([str(bundle)]) == 2
+    assert main([str(bundle), *TRUST_ARGS]) == 2
     assert "checkpoint missing" in capsys.readouterr().err
     (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
-    assert main([str(bundle)]) == 2
+    assert main([str(bundle), *TRUST_ARGS]) == 2
     assert "corrupt" in capsys.readouterr().err
-    assert main([str(bundle), "--fresh-init"]) == 0  # a bundle away from its weights still replays
+    assert main([str(bundle), "--fresh-init", *TRUST_ARGS]) == 0  # a bundle away from its weights still replays
     assert "--fresh-init was asked for" in capsys.readouterr().out
 
 
@@ -246,14 +249,14 @@ def test_checkpoint_bit_flip_is_caught_with_either_manifest_checksum(tmp_path, c
     flipped = bytearray(data)
     flipped[len(flipped) - 3] ^= 0x01  # one bit of the last weight's bytes: still a loadable safetensors file
     (ckpt / "model.safetensors").write_bytes(bytes(flipped))
-    assert main([str(bundle)]) == 2
+    assert main([str(bundle), *TRUST_ARGS]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors is corrupt" in err and f"{algo} mismatch" in err
 
 
 def test_run_folder_replays_its_first_incident(tmp_path, capsys):
     user_bundle(tmp_path, model_kwargs={"blowup": 1e39})
-    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path), *TRUST_ARGS]) == 0
     out = capsys.readouterr().out
     assert "replaying the first" in out and "Verdict: Reproduces" in out
 
@@ -264,7 +267,7 @@ def test_exception_incident_reproduces_and_names_the_sample(tmp_path):
     finding = {"detector": "exception", "verdict": "SKIP", "message": "exception on rank 0", "figures": {}}
     spec = dict(USER_SPEC, loss_fn_kwargs={"max_abs": 100.0})
     report = replay(user_bundle(tmp_path, batch=batch, finding=finding, spec=spec,
-                                extra={"error": "ValueError: latents exceed 100.0"}))
+                                extra={"error": "ValueError: latents exceed 100.0"}), trust=TRUST)
     assert report.kind == "exception" and report.reproduced is True
     assert "latents exceed 100.0" in report.runs[0].error
     assert report.data["culprits"] == ["clip-c"] and "Fix the data" in report.verdict
@@ -273,7 +276,7 @@ def test_exception_incident_reproduces_and_names_the_sample(tmp_path):
 def test_whole_micro_batch_bad_is_said_so(tmp_path):
     batch = make_batch()
     batch["latents"][:] = float("nan")  # what --inject_fault nan_batch does
-    report = replay(user_bundle(tmp_path, batch=batch))
+    report = replay(user_bundle(tmp_path, batch=batch), trust=TRUST)
     assert report.reproduced is True and report.data["whole_batch_bad"] is True
     assert report.data["culprits"] == ["clip-a", "clip-b", "clip-c"]
     assert "whole micro-batch is bad" in report.verdict and report.lr["summary"].startswith("skipped")

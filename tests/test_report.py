@@ -12,7 +12,8 @@ import torch
 
 from vidstab.capture import write_incident
 from vidstab.events import EventLog
-from vidstab.report import SECTIONS, _bin, load_run, write_report
+from vidstab.tools.report import SECTIONS, load_run, write_report
+from vidstab.tools.report.series import _bin
 
 INCIDENT_IDS = ["shapes-s0-00017", "shapes-s0-00018"]
 
@@ -137,10 +138,11 @@ def test_rollback_keeps_final_trajectory_and_superseded_attempt(tmp_path):
     assert log.notes == []
 
 
-def test_killed_run_without_stop_event_is_not_finished(tmp_path):
+def test_run_without_stop_event_is_said_so_neutrally(tmp_path):
+    # Killed, or a user loop that never logs a stop: the log cannot tell which, so neither is claimed.
     run = make_run(tmp_path / "run", steps=40, finish=False)
     page = write_report(run, tmp_path / "elsewhere" / "dash.html").read_text(encoding="utf-8")
-    assert "Did not finish" in page and "no stop event" in page
+    assert "Did not finish" not in page and "No stop event; last step 40" in page
     for title in SECTIONS:
         assert f"<h2>{title}</h2>" in page
 
@@ -152,9 +154,9 @@ def test_sections_without_data_say_no_data(tmp_path):
         log.log("metrics", step, loss=1.0 / step)  # nothing but the loss
     log.close()
     page = write_report(run).read_text(encoding="utf-8")
-    for title in SECTIONS:
-        assert f"<h2>{title}</h2>" in page, title
-    for title in ("Gradient norm", "Learning rate", "Loss scale", "Clip rate", "Loss by timestep",
+    for title in SECTIONS:  # all but the per-sample loss panel, left out without per-sample losses
+        assert (f"<h2>{title}</h2>" in page) == (title != "Loss by timestep"), title
+    for title in ("Gradient norm", "Learning rate", "Loss scale", "Clip rate",
                   "Input statistics per rank", "Events", "Incidents"):
         assert "no data" in _section(page, title), title
     assert "no data" not in _section(page, "Loss")
@@ -173,3 +175,72 @@ def test_long_series_are_binned_without_losing_a_spike():
     x, mean, low, high = _bin(steps, values)
     assert len(x) <= 2000
     assert high.max() == 500.0 and low.min() == 1.0
+
+
+def _user_loop(run_dir: Path, steps: int = 8, accum: int = 2, nan_micro: int = 5, close: bool = True,
+               per_sample: bool = False) -> Path:
+    """A user's own Accelerate loop as README shows it: gradient accumulation, no per-sample loss, one NaN
+    micro-batch (its step's logged loss is the mean of the finite micro-batch losses), guard.close() at the end."""
+    import vidstab
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    acc = Accelerator(gradient_accumulation_steps=accum, cpu=True)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=run_dir)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps * accum):
+        x = torch.randn(4, 8, generator=g)
+        if i == nan_micro:
+            x[0, 0] = float("nan")
+        with acc.accumulate(model):
+            losses = (model(x) - x).pow(2).mean(1)
+            extra = {"per_sample_loss": losses, "timesteps": torch.randint(0, 1000, (4,), generator=g)} if per_sample else {}
+            guard.backward(losses.mean(), batch={"x": x}, sample_ids=[f"s{i}-{j}" for j in range(4)], **extra)
+            guard.step(max_grad_norm=1.0)
+    if close:
+        guard.close()
+    return run_dir
+
+
+def test_user_loop_report_reads_its_own_events(tmp_path):
+    run = _user_loop(tmp_path / "run")
+    page = write_report(run).read_text(encoding="utf-8")
+    summary = _section(page, "Summary")
+    # guard.close() logged `stop`: the run finished (with the NaN micro-batch's step handled).
+    assert "Did not finish" not in summary and "Finished with trouble handled: guard closed" in summary
+    # The NaN micro-batch's step counts although its logged loss (mean of the finite micro-batches) is finite.
+    assert "non-finite losses</th><td>1 (steps 2)" in summary
+    # No per-sample loss was given: no empty "Loss by timestep" panel.
+    assert "<h2>Loss by timestep</h2>" not in page and 'href="#loss-by-timestep"' not in page
+
+    # Without guard.close() nothing says how the loop ended: neutral, not a red "did not finish".
+    bare = write_report(_user_loop(tmp_path / "unclosed", close=False)).read_text(encoding="utf-8")
+    summary = _section(bare, "Summary")
+    assert 'class="verdict neutral"' in summary and "No stop event; last step 7" in summary
+
+    # With per-sample losses (README: guard.backward(..., per_sample_loss=, timesteps=)) the panel is drawn.
+    page = write_report(_user_loop(tmp_path / "per_sample", per_sample=True)).read_text(encoding="utf-8")
+    assert "no data" not in _section(page, "Loss by timestep")
+
+
+def test_skips_after_a_rollback_count_in_total_and_resumes_are_shown(tmp_path):
+    logs = [EventLog(tmp_path, rank=r) for r in range(2)]
+    for attempt_steps in (range(1, 7), range(4, 9)):  # steps 4..6 run twice: a rollback to step 3
+        for step in attempt_steps:
+            for log in logs:
+                log.log("metrics", step, loss=1.0, grad_norm=1.0, applied=step != 5)
+            if step == 5:
+                for log in logs:
+                    log.log("skip", 5, detector="grad_spike", message="norm 20x EMA", figures={}, bad_ranks=[])
+        if attempt_steps.start == 1:
+            for log in logs:
+                log.log("resume", 6, checkpoint="checkpoints/step_000003")
+    for log in logs:
+        log.close()
+    summary = _section(write_report(tmp_path).read_text(encoding="utf-8"), "Summary")
+    assert "skipped steps</th><td>2 (steps 5); 1 of them a step skipped again" in summary
+    assert "resumes</th><td>1 (at steps 6)" in summary

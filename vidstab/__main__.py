@@ -1,7 +1,7 @@
-"""``python -m vidstab``: the same as the ``vidstab`` command (see :mod:`vidstab.cli`)."""
+"""``python -m vidstab``: the same as the ``vidstab`` command (see :mod:`vidstab.tools.cli`)."""
 
 import sys
 
-from vidstab.cli import main
+from vidstab.tools.cli import main
 
 sys.exit(main())

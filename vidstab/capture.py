@@ -37,7 +37,6 @@ finite values, and ``nonfinite``/``nan``/``inf`` counts.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
@@ -56,6 +55,7 @@ from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder
 from .localize import tensor_stats
+from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -124,55 +124,11 @@ class Incident:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JSON helpers
-
-
-def json_float(v: Any) -> float | None:
-    """Inverse of the non-finite spelling: ``"nan"``/``"inf"``/``"-inf"`` and numbers -> float; else None."""
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
-        return float(v)
-    return None
-
-
-def to_json_safe(obj: Any) -> Any:
-    """Convert ``obj`` to strict-JSON-compatible data.
-
-    Non-finite floats -> ``"nan"``/``"inf"``/``"-inf"``; 0-d tensors and numpy scalars -> numbers;
-    other tensors -> lists (small metadata only); enums -> their name; paths -> strings; tuples/sets ->
-    lists; dataclasses -> dicts; dict keys -> strings. Anything else -> ``str(obj)``, never a pickle.
-    """
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, enum.Enum):
-        return obj.name
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)  # "nan", "inf", "-inf"
-    if isinstance(obj, torch.Tensor):
-        return to_json_safe(obj.detach().cpu().item() if obj.numel() == 1 and obj.ndim == 0 else obj.detach().cpu().tolist())
-    if isinstance(obj, Mapping):
-        return {str(k): to_json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_json_safe(v) for v in obj]
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_json_safe({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        try:
-            return to_json_safe(obj.item())
-        except (TypeError, ValueError):
-            pass
-    return str(obj)
+# JSON helpers (the convention is vidstab/strict_json.py's)
 
 
 def _dumps(meta: dict) -> str:
-    return json.dumps(to_json_safe(meta), indent=1, allow_nan=False, sort_keys=False) + "\n"
+    return dumps_strict(meta, indent=1, sort_keys=False) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -67,6 +67,11 @@ class EventLog:
         self._f.flush()
         return rec
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._f.closed
+
     def close(self) -> None:
         """Flush and close (further :meth:`log` calls raise)."""
         if not self._f.closed:

@@ -183,7 +183,7 @@ def add_module_fault(model: torch.nn.Module, name: str) -> torch.utils.hooks.Rem
 
 def model_with_module_fault(model: dict, module: str) -> torch.nn.Module:
     """Replay factory: rebuild the model from its spec with the ``inf_module`` fault built in."""
-    from .replay import build_model
+    from .tools.replay import build_model
 
     rebuilt = build_model(model)
     add_module_fault(rebuilt, module)

@@ -543,7 +543,9 @@ class Guard:
         return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
 
     def close(self) -> None:
-        """Close the event log."""
+        """Log ``stop`` (``reason="closed"``: the report reads the run as finished) and close the event log."""
+        if not self.events.closed:
+            self.events.log("stop", self.step_count, reason="closed")
         self.events.close()
 
 

@@ -1,0 +1,223 @@
+"""The ``vidstab`` command: preflight audit, dashboard, replay, incidents and events of a run.
+
+    vidstab audit --latents CACHE_DIR --config trainer.yaml --json audit.json   # exit 1 if anything blocks, 2 if unreadable
+    vidstab report RUN_DIR [--out report.html]
+    vidstab replay BUNDLE [...]                 # see `vidstab replay --help`
+    vidstab incidents RUN_DIR
+    vidstab events RUN_DIR [--kind skip] [--rank 1]
+
+``python -m vidstab ...`` is the same command. Heavy modules (torch, matplotlib) are imported by the
+sub-command that needs them, so ``vidstab --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# Exit codes: 0 ok, 1 the audit found blocking problems, 2 bad usage or unreadable input.
+EXIT_OK, EXIT_BLOCKED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vidstab",
+        description="Training-stability tooling for latent video diffusion: audit before, dashboard and replay after.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    audit = sub.add_parser(
+        "audit", help="preflight checks: data/latents, model attention and activations, config, loss source",
+        description="Run the preflight checklist on what you give it. Exits 1 when a finding blocks training.",
+    )
+    audit.add_argument("--latents", metavar="CACHE_DIR", help="latent cache folder (safetensors shards + manifest.json)")
+    audit.add_argument("--data-dir", metavar="VIDEO_DIR", help="folder of video files, decoded and scanned")
+    audit.add_argument("--num-frames", type=int, default=16, help="frames per clip for --data-dir (default 16)")
+    audit.add_argument("--resolution", type=int, default=64, help="clip side for --data-dir (default 64)")
+    audit.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="callable returning a model, or (model, example_inputs); a dry-run forward is made")
+    audit.add_argument("--config", metavar="FILE", help="training config (YAML or JSON)")
+    audit.add_argument("--loss", metavar="MODULE:FUNCTION", help="loss function (or module class) whose source is scanned")
+    audit.add_argument("--precision", choices=("no", "bf16", "fp16"), help="mixed precision (default: from --config)")
+    audit.add_argument("--absmax-threshold", type=float, default=None,
+                       help="|value| above which a data sample blocks (default 20, for normalised latents)")
+    audit.add_argument("--json", metavar="OUT", help="also write the findings as JSON")
+
+    report = sub.add_parser("report", help="write the HTML dashboard of a run", description="Write RUN_DIR/report.html.")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("--out", metavar="PATH", help="where to write the page (default RUN_DIR/report.html)")
+
+    sub.add_parser("replay", help="re-run an incident bundle and say where it goes non-finite (see: vidstab replay --help)",
+                   add_help=False)
+
+    incidents = sub.add_parser("incidents", help="list the incident bundles of a run")
+    incidents.add_argument("run_dir", metavar="RUN_DIR")
+    incidents.add_argument("--json", action="store_true", help="one JSON object per incident")
+
+    events = sub.add_parser("events", help="print the merged event log of a run")
+    events.add_argument("run_dir", metavar="RUN_DIR")
+    events.add_argument("--kind", action="append", help="only these kinds (repeatable), e.g. --kind skip --kind rollback")
+    events.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
+    events.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``vidstab`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "replay":
+        return _replay(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return {"audit": _audit, "report": _report, "incidents": _incidents, "events": _events}[args.command](args)
+    except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:  # ImportPathError is a ValueError
+        print(f"vidstab {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sub-commands
+
+
+def _audit(args: argparse.Namespace) -> int:
+    if not any((args.latents, args.data_dir, args.model, args.config, args.loss)):
+        print("vidstab audit: give at least one of --latents, --data-dir, --model, --config, --loss", file=sys.stderr)
+        return EXIT_USAGE
+    from vidstab.tools.audit import DEFAULT_ABSMAX_THRESHOLD, run_audit
+    from vidstab.tools.trusted_import import resolve
+
+    # --model and --loss are named by the user on this command line: that is what trusts them. The
+    # current folder is not added to sys.path; the modules must be importable (installed or on PYTHONPATH).
+    model, example_inputs = None, None
+    if args.model:
+        factory = resolve(args.model, "--model", trust=[args.model])
+        model, example_inputs = _model_from_factory(factory())
+    loss_fn = resolve(args.loss, "--loss", trust=[args.loss]) if args.loss else None
+    report = run_audit(
+        latents=args.latents, data_dir=args.data_dir, video_reader=_video_reader() if args.data_dir else None,
+        model=model, example_inputs=example_inputs,
+        config=args.config, loss_fn=loss_fn, precision=args.precision, num_frames=args.num_frames,
+        resolution=args.resolution,
+        absmax_threshold=args.absmax_threshold if args.absmax_threshold is not None else DEFAULT_ABSMAX_THRESHOLD,
+    )
+    print(report.format_table())
+    if args.json:
+        report.to_json(args.json)
+        print(f"findings written to {args.json}")
+    if report.unreadable:
+        for f in report.unreadable:
+            print(f"vidstab audit: error: {f['message']}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_BLOCKED if report.blocking else EXIT_OK
+
+
+def _video_reader():
+    """The reference data loader's decoder for ``--data-dir`` (PyAV; the ``[reference]`` extra)."""
+    import functools
+
+    try:
+        from vidstab.reference.data import video_folder_dataset
+    except ImportError as err:
+        raise ImportError(f"--data-dir decodes videos with vidstab.reference.data, which needs the reference "
+                          f"extra: pip install 'vidstab[reference]' ({err})") from err
+    return functools.partial(video_folder_dataset, skip_bad_samples=True)
+
+
+def _model_from_factory(made: Any) -> tuple[Any, Any]:
+    """A factory's result as ``(model, example_inputs)``: a model, a ``(model, inputs)`` pair or a dict
+    ``{"model", "example_inputs"}``."""
+    if isinstance(made, dict):
+        return made["model"], made.get("example_inputs")
+    if isinstance(made, tuple) and len(made) == 2:
+        return made
+    return made, None
+
+
+def _report(args: argparse.Namespace) -> int:
+    from vidstab.tools.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"report written to {path}")
+    return EXIT_OK
+
+
+def _replay(argv: list[str]) -> int:
+    from vidstab.tools.replay import main as replay_main  # lazily: replay imports torch-heavy tooling
+
+    return int(replay_main(argv) or 0)
+
+
+def _read_incidents(run_dir: Path) -> list[dict]:
+    """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
+    from ..capture import list_incidents
+
+    out = []
+    for folder in list_incidents(run_dir):
+        try:
+            meta = json.loads((Path(folder) / "incident.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            meta = {"error": f"unreadable incident.json: {err}"}
+        meta["path"] = str(folder)
+        out.append(meta)
+    return out
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
+    incidents = _read_incidents(run_dir)
+    if args.json:
+        for meta in incidents:
+            print(json.dumps(meta, default=str))
+        return EXIT_OK
+    if not incidents:
+        print(f"no incidents in {run_dir}")
+        return EXIT_OK
+    print(f"{'step':>7}  {'rank':>4}  {'detector':<16} {'verdict':<8} sample ids (bad ones marked *) -> bundle")
+    for meta in incidents:
+        bad = {str(i) for i in meta.get("bad_sample_ids") or []}
+        ids = ", ".join(f"{i}*" if str(i) in bad else str(i) for i in meta.get("sample_ids") or [])
+        print(f"{str(meta.get('step', '?')):>7}  {str(meta.get('rank', '?')):>4}  {str(meta.get('detector', '')):<16} "
+              f"{str(meta.get('verdict', '')):<8} {ids or meta.get('error', '')} -> {meta['path']}")
+    print(f"{len(incidents)} incident(s); replay one with: vidstab replay <bundle>")
+    return EXIT_OK
+
+
+def _events(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
+    kinds = set(args.kind or [])
+    ranks = set(args.rank or [])
+    from ..events import read_events
+
+    notes: list[str] = []
+    records = read_events(run_dir, tuple(kinds) if kinds else None, notes)
+    shown = 0
+    for rec in records:
+        if (kinds and rec.get("kind") not in kinds) or (ranks and rec.get("rank") not in ranks):
+            continue
+        shown += 1
+        if args.json:
+            print(json.dumps(rec, separators=(",", ":")))
+            continue
+        details = {k: v for k, v in rec.items() if k not in ("schema", "time", "step", "rank", "kind")}
+        text = json.dumps(details, separators=(", ", "="), default=str)[1:-1].replace('"', "")
+        print(f"step {rec.get('step', '?'):>7}  rank {rec.get('rank', '?')}  {rec.get('kind', '?'):<10} {text[:300]}")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not args.json:
+        print(f"{shown} event(s)", file=sys.stderr)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Rebuilding the model and loss a bundle names (trusted imports only) and loading its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from ...capture import Incident
+from ...checkpoint import CheckpointError, verify_checkpoint_files
+from ..trusted_import import ImportPathError, UntrustedImportError, resolve
+from .base import ReplayError, UntrustedCodeError
+
+_STATE_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def import_object(path: str, what: str, kind: str = "callable") -> Any:
+    """The object a bundle names, through the trusted resolver (:mod:`vidstab.tools.trusted_import`).
+
+    Raises :class:`UntrustedCodeError` (nothing imported) when the user has not trusted it, and
+    :class:`ReplayError` when it cannot be imported.
+    """
+    try:
+        return resolve(path, what, kind=kind, how_to_allow="vidstab replay BUNDLE --trust {module} "
+                                                         "(or replay(..., trust=['{module}']))")
+    except UntrustedImportError as err:
+        raise UntrustedCodeError(str(err)) from err
+    except ImportPathError as err:
+        raise ReplayError(str(err)) from err
+
+
+def build_model(spec: dict | None) -> nn.Module:
+    """Rebuild a model from a bundle's ``model`` spec (``class`` + ``config`` or ``factory`` + ``kwargs``).
+
+    Only trusted code is imported (see :func:`import_object`); an untrusted name raises before anything runs.
+    """
+    if not spec:
+        raise ReplayError(
+            "the bundle has no model spec ('model' is null in incident.json), so the model cannot be rebuilt. "
+            "Record one when attaching the guard: model_spec={'class': 'module:Class', 'config': {...}} "
+            "(a diffusers ConfigMixin) or {'factory': 'module:function', 'kwargs': {...}}, plus 'loss_fn'."
+        )
+    if "class" in spec:
+        cls = import_object(spec["class"], "model.class", kind="model_class")
+        if not callable(getattr(cls, "from_config", None)):
+            raise ReplayError(
+                f"model.class {spec['class']!r} is not a diffusers ConfigMixin (it has no from_config); "
+                f"record a 'factory' + 'kwargs' for it instead"
+            )
+        config = spec.get("config")
+        if not isinstance(config, dict):
+            raise ReplayError(f"model spec for {spec['class']!r} has no 'config' dict to rebuild it from")
+        try:
+            model = cls.from_config(config)
+        except Exception as e:  # the user's constructor: report whatever it raises
+            raise ReplayError(f"{spec['class']}.from_config(...) failed: {type(e).__name__}: {e}") from e
+    elif "factory" in spec:
+        factory = import_object(spec["factory"], "model.factory")
+        kwargs = spec.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ReplayError(f"model.kwargs must be a dict, got {type(kwargs).__name__}")
+        try:
+            model = factory(**kwargs)
+        except Exception as e:
+            raise ReplayError(f"{spec['factory']}(**kwargs) failed: {type(e).__name__}: {e}") from e
+    else:
+        raise ReplayError(f"model spec has neither 'class' nor 'factory': {sorted(spec)}")
+    if not isinstance(model, nn.Module):
+        raise ReplayError(f"the model spec built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tuple[Path | None, int | None, list[str]]:
+    """The weights file to load, its step, and notes. Raises when a named checkpoint is missing or corrupt."""
+    notes: list[str] = []
+    if override is not None:
+        p = Path(override)
+        origin = "--checkpoint"
+    elif inc.meta.get("checkpoint"):
+        p = Path(inc.meta["checkpoint"])
+        if not p.is_absolute():
+            p = inc.run_dir / p
+        origin = f"the bundle's checkpoint {inc.meta['checkpoint']!r}"
+    else:
+        return None, None, notes
+    if not p.exists():
+        raise ReplayError(
+            f"checkpoint missing: {origin} resolves to {p}, which does not exist "
+            f"(the run folder is taken as {inc.run_dir}); pass --checkpoint PATH to point at the weights"
+        )
+    ckpt_dir = p if p.is_dir() else p.parent
+    weights = p / "model.safetensors" if p.is_dir() else p
+    if not weights.is_file():
+        raise ReplayError(f"checkpoint missing: {origin} has no model.safetensors ({weights} does not exist)")
+    step = None
+    manifest_path = ckpt_dir / "manifest.json"
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ReplayError(f"{manifest_path} is corrupt (not valid JSON: {e})") from e
+        step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
+        files = manifest.get("files")
+        if isinstance(files, dict) and weights.name in files:
+            # Size and checksum (crc32 or sha256, whichever the manifest records) as the loader checks them.
+            try:
+                verify_checkpoint_files(ckpt_dir, [weights.name])
+            except CheckpointError as e:
+                raise ReplayError(f"{weights} is corrupt (checked against {manifest_path}): {e}") from e
+            recorded = inc.meta.get("checkpoint_weights")
+            if override is None and isinstance(recorded, dict) and recorded != files[weights.name]:
+                raise ReplayError(
+                    f"{origin} was rewritten after the incident: its {weights.name} is not the one the bundle "
+                    f"recorded ({recorded} then, {files[weights.name]} now; a rollback saved that step again?), so a "
+                    "replay would run other weights; pass --checkpoint PATH to replay on weights you choose")
+    elif p.is_dir():
+        notes.append(f"{ckpt_dir} has no manifest.json (written last): the checkpoint may be incomplete")
+    if step is None:
+        m = re.search(r"step_?(\d+)", ckpt_dir.name)
+        step = int(m.group(1)) if m else None
+    return weights, step, notes
+
+
+def _load_weights(model: nn.Module, weights: Path) -> None:
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ReplayError(f"{weights} is corrupt or truncated ({type(e).__name__}: {e})") from e
+    own = set(model.state_dict())
+    if not set(state) & own:  # keys saved through a wrapper (DDP, torch.compile, FSDP): strip its prefix
+        for prefix in _STATE_PREFIXES:
+            state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ReplayError(f"the weights in {weights} do not fit the rebuilt model: {str(e)[:600]}") from e

@@ -1,0 +1,120 @@
+"""The table sections: per-rank blame, events, incidents (linking each bundle), reading notes."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .load import RunLog
+from .markup import _nodata, _short_list
+
+
+#: Rows of the event table before it is cut (the full log stays in the JSONL files).
+MAX_EVENT_ROWS = 500
+
+#: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
+TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow")
+
+
+def _rank_table(log: RunLog) -> str:
+    """One row per rank: how often it was the bad one. A rank that stands out is a data or hardware lead."""
+    ranks = sorted(set(log.metrics) | {e["rank"] for e in log.events})
+    if not ranks:
+        return ""
+    blamed: dict[int, set] = {r: set() for r in ranks}
+    for e in log.events:
+        for r in e.get("bad_ranks") or []:
+            if isinstance(r, int) and r in blamed:
+                # Every rank logs the same verdict: count each (kind, step, attempt, detector) once.
+                blamed[r].add((e.get("kind"), e.get("step"), e["_attempt"], e.get("detector")))
+    rows = []
+    for r in ranks:
+        m = log.metrics.get(r)
+        col = (lambda k: m.columns.get(k, np.array([])) if m is not None else np.array([]))
+        absmax = col("input_absmax")
+        finite = absmax[np.isfinite(absmax)]
+        nonfinite_inputs = int((np.nan_to_num(col("input_nonfinite")) > 0).sum())
+        nonfinite_loss = int(m.nulls["loss_rank"].sum()) if m is not None and "loss_rank" in m.nulls else 0
+        incidents = sum(1 for i in log.incidents if i.get("rank") == r)
+        flagged = bool(blamed[r] or nonfinite_inputs or nonfinite_loss or incidents)
+        cells = [str(r), str(len(m.steps) if m is not None else 0), str(len(blamed[r])), str(incidents),
+                 str(nonfinite_loss), str(nonfinite_inputs),
+                 f"{np.median(finite):.4g}" if len(finite) else "n/a", f"{finite.max():.4g}" if len(finite) else "n/a"]
+        style = ' class="flag"' if flagged else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = ("<tr><th>rank</th><th>steps logged</th><th>named as bad rank</th><th>incidents</th>"
+            "<th>non-finite loss steps</th><th>steps with non-finite inputs</th><th>median input |max|</th>"
+            "<th>largest input |max|</th></tr>")
+    return f'<table class="grid">{head}{"".join(rows)}</table>'
+
+
+def _events_section(log: RunLog) -> str:
+    merged: dict[tuple, dict] = {}
+    for e in log.events:
+        if e.get("kind") not in TABLE_KINDS:
+            continue
+        # The same verdict is logged by every rank: one row, listing the ranks.
+        key = (e.get("kind"), e.get("step"), e["_attempt"], e.get("detector"), str(e.get("message")), str(e.get("path")))
+        if key in merged:
+            merged[key]["_ranks"].append(e["rank"])
+        else:
+            merged[key] = {**e, "_ranks": [e["rank"]]}
+    rows = list(merged.values())
+    if not rows:
+        return _nodata("no warn/skip/rollback/checkpoint/resume/stop events")
+    note = ""
+    if len(rows) > MAX_EVENT_ROWS:
+        note = f'<p class="caption">{len(rows)} events; the first {MAX_EVENT_ROWS} are shown (all are in the JSONL logs).</p>'
+        rows = rows[:MAX_EVENT_ROWS]
+    skip_keys = {"schema", "time", "step", "rank", "kind", "detector", "message", "reason"}
+    body = []
+    for e in rows:
+        details = {k: v for k, v in e.items() if k not in skip_keys and not k.startswith("_")}
+        text = json.dumps(details, separators=(", ", ": "), default=str)
+        if len(text) > 240:
+            text = text[:240] + " ..."
+        body.append(
+            f'<tr class="k-{html.escape(str(e.get("kind")))}"><td>{html.escape(str(e.get("step")))}</td>'
+            f"<td>{html.escape(str(e.get('kind')))}</td><td>{html.escape(_short_list(sorted(set(e['_ranks']))))}</td>"
+            f"<td>{html.escape(str(e.get('detector') or ''))}</td><td>{html.escape(str(e.get('message') or e.get('reason') or ''))}</td>"
+            f"<td class=\"mono\">{html.escape(text)}</td></tr>"
+        )
+    head = "<tr><th>step</th><th>kind</th><th>ranks</th><th>detector</th><th>message</th><th>details</th></tr>"
+    return f'<table class="grid">{head}{"".join(body)}</table>{note}'
+
+
+def _incidents_section(log: RunLog, out_dir: Path) -> str:
+    if not log.incidents:
+        return _nodata("no incident bundles under vidstab/incidents/")
+    body = []
+    for inc in log.incidents:
+        folder = log.run_dir / inc["_folder"]
+        href = Path(os.path.relpath(folder, out_dir)).as_posix() + "/"
+        ids = [str(i) for i in inc.get("sample_ids") or []]
+        bad = {str(i) for i in inc.get("bad_sample_ids") or []}
+        ids_html = ", ".join(f"<b>{html.escape(i)}</b>" if i in bad else html.escape(i) for i in ids) or "n/a"
+        link = f'<a href="{html.escape(href)}">{html.escape(inc["_folder"])}</a>'
+        if inc.get("_missing"):
+            link += " (bundle missing)"
+        body.append(
+            f"<tr><td>{html.escape(str(inc.get('step')))}</td><td>{html.escape(str(inc.get('rank')))}</td>"
+            f"<td>{ids_html}</td><td>{html.escape(str(inc.get('detector') or ''))}</td>"
+            f"<td>{html.escape(str(inc.get('verdict') or ''))}</td><td>{html.escape(str(inc.get('message') or ''))}</td>"
+            f"<td>{link}</td></tr>"
+        )
+    head = ("<tr><th>step</th><th>rank</th><th>sample ids (bad in bold)</th><th>detector</th><th>verdict</th>"
+            "<th>message</th><th>bundle</th></tr>")
+    return (f'<table class="grid">{head}{"".join(body)}</table><p class="caption">Replay one with '
+            f'<code>vidstab replay RUN_DIR/&lt;bundle&gt;</code>.</p>')
+
+
+def _notes_section(log: RunLog) -> str:
+    if not log.notes:
+        return '<p class="nodata">no data: every log line was read</p>'
+    shown = log.notes[:50]
+    more = f"<li>... and {len(log.notes) - 50} more</li>" if len(log.notes) > 50 else ""
+    return "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in shown) + more + "</ul>"

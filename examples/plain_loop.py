@@ -1,18 +1,26 @@
-"""A tiny latent video denoiser trained with Accelerate + diffusers on synthetic latents.
+"""A tiny latent video denoiser trained with Accelerate + diffusers on synthetic latents, diffusers-style:
+``global_step`` counted from 1, ``--checkpointing_steps``, ``--resume_from_checkpoint latest``, a cosine
+schedule and gradient accumulation.
 
-``plain_loop.py`` is the plain loop; ``vidstab_loop.py`` is the same loop guarded by vidstab. Diff them:
-about five lines change. ``--corrupt_step`` puts a NaN into one batch of latents (as a broken VAE encode
-would)::
+``plain_loop.py`` is the plain loop; ``vidstab_loop.py`` is the same loop guarded by vidstab, with vidstab's
+checkpoints, rollback and replay (``diff examples/plain_loop.py examples/vidstab_loop.py``). Two drills put
+faults into the user's own data and loop::
 
-    python examples/plain_loop.py --corrupt_step 12     # the NaN silently poisons the weights
-    python examples/vidstab_loop.py --corrupt_step 12   # that step is skipped (on every rank) and the batch captured
+    python examples/plain_loop.py --nan_step 6       # a NaN sample silently poisons the weights
+    python examples/plain_loop.py --lr_blowup_step 14  # a param_groups bug: LR x10^4 for one step; the run is ruined
+
+Two processes: ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/plain_loop.py``.
 """
 
 import argparse
+import hashlib
+import math
+import os
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from diffusers import DDPMScheduler
 from diffusers.optimization import get_scheduler
 
@@ -20,7 +28,7 @@ from diffusers.optimization import get_scheduler
 class TinyVideoDenoiser(torch.nn.Module):
     """Predicts the noise in noisy video latents [B, C, T, H, W] given the timestep."""
 
-    def __init__(self, channels: int = 4, hidden: int = 64) -> None:
+    def __init__(self, channels: int = 4, hidden: int = 32) -> None:
         super().__init__()
         self.inp = torch.nn.Conv3d(channels, hidden, 3, padding=1)
         self.time = torch.nn.Linear(1, hidden)
@@ -31,42 +39,87 @@ class TinyVideoDenoiser(torch.nn.Module):
         return self.out(F.silu(h))
 
 
-def main() -> None:
+def denoise_loss(model: torch.nn.Module, batch: dict, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """Epsilon-prediction MSE per sample of ``{"latents", "noise", "timesteps"}``."""
+    noise_scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps)
+    noisy = noise_scheduler.add_noise(batch["latents"], batch["noise"], batch["timesteps"])
+    return F.mse_loss(model(noisy, batch["timesteps"]).float(), batch["noise"].float(), reduction="none").mean(dim=(1, 2, 3, 4))
+
+
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", default="output/example")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--corrupt_step", type=int, default=-1, help="batch index whose latents get a NaN")
-    args = parser.parse_args()
+    parser.add_argument("--max_train_steps", type=int, default=30)
+    parser.add_argument("--checkpointing_steps", type=int, default=5)
+    parser.add_argument("--resume_from_checkpoint", default=None, help='"latest" or a checkpoint folder')
+    parser.add_argument("--nan_step", type=int, default=-1, help="global step whose batch gets a NaN sample (drill)")
+    parser.add_argument("--nan_rank", type=int, default=0, help="the rank whose batch gets it")
+    parser.add_argument("--lr_blowup_step", type=int, default=-1, help="global step whose LR is x10^4 (drill)")
+    return parser.parse_args()
 
-    torch.manual_seed(0)
+
+def weights_digest(model: torch.nn.Module) -> tuple[bool, str]:
+    params = [p.detach().cpu().contiguous() for p in model.parameters()]
+    return all(bool(torch.isfinite(p).all()) for p in params), hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
+
+
+def main() -> None:
+    args = parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=2)
+    set_seed(0)
     model = TinyVideoDenoiser()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    lr_scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=5, num_training_steps=args.steps)
+    lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=5 * accelerator.num_processes,
+                                 num_training_steps=args.max_train_steps * accelerator.num_processes)
     noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
-    latents = torch.randn(8 * args.steps, 4, 4, 8, 8)  # stand-in for cached VAE latents
+    latents = torch.randn(64, 4, 2, 8, 8, generator=torch.Generator().manual_seed(0))  # stand-in for cached VAE latents
     dataset = torch.utils.data.TensorDataset(latents, torch.arange(len(latents)))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
     model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
 
-    for i, (latents, ids) in enumerate(loader):
-        if i == args.corrupt_step:
-            latents = latents.clone()
-            latents[0, 0, 0, 0, 0] = float("nan")
-        with accelerator.accumulate(model):
-            noise = torch.randn_like(latents)
-            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
-            noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-            loss = F.mse_loss(model(noisy, timesteps).float(), noise.float())
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
+    num_train_epochs = math.ceil(args.max_train_steps / math.ceil(len(loader) / accelerator.gradient_accumulation_steps))
+    global_step = 0
+    if args.resume_from_checkpoint:
+        dirs = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1])) if os.path.isdir(args.output_dir) else []
+        path = os.path.join(args.output_dir, dirs[-1]) if args.resume_from_checkpoint == "latest" and dirs else args.resume_from_checkpoint
+        if path != "latest":
+            accelerator.load_state(path)
+            global_step = int(os.path.basename(path).split("-")[1])
+    fired = set()
 
-    finite = all(torch.isfinite(p).all() for p in model.parameters())
-    accelerator.print(f"done: last loss {loss.item():.4f}, parameters finite: {finite}")
+    for epoch in range(num_train_epochs):
+        for latents, ids in loader:
+            if global_step + 1 == args.nan_step and accelerator.process_index == args.nan_rank and "nan" not in fired:
+                fired.add("nan")
+                latents = latents.clone()
+                latents[0, 0, 0, 0, 0] = float("nan")  # a broken sample, as a bad VAE encode would give
+            if global_step + 1 == args.lr_blowup_step and "lr" not in fired:
+                fired.add("lr")
+                for group in optimizer.param_groups:
+                    group["lr"] *= 1e4  # a bug in the user's loop; lr_scheduler.step() recomputes it afterwards
+            with accelerator.accumulate(model):
+                noise = torch.randn_like(latents)
+                timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
+                batch = {"latents": latents, "noise": noise, "timesteps": timesteps}
+                loss = denoise_loss(model, batch).mean()
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                global_step += 1
+                if global_step % args.checkpointing_steps == 0 and accelerator.is_main_process:
+                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
+            if global_step >= args.max_train_steps:
+                break
+        if global_step >= args.max_train_steps:
+            break
+
+    finite, digest = weights_digest(accelerator.unwrap_model(model))
+    print(f"rank {accelerator.process_index}: done at step {global_step}/{args.max_train_steps}, last loss {loss.item():.4f}, "
+          f"weights finite: {finite}, sha256 {digest}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
+from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
@@ -45,6 +45,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 RUN_CONTROL_FLAGS = {
     "config", "output_dir", "max_train_steps", "resume_from_checkpoint", "checkpointing_steps", "checkpoints_total_limit",
     "no_async_save", "report_to", "logging_steps", "dataloader_num_workers", "inject_fault", "audit", "max_retries",
+    "overwrite_output_dir", "reset_recovery",
 }
 
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--checkpoints_total_limit", type=int, default=3, help="Newest K kept (plus the last good one).")
     ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
     ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")
+    ckpt.add_argument("--overwrite_output_dir", action="store_true", help="Start over in an output_dir that holds a run (it is moved to previous-runs/).")
     model = p.add_argument_group("model and objective")
     model.add_argument("--prediction_type", type=str, default="epsilon", choices=["epsilon", "v_prediction", "flow_matching"])
     model.add_argument("--num_train_timesteps", type=int, default=1000)
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     stab.add_argument("--vidstab_config", type=str, default=None, help="YAML of vidstab.GuardConfig fields.")
     stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
     stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
+    stab.add_argument("--reset_recovery", action="store_true", help="Forget the rollback state (LR back-off, open incident) carried over in vidstab/recovery.json.")
     stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module.")
     stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
     return p
@@ -221,6 +224,8 @@ class Run:
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         )
         acc = self.accelerator
+        # One run per folder: another live trainer, or the same command again without resuming, is refused.
+        vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         self.faults = FaultInjector(args.inject_fault, acc.process_index)
 
@@ -270,7 +275,8 @@ class Run:
         self.checkpoints.register("vidstab", self.guard)
         if self.ema is not None:
             self.checkpoints.register("ema", self.ema)
-        self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out)
+        self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
+                                 reset=args.reset_recovery)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
@@ -379,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if result.rollback is not None:
                 try:
-                    state = run.recovery.rollback(result.rollback, step, incident=str(result.incident) if result.incident else None)
+                    state = run.recovery.rollback(result.rollback, step, incident=result.incident,
+                                                  cause=rollback_cause(result.rollback, result.findings))
                 except RunAborted as exc:
                     acc.print(str(exc))
                     exit_code = 3
@@ -391,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not state.get("skip_data", True):
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
+            run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
                 save_checkpoint(run, step)
             if result.stop:

@@ -36,7 +36,8 @@ def only(name, **overrides):
     """Detectors of a config where only ``name`` (and its overrides) is enabled."""
     d = {k: {"enabled": k == name} for k in ("nonfinite", "exception", "nonfinite_params", "grad_spike", "grad_growth",
                                             "loss_spike", "clip_rate", "loss_scale", "param_growth",
-                                            "lr_jump", "update_ratio", "input_range", "consecutive_skips", "repeated_spikes")}
+                                            "lr_jump", "update_ratio", "input_range", "straggler", "consecutive_skips",
+                                            "repeated_spikes")}
     d[name].update(overrides)
     return build_detectors(GuardConfig.from_dict(d))
 
@@ -297,3 +298,64 @@ def test_input_range_names_the_rank_with_the_extreme_latent():
     s = stats(30, input_absmax=900.0, rank_input_absmax=[4.2, 900.0], world_size=2)
     judge(dets, s)
     assert s.verdict == Verdict.WARN and s.findings[0].ranks == [1]
+
+
+def straggler_run(times_of, steps, **overrides):
+    """Drive the straggler detector with per-rank times ``times_of(step) -> [seconds per rank]``."""
+    dets = only("straggler", **overrides)
+    return [(s, f) for s, _, names in run(dets, [stats(i, rank_seconds=times_of(i)) for i in range(steps)])
+            for f in names], dets
+
+
+def test_straggler_names_a_persistently_slower_rank_and_by_how_much():
+    rng = random.Random(0)
+    slow_from = 40
+
+    def times(i):  # 4 ranks, ~10 ms with jitter; rank 2 takes 2x from step 40 on
+        return [0.010 * math.exp(rng.gauss(0, 0.1)) * (2.0 if r == 2 and i >= slow_from else 1.0) for r in range(4)]
+
+    dets = only("straggler")
+    found = []
+    for i in range(200):
+        s = stats(i, rank_seconds=times(i))
+        judge(dets, s)
+        s.applied = True
+        absorb(dets, s)
+        found += [(i, f) for f in s.findings]
+    assert len(found) == 1  # warned once (quiet_steps=500 afterwards), not every step
+    step, f = found[0]
+    assert f.detector == "straggler" and f.verdict == Verdict.WARN and f.ranks == [2]
+    assert 1.7 < f.figures["factor"] < 2.3 and "rank 2" in f.message
+    # the median needs half the window slow, then `patience` steps in a row
+    assert slow_from + 10 <= step <= slow_from + 10 + 10 + 2
+
+
+def test_straggler_quiet_on_jitter_spikes_and_one_rank():
+    rng = random.Random(1)
+
+    def jitter(i):  # heavy jitter, an occasional 5x hiccup on any rank, no persistent straggler
+        return [0.003 * math.exp(rng.gauss(0, 0.3)) * (5.0 if rng.random() < 0.03 else 1.0) for _ in range(2)]
+
+    found, _ = straggler_run(jitter, 3000)
+    assert found == []
+    # a burst of 8 slow steps on one rank (< half the window) is not a straggler
+    found, _ = straggler_run(lambda i: [0.01, 0.05 if 100 <= i < 108 else 0.01], 300)
+    assert found == []
+    # 1 ms slower on a 1 ms step is 2x but under min_seconds: jitter at that scale, not a straggler
+    found, _ = straggler_run(lambda i: [0.001, 0.002], 200)
+    assert found == []
+    found, _ = straggler_run(lambda i: [0.01], 200)  # a single process has no stragglers
+    assert found == []
+
+
+def test_straggler_state_round_trips_through_json():
+    times = lambda i: [0.01, 0.03 if i >= 20 else 0.01]  # noqa: E731
+    dets = only("straggler")
+    run(dets, [stats(i, rank_seconds=times(i)) for i in range(25)])
+    state = json.loads(json.dumps({d.name: d.state_dict() for d in dets}))
+    fresh = only("straggler")
+    for d in fresh:
+        d.load_state_dict(state[d.name])
+    a = run(dets, [stats(i, rank_seconds=times(i)) for i in range(25, 60)])
+    b = run(fresh, [stats(i, rank_seconds=times(i)) for i in range(25, 60)])
+    assert a == b and any("straggler" in names for _, _, names in a)

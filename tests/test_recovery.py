@@ -91,20 +91,22 @@ def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
     # A restart before the next save resumes on the rolled-back trajectory.
     assert (tmp_path / "vidstab" / "checkpoints" / "latest").read_text().strip() == "step_000010"
     ev = _events(tmp_path, "rollback")
-    if ev:  # vidstab.events is optional for recovery; when present the event is logged
-        assert ev[-1]["step"] == 23 and ev[-1]["to_step"] == 10 and ev[-1]["retries"] == 1
+    assert ev[-1]["step"] == 23 and ev[-1]["to_step"] == 10 and ev[-1]["retries"] == 1
+    assert ev[-1]["cause"] == "divergence" and ev[-1]["lr_multiplier"] == 0.5
 
     # Cumulative back-off, even though the checkpoint holds multiplier 1.0.
     assert rec.rollback("again", step=15)["step"] == 10
     assert guard.lr_multiplier == 0.25 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
-    # The count survives a restart (a new Recovery on the same run dir) ...
+    # The count of this incident survives a restart (a new Recovery on the same run dir), and is said ...
     rec2 = Recovery(acc, ckpt, guard, RecoveryConfig(max_retries=2), run_dir=str(tmp_path))
     assert rec2.retries == 2
+    assert "2 of 2 rollbacks used" in rec2.carried_over and "x0.25" in rec2.carried_over
     # ... and the next request aborts with the exact replay command.
     with pytest.raises(RunAborted) as ei:
         rec2.rollback("third time", step=12, incident="/runs/a/vidstab/incidents/step000012-rank1")
-    assert "python scripts/replay.py /runs/a/vidstab/incidents/step000012-rank1" in str(ei.value)
+    assert "vidstab replay /runs/a/vidstab/incidents/step000012-rank1" in str(ei.value)
+    assert "scripts/replay.py" not in str(ei.value)  # a pip user has no scripts/ folder
     assert "2 rollback(s)" in str(ei.value)
 
 
@@ -118,7 +120,7 @@ def test_replay_data_flag(tmp_path):
 def test_rollback_without_a_good_checkpoint_aborts(tmp_path):
     acc, model, opt, ckpt, guard, rec = _run(tmp_path)
     ckpt.save(3, healthy=False, trainer_state={"step": 3})
-    with pytest.raises(RunAborted, match="(?s)no healthy checkpoint.*scripts/replay.py"):
+    with pytest.raises(RunAborted, match="(?s)no healthy checkpoint.*vidstab replay "):
         rec.rollback("nan loss", step=4)
 
 

@@ -43,6 +43,10 @@ __all__ = [
     "list_incidents",
     "locate_nonfinite",
     "PreemptionHandler",
+    "claim_run_dir",
+    "RunDirInUse",
+    "RunDirNotEmpty",
+    "WithSampleIds",
 ]
 
 # name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
@@ -58,6 +62,10 @@ _LAZY = {
     "list_incidents": "capture",
     "locate_nonfinite": "localize",
     "PreemptionHandler": "preemption",
+    "claim_run_dir": "run_dir",
+    "RunDirInUse": "run_dir",
+    "RunDirNotEmpty": "run_dir",
+    "WithSampleIds": "sample_ids",
 }
 
 

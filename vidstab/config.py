@@ -29,6 +29,7 @@ from .detectors import (
     NonFiniteParamsConfig,
     ParamGrowthConfig,
     RepeatedSpikesConfig,
+    StragglerConfig,
     UpdateRatioConfig,
 )
 from .detectors.base import check
@@ -40,9 +41,10 @@ class GuardConfig:
 
     enabled: bool = True
     """Master switch. When False, ``guard.backward``/``guard.step`` do exactly what a plain loop does."""
-    input_keys: tuple[str, ...] = ("latents",)
+    input_keys: tuple[str, ...] | None = None
     """Keys of the ``batch`` dict given to ``guard.backward`` whose statistics (absmax, mean, std,
-    non-finite count) are recorded: the VAE latents are where extreme values enter a latent video model."""
+    non-finite count) are recorded; ``None`` (default): every floating tensor of the batch (latents,
+    images, noise ...; in the unmodified loop, the model's floating inputs)."""
     num_train_timesteps: int = 1000
     """Range of the ``timesteps`` given to ``guard.backward`` (``t / num_train_timesteps`` picks the
     bucket). Use 1 for continuous flow-matching times in [0, 1]."""
@@ -64,9 +66,9 @@ class GuardConfig:
     """A checkpoint is a rollback target (``guard.healthy``) only if no detector has raised a finding in the
     last this many steps (``health_ignore`` aside). A slowly diverging run warns (LR jump, update ratio,
     growth) well before it skips; a checkpoint taken then would be a rollback target that fails again."""
-    health_ignore: tuple[str, ...] = ("clip_rate", "loss_scale")
+    health_ignore: tuple[str, ...] = ("clip_rate", "loss_scale", "straggler")
     """Detectors whose warnings do not make a checkpoint unhealthy: they describe a lasting regime (heavy
-    clipping, an fp16 scale that keeps adjusting), not a state to roll back from."""
+    clipping, an fp16 scale that keeps adjusting, a slow rank), not a state to roll back from."""
     localize_first_nonfinite: bool = True
     """On the first non-finite incident of the run, replay the bad micro-batch with hooks (needs
     ``guard.set_replay_fn``) to name the first module producing NaN/Inf."""
@@ -96,6 +98,8 @@ class GuardConfig:
     """Update/weight ratio grew vs. its EMA (default: warn)."""
     input_range: InputRangeConfig = field(default_factory=InputRangeConfig)
     """An extreme finite input value (e.g. an unclamped VAE latent) vs. its EMA (default: warn)."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """A rank persistently slower than the others (default: warn)."""
     consecutive_skips: ConsecutiveSkipsConfig = field(default_factory=ConsecutiveSkipsConfig)
     """A run of skipped steps (default: rollback)."""
     repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)
@@ -103,7 +107,8 @@ class GuardConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
-        check(all(isinstance(k, str) for k in self.input_keys), "input_keys", "must be a list of strings", self.input_keys)
+        check(self.input_keys is None or all(isinstance(k, str) for k in self.input_keys), "input_keys",
+              "must be a list of strings or null", self.input_keys)
         check(self.num_train_timesteps > 0, "num_train_timesteps", "must be > 0", self.num_train_timesteps)
         check(self.timestep_buckets >= 1, "timestep_buckets", "must be >= 1", self.timestep_buckets)
         check(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)

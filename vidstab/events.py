@@ -1,8 +1,14 @@
 """Per-rank JSONL event log and the bridge to the accelerator's trackers.
 
 Every rank appends to its own ``RUN_DIR/vidstab/events-rank{R}.jsonl`` (no cross-process locking, and
-the quiet error on rank 3 is written by rank 3). One JSON object per line, flushed on write, so a
-crash loses at most the line being written; :func:`read_events` tolerates a torn last line.
+the quiet error on rank 3 is written by rank 3). One JSON object per line.
+
+Durability: healthy ``metrics`` lines are buffered in memory (at most ``flush_lines`` lines or
+``flush_seconds`` seconds) and every other event (a finding, an incident, a checkpoint, a rollback, a stop)
+is written together with the buffered lines at once, in one ``write`` of whole lines. So a crash loses at
+most the last few healthy metrics lines, never a finding or an incident, and never tears a line that
+another writer (``log_event``) appends next to it. In-process readers (:func:`iter_event_file`,
+:func:`read_events`) flush the open logs first; the buffer is also flushed at interpreter exit.
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
 with ``kind`` in ``metrics | warn | skip | rollback | checkpoint | incident | resume | stop | start |
@@ -11,11 +17,13 @@ fault | overflow``. Non-finite floats are written as ``null`` (strict JSON, read
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -45,26 +53,42 @@ def _clean(x: Any) -> Any:
     return str(x)
 
 
-class EventLog:
-    """Append-only JSONL log of one rank. Cheap: one ``json.dumps`` + one write + flush per event."""
+# One encoder each, built once: json.dumps with options builds a new JSONEncoder on every call.
+_STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
-    def __init__(self, run_dir: str | Path, rank: int = 0) -> None:
+#: Buffered logs open in this process, by file: readers and ``log_event`` go through them.
+_OPEN: "weakref.WeakValueDictionary[str, EventLog]" = weakref.WeakValueDictionary()
+
+
+class EventLog:
+    """Append-only JSONL log of one rank; healthy metrics lines are buffered (module docstring)."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0, *, flush_lines: int = 100,
+                 flush_seconds: float = 5.0) -> None:
         self.rank = int(rank)
         self.path = events_dir(run_dir) / f"events-rank{self.rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Line-buffered append: every event reaches the OS as soon as it is written.
-        self._f = open(self.path, "a", encoding="utf-8", buffering=1)
+        self.flush_lines, self.flush_seconds = int(flush_lines), float(flush_seconds)
+        # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
+        # by another handle (log_event, another EventLog) is never interleaved into ours.
+        self._f = open(self.path, "ab", buffering=0)
+        self._pending: list[str] = []
+        self._last_flush = time.monotonic()
+        _OPEN[str(self.path.resolve())] = self
 
     def log(self, kind: str, step: int, **fields: Any) -> dict:
-        """Append one event and return it (as written)."""
+        """Append one event and return it (as written). Anything but ``metrics`` reaches the file at once."""
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
-            line = json.dumps(rec, separators=(",", ":"), allow_nan=False)
+            line = _STRICT(rec)
         except (TypeError, ValueError):
             rec = _clean(rec)
-            line = json.dumps(rec, separators=(",", ":"))
-        self._f.write(line + "\n")
-        self._f.flush()
+            line = _COMPACT(rec)
+        self._pending.append(line)
+        if (kind != "metrics" or len(self._pending) >= self.flush_lines
+                or time.monotonic() - self._last_flush >= self.flush_seconds):
+            self.flush()
         return rec
 
     @property
@@ -72,18 +96,49 @@ class EventLog:
         """True after :meth:`close`."""
         return self._f.closed
 
+    def flush(self) -> None:
+        """Write the buffered lines now (one ``write`` call)."""
+        if not self._pending or self._f.closed:
+            return
+        data = ("\n".join(self._pending) + "\n").encode("utf-8")
+        self._pending = []
+        self._last_flush = time.monotonic()
+        view = memoryview(data)
+        while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
+            view = view[self._f.write(view):]
+
     def close(self) -> None:
-        """Flush and close (further :meth:`log` calls raise)."""
+        """Flush, fsync and close (further :meth:`log` calls raise)."""
         if not self._f.closed:
-            self._f.flush()
+            self.flush()
             os.fsync(self._f.fileno())
             self._f.close()
 
-    def __del__(self) -> None:  # best effort; the file is flushed per line anyway
+    def __del__(self) -> None:  # best effort: write what is buffered
         try:
+            self.flush()
             self._f.close()
         except Exception:
             pass
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    flush_open_logs()
+
+
+def flush_open_logs(path: str | Path | None = None) -> None:
+    """Flush the buffered logs of this process (all, or the one writing ``path``) before reading files."""
+    try:
+        logs = [_OPEN.get(str(Path(path).resolve()))] if path is not None else list(_OPEN.values())
+    except OSError:
+        return
+    for log in logs:
+        if log is not None:
+            try:
+                log.flush()
+            except (OSError, ValueError):  # a log being torn down: nothing left to save
+                pass
 
 
 def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: Any) -> None:
@@ -92,6 +147,11 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
     Never raises: losing one log line must not fail a checkpoint or a rollback.
     """
     try:
+        path = events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
+        open_log = _OPEN.get(str(path.resolve()))
+        if open_log is not None and not open_log._f.closed:  # the guard's log: keep one file order, flush now
+            open_log.log(kind, step, **fields)
+            return
         log = EventLog(run_dir, rank)
         try:
             log.log(kind, step, **fields)
@@ -108,6 +168,7 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterato
     expected after a kill, anything else deserves a look.
     """
     path = Path(path)
+    flush_open_logs(path)
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
     for number, line in enumerate(lines, start=1):

@@ -1,14 +1,22 @@
 """The guard: the orchestrator of one optimizer step, in lockstep on every rank.
 
-``guard.backward`` records per-rank flags on the device (no host sync). ``guard.step`` on the last
-micro-step of an accumulation window does, top to bottom (see :meth:`Guard.step`):
+Two ways in, one step. ``vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=...)``
+wraps the *instances* it is given, so a user's unmodified loop is guarded: ``accelerator.backward(loss)``
+records the loss (and, through a forward pre-hook on the model, the model's floating inputs) on the
+device; ``accelerator.clip_grad_norm_`` hands over the global pre-clip norm; ``optimizer.step()`` runs the
+guarded step below; ``lr_scheduler.step()`` is held after a skipped step; ``optimizer.zero_grad()`` is the
+user's own. ``guard.backward`` / ``guard.step`` do the same explicitly, with the batch, sample ids and
+per-sample losses as evidence. ``guard.detach()`` undoes the wrapping.
+
+The guarded step, on the last micro-step of an accumulation window (see :meth:`Guard._guarded_step`):
 
 1. the global pre-clip gradient norm (``accelerator.clip_grad_norm_``; FSDP2 DTensor made full);
 2. one packed row per rank -> one ``accelerator.gather`` -> one host read of a ``[world, k]`` table;
 3. the detectors on that table: the same verdict on every rank;
 4. apply (``optimizer.step`` + ``lr_scheduler.step``) or skip (grads to None, scheduler held,
-   ``optimizer_step_was_skipped`` true);
-5. events, tracker metrics, incident bundles on the offending ranks, rollback request.
+   ``optimizer_step_was_skipped`` true) -- nothing else runs between the read and the optimizer step;
+5. after the step is enqueued: detector statistics, events, tracker metrics, incident bundles on the
+   offending ranks, rollback request.
 
 Limits: under DeepSpeed the engine steps inside ``accelerator.backward`` and ``clip_grad_norm_``
 returns the norm of a step already applied (or ``None``): vidstab then observes and reports, but a
@@ -18,6 +26,7 @@ GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -36,6 +45,7 @@ from .localize import locate_nonfinite
 GUARD_STATE_FILE = "vidstab_guard.json"
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
 _KIND = {Verdict.WARN: "warn", Verdict.SKIP: "skip", Verdict.ROLLBACK: "rollback_request"}
+_ATTR = "_vidstab_guard"  # set on the optimizer a guard is attached to (attach is idempotent)
 
 
 @dataclass
@@ -102,6 +112,7 @@ class Guard:
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys
         )
+        self.clock = signals.StepClock(accelerator.device)
         self._params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
         self._trainable = [p for p in self._params if p.requires_grad]
         self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
@@ -114,6 +125,20 @@ class Guard:
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None
         self._clip_flags: list[bool] = []
+        # The methods the guard itself calls: the originals, also once the instances are wrapped (attach).
+        self._backward = accelerator.backward
+        self._clip = accelerator.clip_grad_norm_
+        self._optimizer_step = optimizer.step
+        self._scheduler_step = lr_scheduler.step if lr_scheduler is not None else None
+        self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._handles: list[Any] = []
+        self._user_norm: tuple[torch.Tensor | None, float | None] | None = None  # from the user's clip_grad_norm_
+        self._model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the latest forward
+        self._forward_names: list[str] = []
+        self._hold_scheduler = False
+        self._scale_known = False
+        self.last_result: StepResult | None = None
+        """The result of the last optimizer step (the unmodified loop's way to read it)."""
         # Persistent counters (state_dict).
         self.step_count = 0
         self.skipped_total = 0
@@ -126,9 +151,111 @@ class Guard:
         self._last_anomaly_step = -(10**9)  # last step with a finding that makes checkpoints unhealthy
         self._orig_lrs = self._current_base_lrs()
         if register_hooks and hasattr(accelerator, "register_save_state_pre_hook"):
-            accelerator.register_save_state_pre_hook(self._save_state_hook)
-            accelerator.register_load_state_pre_hook(self._load_state_hook)
+            self._handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
+            self._handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict())
+
+    # ------------------------------------------------------------------ the unmodified loop (attach)
+    def wrap(self) -> "Guard":
+        """Guard the user's own calls on these instances (what :func:`attach` does); undone by :meth:`detach`."""
+        if self._patches:
+            return self
+        self._patch(self.accelerator, "backward", self._user_backward)
+        self._patch(self.accelerator, "clip_grad_norm_", self._user_clip_grad_norm)
+        self._patch(self.optimizer, "step", self._user_optimizer_step)
+        if self.lr_scheduler is not None:
+            self._patch(self.lr_scheduler, "step", self._user_scheduler_step)
+        forward = getattr(self.accelerator.unwrap_model(self.model), "forward", None)
+        try:
+            self._forward_names = [n for n, p in inspect.signature(forward).parameters.items()
+                                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            self._forward_names = []
+        self._handles.append(self.model.register_forward_pre_hook(self._see_model_inputs, with_kwargs=True))
+        setattr(self.optimizer, _ATTR, self)
+        return self
+
+    def detach(self) -> None:
+        """Undo :meth:`wrap` and the save/load hooks: the instances behave as before :func:`attach`.
+        Idempotent; the event log is flushed (``close`` closes it)."""
+        for obj, name, had, old in reversed(self._patches):
+            if had:
+                setattr(obj, name, old)
+            else:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+        self._patches.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if getattr(self.optimizer, _ATTR, None) is self:
+            delattr(self.optimizer, _ATTR)
+        self.events.flush()
+
+    def _patch(self, obj: Any, name: str, fn: Callable) -> None:
+        had = name in vars(obj)
+        self._patches.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, fn)
+
+    def _see_model_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: keep references to the inputs of the latest forward with grad enabled (the one
+        the next backward is most likely about; a forward without a backward is simply replaced)."""
+        if torch.is_grad_enabled():
+            self._model_inputs = (args, kwargs)
+
+    def _model_batch(self) -> dict[str, torch.Tensor] | None:
+        """The tensors of the micro-step's model inputs, named after ``forward``'s parameters."""
+        if self._model_inputs is None:
+            return None
+        args, kwargs = self._model_inputs
+        batch = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                batch[self._forward_names[i] if i < len(self._forward_names) else f"arg{i}"] = a
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                batch[k] = v
+        return batch
+
+    def _user_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The user's ``accelerator.backward(loss)``: the original, then the micro-step's on-device flags."""
+        if not self.config.enabled or self._model_inputs is None:
+            # This guard's model did not run since the last backward: another model's loss (a second
+            # guard on the same accelerator, an unguarded model) passes straight through.
+            return self._backward(loss, **kwargs)
+        if self.accelerator.sync_gradients:
+            self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
+        self._backward(loss, **kwargs)
+        batch = self._model_batch()
+        self._model_inputs = None
+        self.window.record(loss, batch)
+        self._refs.append((batch if self.config.capture_incidents else None, None, None))
+
+    def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
+        """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
+        norm = self._clip(parameters, max_norm, norm_type, **kwargs)
+        if self.window.micro_steps and self.accelerator.sync_gradients and float(norm_type) == 2.0:
+            self._user_norm = (signals.norm_tensor(norm), float(max_norm))
+        return norm
+
+    def _user_optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``optimizer.step()``: the guarded step on the last micro-step, else the original."""
+        if not self.config.enabled or not self.accelerator.sync_gradients:
+            return self._optimizer_step(*args, **kwargs)
+        if self._user_norm is not None:
+            norm, max_norm = self._user_norm
+        else:  # the loop does not clip: measure the global norm once, without clipping
+            norm, max_norm = signals.global_grad_norm(self.accelerator, self._params, None, clip=self._clip), None
+        self._guarded_step(norm, max_norm, step_scheduler=False)
+        return None
+
+    def _user_scheduler_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``lr_scheduler.step()``: held right after a skipped optimizer step."""
+        if self._hold_scheduler and self.accelerator.sync_gradients:
+            return None
+        return self._scheduler_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ hot path
     def backward(
@@ -143,12 +270,16 @@ class Guard:
     ) -> None:
         """``accelerator.backward(loss)`` + on-device flags of this micro-step (no host sync).
 
-        ``batch``: the micro-batch tensors (kept by reference until the step, for incident capture);
+        ``batch``: the micro-batch tensors (kept by reference until the step, for incident capture; the
+        input statistics cover its floating tensors, or ``GuardConfig.input_keys``);
         ``per_sample_loss``/``timesteps`` ([B] each; timesteps default to ``batch["timesteps"]``) feed the
         per-timestep-bucket loss; ``error``: an exception the caller caught for this micro-step (the caller
         still passes a zero loss through the wrapped model so DDP collectives match) -> ROLLBACK.
         """
-        self.accelerator.backward(loss, **backward_kwargs)
+        if self.accelerator.sync_gradients:
+            self.clock.mark()
+        self._backward(loss, **backward_kwargs)
+        self._model_inputs = None
         if not self.config.enabled:
             return
         if timesteps is None and batch is not None:
@@ -163,30 +294,42 @@ class Guard:
             return StepResult(self.step_count, applied=False, skipped=False, micro=True)
         if not self.config.enabled:
             return self._plain_step(max_grad_norm)
+        norm = signals.global_grad_norm(self.accelerator, self._params, max_grad_norm, clip=self._clip)
+        return self._guarded_step(norm, max_grad_norm, step_scheduler=True)
+
+    def _guarded_step(self, norm: torch.Tensor | None, max_grad_norm: float | None, step_scheduler: bool) -> StepResult:
+        """Steps 2-5 of the module docstring, given the global pre-clip norm (clipped in place already)."""
         step = self.step_count
-        # 1. Global pre-clip norm (clips in place). DDP grads are already all-reduced here.
-        norm = signals.global_grad_norm(self.accelerator, self._params, max_grad_norm)
         # 2. One row per rank -> one gather -> one host read.
         stop, self._stop_requested = self._stop_requested, False
-        row = self.window.pack(norm, stop, *self._pending, self._loss_scale_tensor())
+        scale = self._loss_scale_tensor()
+        self._scale_known = scale is not None
+        row = self.window.pack(norm, stop, *self._pending, scale, self.clock.seconds())
         self._pending = (None, None)
-        table, micro = signals.gather_and_read(self.accelerator, row, self.window.micro_rows())
-        stats = self._build_stats(step, table, max_grad_norm, norm is not None)
+        table = signals.gather_and_read(self.accelerator, row)
+        self.clock.restart()
         # 3. Same table on every rank -> same verdict on every rank.
+        stats = self._build_stats(step, table, max_grad_norm, norm is not None)
         judge(self.detectors, stats)
-        self._last_verdict = stats.verdict
-        if any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore for f in stats.findings):
+        # 4. Apply or skip (nothing else before the optimizer step).
+        stats.applied = self._apply(stats, self._measure_params(step) and stats.verdict < Verdict.ROLLBACK,
+                                    step_scheduler)
+        # 5. After the step is enqueued: statistics absorb only applied steps; evidence.
+        # A skip of bad input data (finite weights) says nothing about the model's health.
+        bad_data_only = _bad_input_only(stats, self.config.health_ignore)
+        self._last_verdict = Verdict.OK if bad_data_only else stats.verdict
+        if not bad_data_only and any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore
+                                     for f in stats.findings):
             self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
-        # 4. Apply or skip; detectors absorb only applied steps.
-        stats.applied = self._apply(stats, measure=self._measure_params(step) and stats.verdict < Verdict.ROLLBACK)
         absorb(self.detectors, stats)
-        # 5. Evidence: events, trackers, incident bundles.
-        result = self._report(stats, table, micro, stop=any(r[signals.STOP] > 0 for r in table))
+        result = self._report(stats, table, stop=any(r[signals.STOP] > 0 for r in table))
         self._refs.clear()
         self.window.reset()
+        self._user_norm = self._model_inputs = None
         self.step_count += 1
+        self.last_result = result
         return result
 
     # ------------------------------------------------------------------ step parts
@@ -196,12 +339,14 @@ class Guard:
         norms = [r[S.GRAD_NORM] for r in table]
         bad = [n for n in norms if not math.isfinite(n)]
         grad_norm = bad[0] if bad else max(norms)
-        loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(r[S.LOSS_COUNT] for r in table)
-        rank_loss = [r[S.LOSS_SUM] / r[S.LOSS_COUNT] if r[S.LOSS_COUNT] > 0 else math.nan for r in table]
+        counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
+        loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
+        rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
         buckets = []
-        for b in range(lay.buckets):
-            c = sum(r[lay.bucket_count][b] for r in table)
-            buckets.append(sum(r[lay.bucket_sum][b] for r in table) / c if c > 0 else None)
+        if lay.buckets:
+            sums = [sum(col) for col in zip(*(r[lay.bucket_sum] for r in table))]
+            cnts = [sum(col) for col in zip(*(r[lay.bucket_count] for r in table))]
+            buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
         param_norm = update_ratio = None
         if table[0][S.PARAM_PENDING] > 0:
             # DDP: every rank holds all params (same value) -> take rank 0; FSDP: shards -> sum over ranks.
@@ -209,6 +354,9 @@ class Guard:
             usq = sum(r[S.UPDATE_SQ] for r in table) if self._sharded else table[0][S.UPDATE_SQ]
             param_norm = math.sqrt(psq) if psq >= 0 else math.nan
             update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
+        in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
+        absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
+        absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
         s = StepStats(
             step=step,
             grad_norm=grad_norm if norm_known else math.nan,
@@ -218,17 +366,19 @@ class Guard:
             max_grad_norm=max_grad_norm,
             clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
             lr=self._lr(),
-            loss_scale=table[0][S.LOSS_SCALE] if table[0][S.LOSS_SCALE] >= 0 else None,
+            loss_scale=table[0][S.LOSS_SCALE] if self._scale_known else None,
             param_norm=param_norm,
             update_ratio=update_ratio,
             nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
-            nonfinite_input_ranks=[i for i, r in enumerate(table) if r[S.IN_NONFINITE] > 0],
+            nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
             exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
             rank_loss=rank_loss,
-            rank_input_absmax=[r[S.IN_ABSMAX] for r in table],
+            rank_input_absmax=absmax,
+            rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
             timestep_bucket_loss=buckets,
-            input_absmax=max(r[S.IN_ABSMAX] for r in table),
-            input_nonfinite=int(sum(r[S.IN_NONFINITE] for r in table)),
+            # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
+            input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
+            input_nonfinite=int(sum(in_nonfinite)),
         )
         s.overflow = bool(
             getattr(self.accelerator, "scaler", None) is not None
@@ -242,19 +392,26 @@ class Guard:
         every = self.config.param_norm_every
         return every > 0 and step % every == 0 and bool(self._trainable)
 
-    def _apply(self, s: StepStats, measure: bool) -> bool:
-        """Step or skip; on measured steps leave (param_sq, update_sq) on device for the next read."""
+    def _apply(self, s: StepStats, measure: bool, step_scheduler: bool) -> bool:
+        """Step or skip; on measured steps leave (param_sq, update_sq) on device for the next read.
+
+        ``step_scheduler``: the explicit ``guard.step`` steps the scheduler and zeroes the gradients; in the
+        user's own loop (``step_scheduler=False``) the user's ``lr_scheduler.step()``/``zero_grad()`` follow.
+        """
         opt = self.optimizer
         if s.verdict <= Verdict.WARN or self._observe_only:
+            self._hold_scheduler = False
             before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
             _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
-            opt.step()  # under fp16 the scaler may still skip (overflow): read back below
+            self._optimizer_step()  # under fp16 the scaler may still skip (overflow): read back below
             applied = not bool(getattr(opt, "step_was_skipped", False))
-            if applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            opt.zero_grad(set_to_none=True)
+            if step_scheduler:
+                if applied and self._scheduler_step is not None:
+                    self._scheduler_step()
+                opt.zero_grad(set_to_none=True)
         else:
             before = None
+            self._hold_scheduler = True
             opt.zero_grad(set_to_none=True)  # poisoned grads must never be used
             _set_skipped(opt, True)  # -> accelerator.optimizer_step_was_skipped
             scaler = getattr(self.accelerator, "scaler", None)
@@ -279,12 +436,12 @@ class Guard:
             self.overflow_total += 1
         return applied
 
-    def _report(self, s: StepStats, table: list[list[float]], micro: list[list[float]], stop: bool) -> StepResult:
+    def _report(self, s: StepStats, table: list[list[float]], stop: bool) -> StepResult:
         mine = table[self.rank]
         S = signals
-        n = mine[S.IN_COUNT]
-        mean = mine[S.IN_SUM] / n if n > 0 else math.nan
-        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if n > 0 else math.nan
+        n = mine[S.IN_NUMEL]
+        mean = mine[S.IN_SUM] / n if n > 0 else None
+        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if mean is not None and math.isfinite(mean) else None
         metrics = {
             "loss": s.loss,
             "loss_rank": s.rank_loss[self.rank],
@@ -298,16 +455,17 @@ class Guard:
             "update_ratio": s.update_ratio,
             "skipped_total": self.skipped_total,
             "overflow_total": self.overflow_total,
-            "input_absmax": mine[S.IN_ABSMAX],
+            "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
             "input_mean": mean,
             "input_std": std,
-            "input_nonfinite": int(mine[S.IN_NONFINITE]),
+            "input_nonfinite": int(mine[S.NONFINITE_ALL] - mine[S.LOSS_NONFINITE]),
             "loss_by_t": s.timestep_bucket_loss,
+            "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": s.verdict.name,
             "applied": s.applied,
         }
         self.events.log("metrics", s.step, **metrics)
-        if s.step % self.config.log_every == 0:
+        if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):
             log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
         bad_ranks = sorted({r for f in s.findings for r in f.ranks})
         for f in s.findings:
@@ -318,7 +476,7 @@ class Guard:
         if stop:
             self.events.log("stop", s.step, reason="request_stop")
         rollback = next((f"{f.detector}: {f.message}" for f in s.findings if f.verdict >= Verdict.ROLLBACK), None)
-        incidents = self._capture(s, micro) if s.verdict >= Verdict.SKIP and not s.overflow else []
+        incidents = self._capture(s) if s.verdict >= Verdict.SKIP and not s.overflow else []
         skipped = s.verdict >= Verdict.SKIP and not self._observe_only
         return StepResult(
             step=s.step, applied=s.applied, skipped=skipped, micro=False, verdict=s.verdict,
@@ -327,15 +485,16 @@ class Guard:
         )
 
     # ------------------------------------------------------------------ incidents (cold path)
-    def _capture(self, s: StepStats, micro: list[list[float]]) -> list[Path]:
+    def _capture(self, s: StepStats) -> list[Path]:
         """Write incident bundles for this rank's bad micro-batches if this rank is named by a finding."""
         if not self.config.capture_incidents:
             return []
         finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks), None)
         if finding is None or not self._refs:
             return []
+        micro = self.window.micro_flags()  # cold path: one more host read, on this rank only
         # Micro-steps whose loss/inputs were non-finite or that raised; else all, the largest input first.
-        idx = [i for i, m in enumerate(micro) if m[0] > 0 or m[1] > 0 or m[3] > 0]
+        idx = [i for i, m in enumerate(micro) if m[0] or m[1] > 0 or m[3]]
         if not idx:
             idx = sorted(range(len(micro)), key=lambda i: -micro[i][2])
         paths = []
@@ -534,19 +693,30 @@ class Guard:
     def _plain_step(self, max_grad_norm: float | None) -> StepResult:
         """``enabled=False``: exactly a plain Accelerate step."""
         if max_grad_norm is not None:
-            self.accelerator.clip_grad_norm_(self._params, max_grad_norm)
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self._clip(self._params, max_grad_norm)
+        self._optimizer_step()
+        if self._scheduler_step is not None:
+            self._scheduler_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
 
     def close(self) -> None:
-        """Log ``stop`` (``reason="closed"``: the report reads the run as finished) and close the event log."""
+        """Log ``stop`` (``reason="closed"``: the report reads the run as finished), detach (:meth:`detach`)
+        and close the event log."""
         if not self.events.closed:
             self.events.log("stop", self.step_count, reason="closed")
+        self.detach()
         self.events.close()
+
+
+def _bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
+    """True when the step's only finding is ``nonfinite`` and every rank with a non-finite loss also had
+    non-finite inputs: bad data, skipped before it reached the weights, not a sick model (a ``nonfinite``
+    SKIP on bad inputs still never applies the step; this only keeps checkpoints healthy)."""
+    loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
+    return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
+            and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:
@@ -568,11 +738,22 @@ def attach(
     seed: int | None = None,
     checkpoint_fn: Callable[[], str | None] | None = None,
 ) -> Guard:
-    """Attach a :class:`Guard` to prepared Accelerate objects; its state travels with
-    ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
+    """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
+    After this one line the user's own ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_``,
+    ``optimizer.step()``, ``lr_scheduler.step()`` and ``optimizer.zero_grad()`` are guarded (the instances
+    are wrapped, not the classes; ``guard.detach()`` undoes it); ``guard.backward``/``guard.step`` remain
+    for loops that want the batch, sample ids and per-sample losses in the evidence. The guard's state
+    travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
+
+    Attaching again to the same optimizer returns the guard already attached (until it is detached).
     ``model_spec`` (how to rebuild the model), ``seed`` and ``checkpoint_fn`` (-> newest checkpoint
     path or None) are written into incident bundles so an incident can be replayed elsewhere.
     """
+    existing = getattr(optimizer, _ATTR, None)
+    if isinstance(existing, Guard) and existing.accelerator is accelerator and existing.model is model:
+        return existing
+    if isinstance(existing, Guard):
+        existing.detach()
     return Guard(accelerator, model, optimizer, lr_scheduler, config, run_dir,
-                 model_spec=model_spec, seed=seed, checkpoint_fn=checkpoint_fn)
+                 model_spec=model_spec, seed=seed, checkpoint_fn=checkpoint_fn).wrap()

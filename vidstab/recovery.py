@@ -1,14 +1,27 @@
-"""Rollback policy: reload the last good checkpoint, back off the learning rate, skip or replay data,
-and give up (with the exact replay command) after a bounded number of retries.
+"""Rollback policy: reload the last good checkpoint, back off the learning rate when the cause calls for
+it, skip or replay data, and give up (with the exact replay command) when one incident keeps failing.
 
-The policy follows the seed's advice (roll back to the newest valid checkpoint, multiply the LR by 0.5
-each time, after a few failures stop and reproduce the failing batch by hand) and PaLM's practice of
-*not* replaying the data between the checkpoint and the failure by default: a batch that blew the run
-up once tends to do it again.
+The policy follows the seed's advice (roll back to the newest valid checkpoint, lower the LR, after a few
+failures stop and reproduce the failing batch by hand) and PaLM's practice of *not* replaying the data
+between the checkpoint and the failure by default: a batch that blew the run up once tends to do it again.
+It is built for runs that last weeks (docs/ARCHITECTURE.md, "Recovery"):
 
-The retry count and the cumulative LR multiplier are kept in ``OUTPUT_DIR/vidstab/recovery.json``
-(written atomically by the main process), not in the checkpoint: loading the checkpoint must not reset
-the count, and the count must survive a restart of the job.
+- **The retry budget belongs to one incident**: failures that recur before the run gets
+  ``incident_window`` steps past the latest of them are one incident; ``max_retries`` rollbacks are allowed
+  for it. Once the run is past it, the next failure starts a new incident with a full budget.
+- **The LR back-off depends on the cause**: a divergence (spikes, non-finite weights, a run of skipped
+  steps) multiplies the LR by ``lr_backoff``; an exception (a CUDA error, a flaky node) or bad input data
+  does not: lowering the LR does not fix a broken node or a broken sample.
+- **A backed-off LR returns to the schedule gradually**: after the incident is over, every
+  ``lr_restore_every`` steps without a skip or a rollback the multiplier is divided by ``lr_backoff``
+  until it is 1 again.
+- Every change (rollback, incident over, LR restored, state carried over, reset) is an event in the log.
+
+The state (open incident, LR multiplier, history) is kept in ``OUTPUT_DIR/vidstab/recovery.json``
+(written atomically by the main process), not in the checkpoint: loading an older checkpoint must not
+reset it, and it must survive a restart. On a restart what is carried over is said (warning + a
+``recovery`` event with ``action="carried_over"``); ``Recovery(..., reset=True)`` (the trainer's
+``--reset_recovery``) forgets it, and a changed run config starts the open incident's budget afresh.
 """
 
 from __future__ import annotations
@@ -16,24 +29,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .atomic import write_json_atomic
-from .events import log_event
 from .checkpoint import CheckpointError, CheckpointManager
+from .events import log_event
 
-__all__ = ["RecoveryConfig", "Recovery", "RunAborted"]
+__all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
 logger = logging.getLogger("vidstab.recovery")
 
 STATE_FILE = os.path.join("vidstab", "recovery.json")
+STATE_SCHEMA = 2
+CAUSES = ("divergence", "exception", "data")
 
 
 class RunAborted(RuntimeError):
-    """Raised when the run keeps failing after ``max_retries`` rollbacks; the message says how to replay
-    the failing batch."""
+    """Raised when one incident keeps failing after ``max_retries`` rollbacks, or nothing healthy is left
+    to roll back to; the message says how to replay the failing batch."""
 
 
 @dataclass
@@ -41,16 +59,58 @@ class RecoveryConfig:
     """How the run recovers from a rollback request."""
 
     max_retries: int = 3
-    """Rollbacks allowed in one run (counted across restarts); the next request raises :class:`RunAborted`."""
+    """Rollbacks allowed for one incident (counted across restarts); the next request raises :class:`RunAborted`."""
     lr_backoff: float = 0.5
-    """Factor applied to the LR multiplier at each rollback (cumulative: 0.5, 0.25, ...)."""
+    """Factor applied to the LR multiplier at each rollback whose cause is in ``lr_backoff_causes``."""
+    lr_backoff_causes: tuple[str, ...] = ("divergence",)
+    """Causes (``divergence``, ``exception``, ``data``; see :func:`rollback_cause`) that lower the LR."""
+    incident_window: int = 100
+    """A failure within this many steps after the latest failure of the open incident belongs to it (and
+    spends its budget); once the run is further than this past it, the incident is over."""
+    lr_restore_every: int = 200
+    """After the incident is over, divide the multiplier by ``lr_backoff`` (up to 1) every this many steps
+    without a skip or rollback. 0 keeps a backed-off LR for the rest of the run."""
     skip_data: bool = True
     """PaLM-style: keep the data iterator where the failure happened, so the batches between the checkpoint
     and the failure are skipped. False: rewind the data to the checkpoint's position and replay them."""
+    own_checkpoints: str | None = None
+    """Regular expression of the training script's *own* checkpoint folders in the run folder, group 1 the
+    step (diffusers' examples: ``r"checkpoint-(\\d+)"``). On a rollback the main process deletes those newer
+    than the rollback target: they hold the abandoned trajectory, and the script's own
+    ``--resume_from_checkpoint latest`` (newest ``checkpoint-N``) must never pick one. None: leave them."""
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.lr_backoff_causes if c not in CAUSES]
+        if bad:
+            raise ValueError(f"RecoveryConfig.lr_backoff_causes: unknown cause(s) {bad}; known: {CAUSES}")
+        if not 0.0 < self.lr_backoff <= 1.0:
+            raise ValueError(f"RecoveryConfig.lr_backoff must be in (0, 1], not {self.lr_backoff}")
+        if self.max_retries < 0 or self.incident_window < 0 or self.lr_restore_every < 0:
+            raise ValueError("RecoveryConfig.max_retries, incident_window and lr_restore_every must be >= 0")
+        self.lr_backoff_causes = tuple(self.lr_backoff_causes)
+        if self.own_checkpoints is not None and re.compile(self.own_checkpoints).groups < 1:
+            raise ValueError("RecoveryConfig.own_checkpoints needs a group for the step, e.g. r'checkpoint-(\\d+)'")
+
+
+def rollback_cause(reason: Any, findings: Any = ()) -> str:
+    """The cause of a rollback request: ``"exception"`` (the step raised), ``"data"`` (the step that
+    escalated had non-finite *inputs*: bad samples, not a sick model) or ``"divergence"`` (anything else).
+
+    ``reason`` is ``StepResult.rollback`` (``"detector: message"``) or a Finding; ``findings`` the step's
+    findings (``StepResult.findings``), when known.
+    """
+    detector = getattr(reason, "detector", None) or str(reason).split(":", 1)[0].strip()
+    if detector == "exception":
+        return "exception"
+    for f in findings or ():
+        if getattr(f, "detector", None) == "nonfinite" and (getattr(f, "figures", None) or {}).get("input_nonfinite", 0) > 0:
+            return "data"
+    return "divergence"
 
 
 class Recovery:
-    """Performs rollbacks for the trainer; every rank must call :meth:`rollback` together.
+    """Performs rollbacks for a training loop; every rank must call :meth:`rollback` / :meth:`after_step`
+    together (with the same arguments: they are built from the guard's lockstep ``StepResult``).
 
     Args:
         accelerator: the run's ``Accelerator``.
@@ -59,92 +119,261 @@ class Recovery:
             (the vidstab ``Guard``); None to leave the LR alone.
         config: :class:`RecoveryConfig`.
         run_dir: the output dir (holds ``vidstab/recovery.json`` and the event logs).
+        reset: forget the state carried over from an earlier launch (open incident, LR multiplier);
+            the history is kept. Said in the log.
+        config_hash: fingerprint of the run's configuration (default: ``ckpt.config_hash``). When it
+            differs from the one stored with the state, the open incident's retry budget starts afresh
+            (the LR multiplier is kept), and that is said.
     """
 
     def __init__(self, accelerator, ckpt: CheckpointManager, guard: Any = None, config: RecoveryConfig | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, *, reset: bool = False, config_hash: str | None = None) -> None:
         self.accelerator = accelerator
         self.ckpt = ckpt
         self.guard = guard
         self.config = config or RecoveryConfig()
         self.run_dir = os.path.abspath(run_dir or ckpt.output_dir)
-        self.state: dict[str, Any] = {"retries": 0, "lr_multiplier": 1.0, "history": []}
+        self.rank = accelerator.process_index
+        self.config_hash = config_hash if config_hash is not None else getattr(ckpt, "config_hash", None)
+        self.state: dict[str, Any] = self._fresh_state()
+        self.carried_over: str | None = None
+        """What this launch inherited from ``recovery.json`` (one sentence), or None."""
+        loaded = self._read_state()
+        if loaded is not None:
+            self._take_over(loaded, reset)
+
+    # ------------------------------------------------------------------ state
+    def _fresh_state(self) -> dict[str, Any]:
+        return {"schema": STATE_SCHEMA, "lr_multiplier": 1.0, "incident": None, "stable_since": 0,
+                "rollbacks_total": 0, "history": [], "config_hash": self.config_hash,
+                "recovery_config": _config_dict(self.config)}
+
+    def _read_state(self) -> dict | None:
         try:
             with open(os.path.join(self.run_dir, STATE_FILE), "rb") as fh:
-                self.state.update(json.loads(fh.read()))
+                d = json.loads(fh.read())
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            return d
         except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as e:
-            logger.warning("cannot read %s (%s); retry count starts at 0", STATE_FILE, e)
+            return None
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            logger.warning("cannot read %s (%s); recovery state starts fresh", STATE_FILE, e)
+            return None
+
+    def _take_over(self, d: dict, reset: bool) -> None:
+        history = list(d.get("history") or [])
+        incident = d.get("incident")
+        if d.get("schema", 1) < 2 and history:  # schema 1: one run-wide count; treat it as one open incident
+            incident = {"first_step": history[0].get("step", 0), "last_failure": history[-1].get("step", 0),
+                        "retries": int(d.get("retries", len(history))), "cause": "divergence"}
+        multiplier = float(d.get("lr_multiplier", 1.0) or 1.0)
+        self.state.update(history=history, rollbacks_total=int(d.get("rollbacks_total", len(history))),
+                          stable_since=int(d.get("stable_since", 0)))
+        if reset:
+            self.state.update(lr_multiplier=1.0, incident=None)
+            self._announce("reset", "recovery state reset as asked (reset=True): LR multiplier back to 1, "
+                                    "no open incident", old_multiplier=multiplier, old_incident=incident)
+            self._persist()
+            return
+        self.state.update(lr_multiplier=multiplier, incident=incident)
+        if multiplier == 1.0 and not incident:
+            return
+        parts = []
+        if multiplier != 1.0:
+            parts.append(f"LR multiplier x{multiplier:.4g}")
+        changed = (d.get("config_hash") not in (None, self.config_hash) and self.config_hash is not None) or (
+            d.get("recovery_config") not in (None, _config_dict(self.config)))
+        if incident:
+            if changed:
+                parts.append(f"the incident from step {incident['last_failure']} with its retry budget started "
+                             f"afresh because the run's configuration changed ({incident['retries']} of "
+                             f"{self.config.max_retries} rollbacks had been used)")
+                incident = dict(incident, retries=0)
+                self.state["incident"] = incident
+            else:
+                parts.append(f"an open incident (last failure at step {incident['last_failure']}, "
+                             f"{incident['retries']} of {self.config.max_retries} rollbacks used)")
+        self.carried_over = (f"carried over from {STATE_FILE}: " + "; ".join(parts) +
+                             ". To start fresh: Recovery(..., reset=True) (recipes/train.py: --reset_recovery)")
+        self._announce("carried_over", self.carried_over, lr_multiplier=multiplier, incident=incident,
+                       config_changed=bool(changed))
+        if changed:
+            self._persist()
 
     @property
     def retries(self) -> int:
-        """Rollbacks performed so far in this run (across restarts)."""
-        return int(self.state["retries"])
+        """Rollbacks spent on the open incident (0 when none is open)."""
+        inc = self.state.get("incident")
+        return int(inc["retries"]) if inc else 0
 
-    def rollback(self, reason: Any, step: int, incident: str | None = None) -> dict:
+    @property
+    def rollbacks_total(self) -> int:
+        """Rollbacks over the run's whole life (across restarts)."""
+        return int(self.state.get("rollbacks_total", 0))
+
+    @property
+    def lr_multiplier(self) -> float:
+        """The LR multiplier recovery holds in effect (1.0: on schedule)."""
+        return float(self.state["lr_multiplier"])
+
+    def reset(self) -> None:
+        """Forget the open incident and bring the LR back to the schedule now (every rank together)."""
+        old = self.lr_multiplier
+        self.state.update(lr_multiplier=1.0, incident=None)
+        self._sync_guard_lr()
+        self._announce("reset", "recovery state reset: LR multiplier back to 1, no open incident", old_multiplier=old)
+        self._persist()
+
+    # ------------------------------------------------------------------ the loop's calls
+    def resume(self, which: str = "latest") -> dict | None:
+        """``ckpt.load(which)`` and then make the LR follow the recovery state (the checkpoint holds the
+        multiplier as of its save). Returns what ``load`` returns (None on a fresh run)."""
+        state = self.ckpt.load(which)
+        self._sync_guard_lr()
+        return state
+
+    def after_step(self, result: Any, step: int | None = None) -> dict | None:
+        """Call after every ``guard.step`` that was not a micro-step. Rolls back when the guard asks for it
+        (returns :meth:`rollback`'s state: continue the loop from ``state["step"]``), else keeps the books
+        (incident over, gradual LR return) and returns None.
+
+        ``step``: the loop's step count after this step (default ``result.step + 1``, which is the
+        diffusers ``global_step`` after its increment and the guard's ``global_step``).
+        """
+        if getattr(result, "micro", False):
+            return None
+        step = int(result.step) + 1 if step is None else int(step)
+        if getattr(result, "rollback", None) is not None:
+            incident = result.incident
+            return self.rollback(result.rollback, step, incident=str(incident) if incident else None,
+                                 cause=rollback_cause(result.rollback, getattr(result, "findings", ())))
+        self.on_step(step, skipped=bool(getattr(result, "skipped", False)))
+        return None
+
+    def on_step(self, step: int, skipped: bool = False) -> None:
+        """Book-keeping of a step that was not rolled back: close the incident once the run is past it, and
+        bring a backed-off LR back towards the schedule after a stable stretch (each change is an event)."""
+        st = self.state
+        if self.guard is not None and float(getattr(self.guard, "lr_multiplier", 1.0)) != self.lr_multiplier:
+            self._sync_guard_lr()  # e.g. a checkpoint loaded by the loop itself restored an older multiplier
+        if skipped:
+            st["stable_since"] = step
+        inc = st.get("incident")
+        changed = False
+        if inc and step > inc["last_failure"] + self.config.incident_window:
+            st["incident"] = None
+            st["stable_since"] = max(st["stable_since"], step)
+            self._announce("incident_over", f"past the incident of step {inc['last_failure']} by "
+                           f"{self.config.incident_window} steps: the next failure gets a full retry budget",
+                           step=step, incident=inc)
+            changed = True
+        every = self.config.lr_restore_every
+        if (st.get("incident") is None and every > 0 and self.lr_multiplier < 1.0
+                and step - st["stable_since"] >= every and self.config.lr_backoff < 1.0):
+            old = self.lr_multiplier
+            new = min(1.0, old / self.config.lr_backoff)
+            new = 1.0 if new > 0.999999 else new
+            st["lr_multiplier"] = new
+            st["stable_since"] = step
+            self._sync_guard_lr()
+            self._announce("lr_restore", f"{every} stable steps: LR multiplier x{old:.4g} -> x{new:.4g}",
+                           step=step, old_multiplier=old, lr_multiplier=new)
+            changed = True
+        if changed:
+            self._persist()
+
+    def rollback(self, reason: Any, step: int, incident: str | os.PathLike | None = None, cause: str | None = None) -> dict:
         """Roll every rank back to the last good checkpoint.
 
         Args:
             reason: why (a detector message, or a Finding; stored as text).
             step: the step at which the failure was detected.
-            incident: incident bundle folder of the failure, for the replay command in :class:`RunAborted`.
+            incident: incident bundle folder of the failure (str or Path), for the replay command in
+                :class:`RunAborted`.
+            cause: ``"divergence"``, ``"exception"`` or ``"data"`` (default: :func:`rollback_cause` of
+                ``reason``); only causes in ``lr_backoff_causes`` lower the LR.
 
         Returns:
             The loaded checkpoint's ``trainer_state`` plus ``"skip_data"`` (True: keep the data iterator
             where it is; False: rewind it to the checkpoint's data position, i.e. call the trainer's
             restore with this state), ``"rewind_data"`` (its negation), ``"_checkpoint"`` (which
-            checkpoint was loaded) and ``"_recovery"`` (retries, lr_multiplier).
+            checkpoint was loaded) and ``"_recovery"`` (retries, lr_multiplier, cause).
 
         Raises:
-            RunAborted: after ``max_retries`` rollbacks, or when there is no good checkpoint to go back to.
+            RunAborted: after ``max_retries`` rollbacks for one incident, or when there is no good
+            checkpoint to go back to.
         """
         reason_text = getattr(reason, "message", None) or str(reason)
-        if self.retries >= self.config.max_retries:
-            raise RunAborted(self._abort_message(
-                f"still failing after {self.retries} rollback(s) (max_retries={self.config.max_retries}); "
-                f"last failure at step {step}: {reason_text}", incident))
-        m_before = float(getattr(self.guard, "lr_multiplier", self.state.get("lr_multiplier", 1.0)) or 1.0)
+        if getattr(reason, "detector", None):
+            reason_text = f"{reason.detector}: {reason_text}"
+        incident = os.fspath(incident) if incident is not None else None
+        cause = cause or rollback_cause(reason)
+        if cause not in CAUSES:
+            raise ValueError(f"rollback cause must be one of {CAUSES}, not {cause!r}")
+        step = int(step)
+        open_incident = self.state.get("incident")
+        if open_incident and step > open_incident["last_failure"] + self.config.incident_window:
+            open_incident = None  # the loop never reported the steps in between (no after_step): over anyway
+        if open_incident and open_incident["retries"] >= self.config.max_retries:
+            what = (f"still failing after {open_incident['retries']} rollback(s) for the incident that began at step "
+                    f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at step "
+                    f"{step} ({cause}): {reason_text}")
+            # The script's own `latest` must not resume the failing trajectory either: keep only what is not newer
+            # than vidstab's last healthy checkpoint.
+            good = self.ckpt.last_good()
+            good_step = next((i.step for i in self.ckpt.list() if good and os.path.samefile(i.path, good)), None)
+            discarded = self._discard_own_checkpoints(good_step) if good_step is not None else []
+            log_event(self.run_dir, self.rank, "recovery", step, action="abort", message=what, cause=cause,
+                      last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident)
+            if discarded:
+                what += f"; removed the script's own {', '.join(discarded)} (newer than the last good step {good_step})"
+            raise RunAborted(self._abort_message(what, incident))
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
-        target = self._target(step)
+        choice = self._target(step)
         try:
-            state = self.ckpt.load(target, resume_event=False)  # logged below as a rollback
+            state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
         except CheckpointError as e:
             raise RunAborted(self._abort_message(f"rollback at step {step} impossible: {e}", incident)) from e
         if state is None:
             raise RunAborted(self._abort_message(
                 f"rollback at step {step} impossible: no healthy checkpoint yet ({reason_text})", incident))
-        target = m_before * self.config.lr_backoff
-        if self.guard is not None and hasattr(self.guard, "scale_lr"):
-            # The load restored the guard's multiplier as of the checkpoint; make the optimizer consistent
-            # with it first, then scale to the cumulative back-off.
-            if hasattr(self.guard, "reapply_lr_multiplier"):
-                self.guard.reapply_lr_multiplier()
-            m_loaded = float(getattr(self.guard, "lr_multiplier", 1.0) or 1.0)
-            self.guard.scale_lr(target / m_loaded)
-        # A restart before the next save should resume on this trajectory, not the abandoned one.
-        self.ckpt.set_latest(state["_checkpoint"]["path"])
-        if target != "last_good":  # the target that failed again is no rollback target any more
-            self.ckpt.set_last_good(state["_checkpoint"]["path"])
+        old_multiplier = self.lr_multiplier
+        backoff = self.config.lr_backoff if cause in self.config.lr_backoff_causes else 1.0
+        multiplier = old_multiplier * backoff
         info = state["_checkpoint"]
-        self.state["retries"] = self.retries + 1
-        self.state["lr_multiplier"] = target
-        self.state["history"].append({"time": time.time(), "step": int(step), "to_step": info["step"],
+        # A restart before the next save should resume on this trajectory, not the abandoned one.
+        self.ckpt.set_latest(info["path"])
+        if choice != "last_good":  # the target that failed again is no rollback target any more
+            self.ckpt.set_last_good(info["path"])
+        discarded = self._discard_own_checkpoints(int(info["step"]))
+        if open_incident:
+            open_incident = dict(open_incident, retries=open_incident["retries"] + 1,
+                                 last_failure=max(open_incident["last_failure"], step))
+        else:
+            open_incident = {"first_step": step, "last_failure": step, "retries": 1, "cause": cause}
+        self.state.update(incident=open_incident, lr_multiplier=multiplier, stable_since=int(info["step"]),
+                          rollbacks_total=self.rollbacks_total + 1)
+        self._sync_guard_lr()
+        self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
-                                      "lr_multiplier": target})
+                                      "cause": cause, "lr_multiplier": multiplier})
         self._persist()
-        log_event(self.run_dir, self.accelerator.process_index, "rollback", int(step), reason=reason_text,
-                   checkpoint=info["path"], to_step=info["step"], retries=self.retries, lr_multiplier=target,
-                   skip_data=self.config.skip_data, incident=incident)
-        logger.warning("rollback %d/%d at step %d -> %s (step %d), LR x%.4g, %s data: %s", self.retries,
-                       self.config.max_retries, step, info["path"], info["step"], target,
+        log_event(self.run_dir, self.rank, "rollback", step, reason=reason_text, checkpoint=info["path"],
+                  to_step=info["step"], retries=self.retries, max_retries=self.config.max_retries, cause=cause,
+                  lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
+                  incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded)
+        logger.warning("rollback %d/%d of the incident at step %d -> %s (step %d), cause %s, LR x%.4g%s, %s data: %s",
+                       self.retries, self.config.max_retries, step, info["path"], info["step"], cause, multiplier,
+                       "" if backoff != 1.0 else " (not lowered for this cause)",
                        "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
         out["skip_data"] = self.config.skip_data
         out["rewind_data"] = not self.config.skip_data
-        out["_recovery"] = {"retries": self.retries, "lr_multiplier": target}
+        out["_recovery"] = {"retries": self.retries, "lr_multiplier": multiplier, "cause": cause}
         return out
 
+    # ------------------------------------------------------------------ helpers
     def _target(self, step: int) -> str:
         """``"last_good"``, unless the last rollback went there and the run failed again before getting past
         that failure: then the healthy checkpoint before it (a target that is already bad, e.g. saved inside a
@@ -164,12 +393,68 @@ class Recovery:
                        older[-1].name)
         return older[-1].path
 
+    def _discard_own_checkpoints(self, target_step: int) -> list[str]:
+        """Delete the script's own checkpoints newer than ``target_step`` (main process; see
+        ``RecoveryConfig.own_checkpoints``). Returns their names (the same list on every rank)."""
+        if not self.config.own_checkpoints:
+            return []
+        pattern = re.compile(self.config.own_checkpoints)
+        try:
+            names = sorted(os.listdir(self.run_dir))
+        except OSError:
+            return []
+        newer = [n for n in names if (m := pattern.fullmatch(n)) and int(m.group(1)) > target_step]
+        if self.accelerator.is_main_process:
+            for n in newer:
+                # Rename first: a kill mid-delete must not leave a half-deleted folder under a checkpoint name.
+                trash = os.path.join(self.run_dir, f".vidstab-abandoned-{n}-{secrets.token_hex(4)}")
+                try:
+                    os.rename(os.path.join(self.run_dir, n), trash)
+                except OSError as e:
+                    logger.warning("could not remove %s of the abandoned trajectory: %s", n, e)
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+            if newer:
+                logger.warning("rollback to step %d: removed the script's own %s (abandoned trajectory)",
+                               target_step, ", ".join(newer))
+        wait = getattr(self.accelerator, "wait_for_everyone", None)
+        if callable(wait):
+            wait()  # no rank goes on (and saves a checkpoint-N) before they are gone
+        return newer
+
+    def _sync_guard_lr(self) -> None:
+        """Make the guard's (and so the optimizer's) LR multiplier equal to the recovery state's."""
+        g = self.guard
+        if g is None or not hasattr(g, "scale_lr"):
+            return
+        if hasattr(g, "reapply_lr_multiplier"):
+            g.reapply_lr_multiplier()  # optimizer consistent with the guard's own multiplier first
+        current = float(getattr(g, "lr_multiplier", 1.0) or 1.0)
+        if current != self.lr_multiplier:
+            g.scale_lr(self.lr_multiplier / current)
+
+    def _announce(self, action: str, message: str, step: int | None = None, **fields: Any) -> None:
+        if self.accelerator.is_main_process:
+            logger.warning("vidstab recovery: %s", message)
+        if step is None:
+            step = int(getattr(self.guard, "step_count", 0) or 0)
+        log_event(self.run_dir, self.rank, "recovery", step, action=action, message=message, **fields)
+
     def _abort_message(self, what: str, incident: str | None) -> str:
         bundle = incident or os.path.join(self.run_dir, "vidstab", "incidents", "<incident bundle dir>")
         return (f"vidstab: run aborted: {what}. Reproduce the failing batch with:\n"
-                f"  python scripts/replay.py {bundle}")
+                f"  vidstab replay {bundle}\n"
+                f"(list the bundles: vidstab incidents {self.run_dir})")
 
     def _persist(self) -> None:
         if not self.accelerator.is_main_process:
             return
+        self.state["config_hash"] = self.config_hash
+        self.state["recovery_config"] = _config_dict(self.config)
         write_json_atomic(os.path.join(self.run_dir, STATE_FILE), self.state)
+
+
+def _config_dict(config: RecoveryConfig) -> dict:
+    d = asdict(config)
+    d["lr_backoff_causes"] = list(config.lr_backoff_causes)
+    return d

@@ -1,35 +1,51 @@
-"""On-device statistics of one accumulation window, packed into one small tensor.
+"""On-device statistics of one accumulation window, packed into one small row per rank.
 
-Nothing here reads a value back to the host. :class:`Window` accumulates per-micro-step loss and input
-statistics on the device; :meth:`Window.pack` builds the rank's row ``[k]``; :func:`gather_and_read`
-gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it (plus the
-rank-local per-micro-step rows) with ONE host transfer.
+Nothing here reads a value back to the host. :meth:`Window.record` keeps, per micro-step, references to
+the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync);
+:meth:`Window.pack` stacks them once per optimizer step into the rank's row ``[k]``; :func:`gather_and_read`
+gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it with ONE host
+transfer. Per-micro-step details (which micro-batch was bad) stay on the device and are read only on the
+cold path of an incident (:meth:`Window.micro_flags`).
 
-Row layout (``Layout``), float64 (float32 on MPS):
+Row layout, float32, every column a fixed position (``[world, k]`` must have the same k on every rank):
+first what the device computes (one ``torch.stack`` of scalars, four column reductions over the input
+tensors' ``[n, 4]`` statistics, two counts), then what the host already knows (one small tensor), then the
+timestep buckets:
 
-    grad_norm, norm_available, loss_sum, loss_count, loss_nonfinite, exceptions,
-    in_absmax, in_sum, in_sumsq, in_count, in_nonfinite, stop,
-    param_pending, param_sq, update_sq, loss_scale, bucket_sum[nb], bucket_count[nb]
+    grad_norm, param_sq, update_sq, loss_scale, loss_sum,
+    max|.| of (max, min, sum, norm) [4], sum of (max, min, sum, norm) [4], sum of squares of the same [4],
+    nonfinite (inputs + losses), loss_nonfinite,
+    norm_ok, loss_total, exceptions, in_numel, stop, param_pending, local_seconds,
+    bucket_sum[nb], bucket_count[nb]
 
-``param_sq``/``update_sq`` are sums of squares of the *local* parameters (and of the last update). Under
-DDP they are identical on every rank; under FSDP each rank holds a shard, so the guard sums them over
-ranks (``sharded=True``) before taking the square root.
+Input statistics are over every value of every floating input tensor: one non-finite value makes
+absmax/sum/sumsq non-finite and is counted (``nonfinite - loss_nonfinite``). ``loss_sum`` sums the finite
+micro-step losses (``loss_total - loss_nonfinite`` of them). ``param_sq``/``update_sq`` are sums of
+squares of the *local* parameters (and of the last update). Under DDP they are identical on every rank;
+under FSDP each rank holds a shard, so the guard sums them over ranks (``sharded=True``) before taking the
+square root. ``local_seconds`` is the rank's own compute time of the step (:class:`StepClock`), the
+straggler detector's input.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-GRAD_NORM, NORM_OK, LOSS_SUM, LOSS_COUNT, LOSS_NONFINITE, EXCEPTIONS = range(6)
-IN_ABSMAX, IN_SUM, IN_SUMSQ, IN_COUNT, IN_NONFINITE, STOP = range(6, 12)
-PARAM_PENDING, PARAM_SQ, UPDATE_SQ, LOSS_SCALE = range(12, 16)
-FIXED = 16
-#: per-micro-step local row: loss non-finite, input non-finite count, input absmax, exception
-MICRO_COLS = 4
+GRAD_NORM, PARAM_SQ, UPDATE_SQ, LOSS_SCALE, LOSS_SUM = range(5)
+#: max |.| over input tensors of (max, min, sum, norm): IN_ABSMAX_HI/LO give the absmax
+IN_ABSMAX_HI, IN_ABSMAX_LO = 5, 6
+IN_SUM = 11  # column "sum" of the per-tensor sums
+IN_SUMSQ = 16  # column "norm" of the per-tensor squared norms
+NONFINITE_ALL, LOSS_NONFINITE = 17, 18  # non-finite values in inputs + losses; non-finite micro-step losses
+DEVICE_COLS = 19
+NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(19, 26)
+FIXED = 26
 
 
 @dataclass(frozen=True)
@@ -51,13 +67,15 @@ class Layout:
         return slice(FIXED + self.buckets, FIXED + 2 * self.buckets)
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shards)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -77,21 +95,29 @@ def _clip_dtensor_aware(params: list[torch.nn.Parameter], max_norm: float) -> to
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def global_grad_norm(accelerator: Any, params: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor | None:
+def global_grad_norm(accelerator: Any, params: Iterable[torch.nn.Parameter], max_norm: float | None,
+                     clip: Callable[..., Any] | None = None) -> torch.Tensor | None:
     """Global pre-clip gradient L2 norm, clipping to ``max_norm`` on the way (``None``: no clipping).
 
-    With an ``accelerator`` this is ``accelerator.clip_grad_norm_`` (unscales fp16 grads first; DDP grads
-    are already all-reduced; FSDP2 norms are DTensors and are made full here). Without one (tests,
-    plain FSDP2) the same DTensor-aware computation is done directly. Under DeepSpeed Accelerate returns
-    the engine's norm of the step it already applied, a float, or ``None``: returned as a tensor or None.
-    No host sync.
+    With an ``accelerator`` this is ``accelerator.clip_grad_norm_`` (or ``clip``, the same bound method
+    before the guard wrapped it): it unscales fp16 grads first; DDP grads are already all-reduced; FSDP2
+    norms are DTensors and are made full here. Without one (tests, plain FSDP2) the same DTensor-aware
+    computation is done directly. Under DeepSpeed Accelerate returns the engine's norm of the step it
+    already applied, a float, or ``None``: returned as a tensor or None. No host sync.
     """
     params = list(params)
     limit = float("inf") if max_norm is None else float(max_norm)
-    if accelerator is not None:
+    if clip is not None:
+        norm = clip(params, limit)
+    elif accelerator is not None:
         norm = accelerator.clip_grad_norm_(params, limit)
     else:
         norm = _clip_dtensor_aware(params, limit)
+    return norm_tensor(norm)
+
+
+def norm_tensor(norm: Any) -> torch.Tensor | None:
+    """What ``clip_grad_norm_`` returned, as a plain tensor (DTensor made full, a float wrapped) or None."""
     if norm is None:
         return None
     if not isinstance(norm, torch.Tensor):
@@ -115,78 +141,129 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-class Window:
-    """On-device accumulator of one gradient-accumulation window of one rank."""
+class StepClock:
+    """A rank's own compute time per optimizer step, measured without any sync or collective.
 
-    def __init__(self, device: torch.device, buckets: int, num_train_timesteps: float, input_keys: Sequence[str]):
+    The time runs from the end of the previous step's collective (the one gather, after which every rank
+    leaves together) to the moment this rank enters the first call that may wait for other ranks: the
+    backward of the last micro-step (DDP all-reduces gradients inside it). A slow GPU, a slow data loader
+    or a throttled host makes this time longer on that rank only; time spent waiting for others is not in
+    it. On CUDA the host runs ahead of the device, so the interval is measured with CUDA events and read one
+    step late (both events have completed by the next step's read: no sync).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._start = time.perf_counter()
+        self._mark: float | None = None
+        self._events: tuple[Any, Any] | None = None
+        self._pending_events: tuple[Any, Any] | None = None
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def mark(self) -> None:
+        """This rank is about to enter a call that may wait for other ranks (first call per step counts)."""
+        if self._mark is None:
+            self._mark = time.perf_counter()
+            if self._events is not None:
+                self._events[1].record()
+
+    def seconds(self) -> float:
+        """This step's local time (CPU) or the previous step's (CUDA); ``-1`` when unknown."""
+        if self._mark is None:
+            self._mark = time.perf_counter()
+            if self._events is not None:
+                self._events[1].record()
+        if not self.cuda:
+            return self._mark - self._start
+        done, self._pending_events = self._pending_events, self._events
+        if done is None or not done[1].query():
+            return -1.0
+        return done[0].elapsed_time(done[1]) / 1e3
+
+    def restart(self) -> None:
+        """The collective is over: the next step's time starts now."""
+        self._start, self._mark = time.perf_counter(), None
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+
+def floating_inputs(batch: Mapping[str, Any] | None, keys: Sequence[str] | None) -> list[torch.Tensor]:
+    """The non-empty floating tensors of ``batch`` named in ``keys`` (``None``: every one of them)."""
+    if not batch:
+        return []
+    values = batch.values() if keys is None else (batch.get(k) for k in keys)
+    return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0]
+
+
+class Window:
+    """On-device accumulator of one gradient-accumulation window of one rank (see the module docstring)."""
+
+    def __init__(self, device: torch.device, buckets: int, num_train_timesteps: float,
+                 input_keys: Sequence[str] | None = None):
         self.device = torch.device(device)
-        self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.dtype = torch.float32
         self.layout = Layout(buckets)
         self.num_train_timesteps = float(num_train_timesteps)
-        self.input_keys = tuple(input_keys)
+        self.input_keys = None if input_keys is None else tuple(input_keys)
+        self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
+        self._no_inputs = torch.zeros(14, device=self.device, dtype=self.dtype)
+        self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
         self.reset()
 
     def reset(self) -> None:
         """Start a new window (called after each optimizer step)."""
-        self.acc = torch.zeros(self.layout.width, device=self.device, dtype=self.dtype)
-        self.micro: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+        self.exceptions = 0
+        self.exception_flags: list[bool] = []
+        self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d float32 each)
+        self.in_counts: list[torch.Tensor] = []  # per input tensor: its non-finite count (0-d int64)
+        self.in_micro: list[int] = []  # micro-step of each input tensor
+        self.in_numel = 0
+        self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps recorded in this window."""
+        return len(self.losses)
 
     def record(
         self,
-        loss: torch.Tensor,
+        loss: torch.Tensor | None,
         batch: Mapping[str, Any] | None,
-        per_sample_loss: torch.Tensor | None,
-        timesteps: torch.Tensor | None,
-        error: bool,
+        per_sample_loss: torch.Tensor | None = None,
+        timesteps: torch.Tensor | None = None,
+        error: bool = False,
     ) -> None:
-        """Fold one micro-step into the window, on device, without any host sync."""
-        dt, dev = self.dtype, self.device
-        loss_d = loss.detach().to(dev, dt).mean() if loss.numel() else torch.zeros((), device=dev, dtype=dt)
-        finite = torch.isfinite(loss_d)
-        # [loss_sum, loss_count, loss_nonfinite, exceptions] then [absmax, sum, sumsq, count, nonfinite]:
-        # built as one vector so the window update is a couple of ops (this runs every micro-step).
-        loss_part = torch.stack([torch.nan_to_num(loss_d, nan=0.0, posinf=0.0, neginf=0.0), finite.to(dt),
-                                 (~finite).to(dt), torch.full((), float(error), device=dev, dtype=dt)])
-        inputs = [x.detach() for x in (batch.get(k) if batch is not None else None for k in self.input_keys)
-                  if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0]
-        if inputs:
-            per_key = []
-            for x in inputs:
-                # Finite-only statistics in fp32 (no fp64 copy of the latents); non-finite values count apart.
-                xz = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-                nonfinite = (xz != x).sum()  # NaN != anything; an inf became 0
-                per_key.append(torch.stack([
-                    torch.linalg.vector_norm(xz, ord=math.inf, dtype=torch.float32),
-                    xz.sum(dtype=torch.float32),
-                    torch.linalg.vector_norm(xz, ord=2, dtype=torch.float32).square(),
-                    (x.numel() - nonfinite).float(), nonfinite.float(),
-                ]).to(dev, dt))
-            if len(per_key) == 1:
-                in_part = per_key[0]
-            else:  # several input tensors: the largest absmax, the other statistics summed
-                keys = torch.stack(per_key)
-                in_part = torch.cat([keys[:, :1].amax(0), keys[:, 1:].sum(0)])
+        """Fold one micro-step into the window: five reductions per input tensor, no host sync."""
+        f32 = torch.float32
+        if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
+            loss_d = self._zero
         else:
-            in_part = torch.zeros(5, device=dev, dtype=dt)
-        self.acc[LOSS_SUM:EXCEPTIONS + 1] += loss_part
-        self.acc[IN_ABSMAX] = torch.maximum(self.acc[IN_ABSMAX], in_part[0])
-        self.acc[IN_SUM:IN_NONFINITE + 1] += in_part[1:]
+            loss_d = loss.detach()
+            if loss_d.numel() != 1:
+                loss_d = loss_d.float().mean()
+            elif loss_d.dtype != f32 or loss_d.dim():
+                loss_d = loss_d.to(f32).reshape(())
+        micro = len(self.losses)
+        self.losses.append(loss_d)
+        self.exceptions += bool(error)
+        self.exception_flags.append(bool(error))
+        for x in floating_inputs(batch, self.input_keys):
+            x = x.detach()
+            lo, hi = torch.aminmax(x)
+            if hi.dtype != f32:
+                lo, hi = lo.to(f32), hi.to(f32)
+            self.in_values += (hi, lo, x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32))
+            self.in_counts.append(torch.count_nonzero(x - x))  # x - x is 0 where finite, NaN elsewhere
+            self.in_micro.append(micro)
+            self.in_numel += x.numel()
         if per_sample_loss is not None and timesteps is not None:
-            self._buckets(per_sample_loss, timesteps)
-        self.micro.append(torch.stack([loss_part[2], in_part[4], in_part[0], loss_part[3]]))
-
-    def _buckets(self, per_sample_loss: torch.Tensor, timesteps: torch.Tensor) -> None:
-        nb = self.layout.buckets
-        psl = per_sample_loss.detach().reshape(-1).to(self.device, self.dtype)
-        t = timesteps.detach().reshape(-1).to(self.device, self.dtype)
-        if t.numel() != psl.numel():
-            return  # shapes the guard cannot pair up; documented: both must be [B]
-        idx = (t * nb / self.num_train_timesteps).long().clamp_(0, nb - 1)
-        fin = torch.isfinite(psl)
-        self.acc[self.layout.bucket_sum] += torch.zeros(nb, device=self.device, dtype=self.dtype).index_add_(
-            0, idx, torch.where(fin, psl, torch.zeros_like(psl)))
-        self.acc[self.layout.bucket_count] += torch.zeros(nb, device=self.device, dtype=self.dtype).index_add_(
-            0, idx, fin.to(self.dtype))
+            psl, t = per_sample_loss.detach().reshape(-1), timesteps.detach().reshape(-1)
+            if psl.numel() == t.numel():  # documented: both [B]; shapes the guard cannot pair up are ignored
+                self.bucket_parts.append((psl, t))
 
     def pack(
         self,
@@ -195,41 +272,82 @@ class Window:
         param_sq: torch.Tensor | None,
         update_sq: torch.Tensor | None,
         loss_scale: torch.Tensor | None,
+        local_seconds: float = -1.0,
     ) -> torch.Tensor:
-        """The rank's row ``[k]`` for this step (window sums + step-time values). No host sync."""
-        row = self.acc.clone()
-        dt, dev = self.dtype, self.device
-        if grad_norm is not None:
-            row[GRAD_NORM] = grad_norm.detach().reshape(()).to(dev, dt)
-            row[NORM_OK] = 1.0
+        """The rank's row ``[k]`` for this step: ten device ops in the common case (one micro-step, one
+        input tensor), no host sync."""
+        dt, dev, zero = self.dtype, self.device, self._zero
+        m, n = len(self.losses), len(self.in_counts)
+        if m:
+            losses = self.losses[0] if m == 1 else torch.stack(self.losses)
+            loss_sum = torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0)
+            if m > 1:
+                loss_sum = loss_sum.sum()
+            loss_nonfinite = torch.count_nonzero(losses - losses)  # x - x is NaN exactly where x is not finite
         else:
-            row[GRAD_NORM] = math.nan
-        row[STOP] = float(stop)
-        if param_sq is not None:
-            row[PARAM_PENDING] = 1.0
-            row[PARAM_SQ] = param_sq.reshape(()).to(dev, dt)
-            row[UPDATE_SQ] = (update_sq if update_sq is not None else torch.zeros(())).reshape(()).to(dev, dt)
-        row[LOSS_SCALE] = loss_scale.reshape(()).to(dev, dt) if loss_scale is not None else -1.0
-        return row
+            loss_sum = loss_nonfinite = zero
+        if n:
+            in_nonfinite = self.in_counts[0] if n == 1 else torch.stack(self.in_counts).sum()
+            nonfinite = in_nonfinite + loss_nonfinite
+        else:
+            nonfinite = loss_nonfinite
+        scalars = [zero if v is None else v if v.dtype == dt and v.device == dev and v.dim() == 0 else v.to(dev, dt).reshape(())
+                   for v in (grad_norm, param_sq, update_sq, loss_scale)]
+        pieces = [torch.stack(scalars + [loss_sum])]
+        if n == 1:
+            v = torch.stack(self.in_values)
+            pieces += (v.abs(), v, v.square())
+        elif n:
+            v = torch.stack(self.in_values).view(-1, 4)
+            pieces += (v.abs().amax(0), v.sum(0), v.square().sum(0))
+        else:
+            pieces.append(self._no_inputs[:12])
+        pieces.append(torch.stack([nonfinite, loss_nonfinite]).to(dt))  # int64 counts: cat is slow on mixed dtypes
+        host = torch.from_numpy(np.array([grad_norm is not None, m, self.exceptions, self.in_numel, stop,
+                                          param_sq is not None, local_seconds], dtype=np.float32))
+        pieces.append(host if dev.type == "cpu" else host.to(dev, non_blocking=True))
+        if self.layout.buckets:
+            pieces.append(self._buckets() if self.bucket_parts else self._no_buckets)
+        return torch.cat(pieces)
 
-    def micro_rows(self) -> torch.Tensor:
-        """``[micro_steps, MICRO_COLS]`` local per-micro-step flags (kept rank-local, never gathered)."""
-        if not self.micro:
-            return torch.zeros((0, MICRO_COLS), device=self.device, dtype=self.dtype)
-        return torch.stack(self.micro)
+    def _buckets(self) -> torch.Tensor:
+        nb, dt, dev = self.layout.buckets, self.dtype, self.device
+        psl = torch.cat([p for p, _ in self.bucket_parts]).to(dev, dt)
+        t = torch.cat([t for _, t in self.bucket_parts]).to(dev, dt)
+        idx = (t * (nb / self.num_train_timesteps)).long().clamp_(0, nb - 1)
+        fin = torch.isfinite(psl)
+        values = torch.cat([torch.where(fin, psl, self._zero), fin.to(dt)])
+        return torch.zeros(2 * nb, device=dev, dtype=dt).index_add_(0, torch.cat([idx, idx + nb]), values)
+
+    def micro_flags(self) -> list[tuple[bool, int, float, bool]]:
+        """Per micro-step ``(loss non-finite, input non-finite count, input absmax, exception)``.
+
+        Cold path (an incident is being captured): this is an extra host read.
+        """
+        n = len(self.losses)
+        if n == 0:
+            return []
+        losses = torch.stack(self.losses)
+        bad_loss = [not math.isfinite(x) for x in losses.tolist()]
+        counts, absmax = [0] * n, [0.0] * n
+        if self.in_values:
+            v = torch.stack(self.in_values).view(-1, 4)[:, :2].abs().amax(1)
+            per_tensor = torch.cat([torch.stack(self.in_counts).to(self.dtype), v]).tolist()
+            k = len(self.in_micro)
+            for i, m in enumerate(self.in_micro):
+                counts[m] += int(per_tensor[i])
+                a = per_tensor[k + i]
+                absmax[m] = a if (math.isnan(a) or a > absmax[m]) else absmax[m]
+        return [(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
 
 
-def gather_and_read(accelerator: Any, row: torch.Tensor, micro: torch.Tensor) -> tuple[list[list[float]], list[list[float]]]:
-    """ONE collective (``accelerator.gather``) and ONE host read for the whole step.
-
-    Returns ``(table, micro)``: ``table[r]`` is rank ``r``'s row; ``micro`` this rank's micro rows.
-    """
+def gather_and_read(accelerator: Any, row: torch.Tensor) -> list[list[float]]:
+    """ONE collective (``accelerator.gather``) and ONE host read for the whole step: ``table[r]`` is rank
+    ``r``'s row. With one process there is nothing to gather."""
     k = row.numel()
-    table = accelerator.gather(row.reshape(1, k)) if accelerator is not None else row.reshape(1, k)
-    table = table.reshape(-1, k)
-    world = table.shape[0]
-    flat = torch.cat([table.reshape(-1), micro.reshape(-1).to(table.device, table.dtype)]).tolist()  # the host sync
-    rows = [flat[i * k:(i + 1) * k] for i in range(world)]
-    rest = flat[world * k:]
-    micro_rows = [rest[i * MICRO_COLS:(i + 1) * MICRO_COLS] for i in range(len(rest) // MICRO_COLS)]
-    return rows, micro_rows
+    if accelerator is not None and accelerator.num_processes > 1:
+        table = accelerator.gather(row.reshape(1, k)).reshape(-1)
+    else:
+        table = row
+    flat = table.tolist()  # the host sync
+    return [flat[i:i + k] for i in range(0, len(flat), k)]

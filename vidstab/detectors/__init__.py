@@ -23,6 +23,7 @@ from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
+from .straggler import StragglerConfig, StragglerDetector
 from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
 
 #: name -> (config class, detector class), in evaluation order.
@@ -39,6 +40,7 @@ DETECTORS: dict[str, tuple[type, type[Detector]]] = {
     "lr_jump": (LRJumpConfig, LRJumpDetector),
     "update_ratio": (UpdateRatioConfig, UpdateRatioDetector),
     "input_range": (InputRangeConfig, InputRangeDetector),
+    "straggler": (StragglerConfig, StragglerDetector),
     "consecutive_skips": (ConsecutiveSkipsConfig, ConsecutiveSkipsDetector),
     "repeated_spikes": (RepeatedSpikesConfig, RepeatedSpikesDetector),
 }
@@ -56,23 +58,27 @@ def build_detectors(config: Any) -> list[Detector]:
 
 def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
     """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``."""
+    findings = stats.findings
     for det in detectors:
         finding = det.observe(stats)
         if finding is not None:
-            stats.findings.append(finding)
-            stats.verdict = max(stats.verdict, finding.verdict)
+            findings.append(finding)
+            if finding.verdict > stats.verdict:
+                stats.verdict = finding.verdict
     return stats
 
 
 def absorb(detectors: list[Detector], stats: StepStats) -> None:
-    """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final."""
+    """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
+    that keep no statistics, i.e. do not override ``update``, cost nothing here)."""
     for det in detectors:
-        det.update(stats)
+        if type(det).update is not Detector.update:
+            det.update(stats)
 
 
 __all__ = [
     "DETECTORS", "build_detectors", "judge", "absorb", "ConfigError", "Detector", "EMAStat", "Finding", "StepStats", "Verdict",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
     "LossScaleConfig", "LossSpikeConfig", "LRJumpConfig", "UpdateRatioConfig", "InputRangeConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig",
-    "RepeatedSpikesConfig",
+    "RepeatedSpikesConfig", "StragglerConfig",
 ]

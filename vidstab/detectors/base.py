@@ -114,13 +114,17 @@ class StepStats:
     nonfinite_loss_ranks: list[int] = field(default_factory=list)
     """Ranks whose loss was non-finite on some micro-step of the window."""
     nonfinite_input_ranks: list[int] = field(default_factory=list)
-    """Ranks whose inputs (``GuardConfig.input_keys``) held non-finite values."""
+    """Ranks whose inputs (the floating tensors of the batch, or ``GuardConfig.input_keys``) held
+    non-finite values."""
     exception_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
     rank_loss: list[float] = field(default_factory=list)
     """Per-rank mean finite loss (``nan`` for a rank without one)."""
     rank_input_absmax: list[float] = field(default_factory=list)
-    """Per-rank largest finite absolute input value."""
+    """Per-rank largest absolute input value (non-finite where that rank's inputs were)."""
+    rank_seconds: list[float] = field(default_factory=list)
+    """Per-rank own compute time of the step in seconds, waiting for other ranks excluded (``-1``:
+    unknown; on CUDA the previous step's, measured with events). See ``vidstab.signals.StepClock``."""
     timestep_bucket_loss: list[float | None] = field(default_factory=list)
     """Mean loss per diffusion-timestep bucket (``None`` for empty buckets)."""
     input_absmax: float = 0.0

@@ -1,0 +1,30 @@
+"""Smoke run of the guard overhead benchmark: it runs, counts host reads, and ends with one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_guard_overhead_quick():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_guard_overhead.py"), "--quick",
+                           "--models", "mlp"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    mlp = summary["models"]["mlp"]
+    assert set(mlp["added_ms"]) == {"plain", "attached", "explicit", "seed"}
+    reads = mlp["host_reads_per_step"]
+    assert reads["attached"] - reads["plain"] == 1 and reads["explicit"] - reads["plain"] == 1  # the one read
+    # the per-parameter check: one read per parameter tensor, plus its two finiteness checks
+    assert reads["seed"] - reads["plain"] == mlp_tensors(proc.stdout) + 2
+
+
+def mlp_tensors(stdout: str) -> int:
+    line = next(x for x in stdout.splitlines() if x.strip().startswith("mlp:"))
+    return int(line.split(" in ")[1].split(" tensors")[0].split()[-1])

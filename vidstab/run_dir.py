@@ -1,0 +1,234 @@
+"""One run per output folder: a lock that refuses a second live trainer, and a rule for relaunches.
+
+Two ways to mix two runs in one ``output_dir`` are refused (docs/ARCHITECTURE.md, "Run folder"):
+
+- **Another live trainer holds the folder.** The main process holds an exclusive ``flock`` on
+  ``OUTPUT_DIR/.vidstab.lock`` for the life of the run; the file names its holder (host, pid, start time,
+  command). A second trainer is refused with the holder's host and pid. The operating system releases the
+  lock when the holder dies, however it dies (SIGKILL included), so the lock of a killed run is stale by
+  construction and simply taken over (and that is said). ``flock`` works across hosts on NFS (Linux
+  emulates it with POSIX locks there); on a file system without locks the lock is not enforced (a warning).
+- **The same command twice.** A folder that already holds a vidstab run (an event log or checkpoints) is
+  refused unless the launch resumes it (``resume="latest"``, as diffusers' ``--resume_from_checkpoint
+  latest``) or asks to start over (``overwrite=True``, as transformers' ``--overwrite_output_dir``): then
+  the old run's ``vidstab/`` folder and checkpoints are moved, not deleted, into
+  ``OUTPUT_DIR/previous-runs/<UTC time>/``, so no log or checkpoint of two runs is ever mixed.
+
+Every rank calls :func:`claim_run_dir` together; the main process decides and every rank raises the same
+error, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirLock", "claim_run_dir", "LOCK_FILE", "PREVIOUS_RUNS"]
+
+logger = logging.getLogger("vidstab.run_dir")
+
+LOCK_FILE = ".vidstab.lock"
+PREVIOUS_RUNS = "previous-runs"
+_HELD: dict[str, "RunDirLock"] = {}  # realpath -> lock: the fd must stay open for the life of the process
+
+
+class RunDirError(RuntimeError):
+    """The output folder cannot be used for this launch (the message says why and what to do)."""
+
+
+class RunDirInUse(RunDirError):
+    """Another live trainer holds the output folder."""
+
+
+class RunDirNotEmpty(RunDirError):
+    """The output folder holds an earlier run and this launch neither resumes it nor asks to start over."""
+
+
+@dataclass
+class RunDirLock:
+    """The claim on one output folder, held by the main process (a no-op object on the other ranks)."""
+
+    output_dir: str
+    """Absolute path of the output folder."""
+    fd: int | None = None
+    """Open file descriptor holding the ``flock`` (main process only)."""
+    took_over: dict | None = None
+    """The holder record of a dead run whose lock was taken over, else None."""
+    moved_to: str | None = None
+    """Where ``overwrite=True`` moved the earlier run, else None."""
+    holder: dict = field(default_factory=dict)
+    """This process's holder record, as written into the lock file."""
+
+    def release(self) -> None:
+        """Release the lock (also done by the OS when the process ends)."""
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (json.dumps(dict(self.holder, released=time.time())) + "\n").encode(), 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
+            _HELD.pop(os.path.realpath(self.output_dir), None)
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def earlier_run(output_dir: str | os.PathLike, checkpoint_subdir: str | None = None) -> list[str]:
+    """What in ``output_dir`` belongs to an earlier vidstab run: its ``vidstab/`` folder (event logs,
+    incidents, recovery state) and its checkpoint folder, where they hold anything. Empty for a fresh folder."""
+    if checkpoint_subdir is None:
+        from .checkpoint import CheckpointConfig
+
+        checkpoint_subdir = CheckpointConfig().subdir
+    found = []
+    for sub in ("vidstab", checkpoint_subdir):
+        p = os.path.join(output_dir, sub)
+        try:
+            if os.path.isdir(p) and any(not n.startswith(".") for n in os.listdir(p)):
+                found.append(sub)
+        except OSError:
+            continue
+    return found
+
+
+def claim_run_dir(accelerator: Any, output_dir: str | os.PathLike, *, resume: Any = None, overwrite: bool = False,
+                  checkpoint_subdir: str | None = None) -> RunDirLock:
+    """Claim ``output_dir`` for this run, before anything is written into it; every rank calls it.
+
+    Args:
+        accelerator: the run's ``Accelerator`` (None for a single process without one).
+        output_dir: the run's output folder (created if missing).
+        resume: what the launch resumes from (e.g. ``args.resume_from_checkpoint``); truthy allows
+            continuing an earlier run in the folder.
+        overwrite: start over in a folder that holds an earlier run; it is moved to
+            ``previous-runs/<UTC time>/`` first, never deleted.
+        checkpoint_subdir: the checkpoint folder under ``output_dir`` (default: ``CheckpointConfig().subdir``).
+
+    Raises:
+        RunDirInUse: another live trainer holds the folder (the message names its host and pid).
+        RunDirNotEmpty: an earlier run is there and the launch neither resumes nor overwrites it.
+    """
+    output_dir = os.path.abspath(os.fspath(output_dir))
+    is_main = accelerator is None or accelerator.is_main_process
+    error: RunDirError | None = None
+    lock = RunDirLock(output_dir)
+    if is_main:
+        try:
+            lock = _claim_on_main(output_dir, resume, overwrite, checkpoint_subdir)
+        except RunDirError as e:
+            error = e
+    code = {None: 0, RunDirInUse: 1, RunDirNotEmpty: 2}[type(error) if error else None]
+    code = _broadcast_code(accelerator, code)
+    if error is not None:
+        raise error
+    if code:
+        cls = RunDirInUse if code == 1 else RunDirNotEmpty
+        raise cls(f"output_dir {output_dir} refused by the main process (its message says why)")
+    return lock
+
+
+def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_subdir: str | None) -> RunDirLock:
+    real = os.path.realpath(output_dir)
+    if real in _HELD:  # this process already holds it (e.g. the loop claims once per launch and again per stage)
+        return _HELD[real]
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirInUse(
+                f"output_dir {output_dir} is in use by another trainer (host {holder.get('host', '?')}, pid "
+                f"{holder.get('pid', '?')}, since {_when(holder.get('started'))}: {holder.get('command', '?')}). "
+                f"Two runs writing one folder would mix their checkpoints and logs; wait for it, stop it, or choose "
+                f"another --output_dir.") from None
+        logger.warning("cannot lock %s (%s): this file system has no locks, so a second trainer in the same "
+                       "folder would not be noticed", path, e)
+    previous = _read_holder(fd)
+    took_over = previous if previous and "released" not in previous else None
+    if took_over:
+        logger.warning("took over the lock of a run that is gone (host %s, pid %s, since %s): its lock was "
+                       "released when it died", took_over.get("host"), took_over.get("pid"), _when(took_over.get("started")))
+    lock = RunDirLock(output_dir, fd=fd, took_over=took_over)
+    try:
+        earlier = earlier_run(output_dir, checkpoint_subdir)
+        if earlier and not resume:
+            if not overwrite:
+                raise RunDirNotEmpty(
+                    f"output_dir {output_dir} already holds a run ({', '.join(s + '/' for s in earlier)}). Running "
+                    f"the same command again would start over on top of it and mix two runs. Resume it with "
+                    f"--resume_from_checkpoint latest (resume='latest'), or start over with --overwrite_output_dir "
+                    f"(overwrite=True: the earlier run is moved to {PREVIOUS_RUNS}/, not deleted), or choose another "
+                    f"--output_dir.")
+            lock.moved_to = _move_aside(output_dir, earlier)
+            logger.warning("overwrite: the earlier run in %s was moved to %s", output_dir, lock.moved_to)
+    except BaseException:
+        lock.fd = None
+        os.close(fd)
+        raise
+    lock.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "command": " ".join(sys.argv)[:500]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(lock.holder) + "\n").encode(), 0)
+    os.fsync(fd)
+    _HELD[os.path.realpath(output_dir)] = lock
+    return lock
+
+
+def _move_aside(output_dir: str, entries: list[str]) -> str:
+    dest = os.path.join(output_dir, PREVIOUS_RUNS, time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    n, base = 1, dest
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{base}-{n}"
+    os.makedirs(dest)
+    for sub in entries:
+        shutil.move(os.path.join(output_dir, sub), os.path.join(dest, sub))
+    return dest
+
+
+def _read_holder(fd: int) -> dict:
+    for _ in range(3):  # the holder may be writing its record right now
+        try:
+            raw = os.pread(fd, 4096, 0)
+            return json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            time.sleep(0.05)
+    return {}
+
+
+def _when(t: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(t)))
+    except (TypeError, ValueError):
+        return "?"
+
+
+def _broadcast_code(accelerator: Any, code: int) -> int:
+    if accelerator is None or accelerator.num_processes == 1:
+        return code
+    import torch
+    from accelerate.utils import broadcast
+
+    t = torch.tensor([code], dtype=torch.int64, device=accelerator.device)
+    return int(broadcast(t, from_process=0).item())

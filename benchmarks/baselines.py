@@ -5,9 +5,9 @@ all have the same shape: ``observe(StepRecord) -> bool`` (True = the rule fires 
 step of a recording in order, and they keep whatever state their source keeps -- including its blind
 spots (e.g. a running mean that a NaN poisons forever), because that is what users run today.
 
-``VidstabReplay`` feeds vidstab's own detector classes ``StepStats`` built from the same records, in the
-guard's order and with the guard's two phases (observe all, then update with the final verdict and
-whether the step was applied), so detection is compared on identical runs.
+``VidstabReplay`` hands each recorded step, as the packed row the guard gathers, to a real ``vidstab.Guard``:
+its own statistics builder and judge (observe all, then update with the final verdict and whether the
+step was applied), so detection is compared on identical runs and nothing of the guard is re-implemented.
 
 Offline replay is valid for detection quality because every detector here is a pure function of the
 per-step signals. Caveat: in a live run a detector that SKIPs or rolls back changes the trajectory after
@@ -18,7 +18,6 @@ of ``bench_detection.py`` (``recipes/train.py`` with vidstab on vs ``--no_vidsta
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
@@ -227,59 +226,96 @@ def new_baselines() -> list:
 
 
 # ------------------------------------------------------------------------------------------------------
-# vidstab's detectors, replayed
+# vidstab's detectors, replayed through the guard itself
 # ------------------------------------------------------------------------------------------------------
 class VidstabReplay:
-    """vidstab's default detectors (``GuardConfig()``) judging recorded steps exactly as the guard does.
+    """vidstab's detectors judging recorded steps with the guard's OWN statistics builder and judge.
 
-    Per step: build the ``StepStats`` the guard would build for a single process (pre-clip norm, mean loss,
-    clip flag against ``max_grad_norm``, LR, non-finite loss/input ranks, input absmax, the parameter norm
-    and update ratio measured after the previous step when it was a ``param_norm_every`` step), run every
-    detector's ``observe`` in order (escalation detectors see the verdict so far), then ``update`` them with
-    the final verdict and ``applied = verdict <= WARN``.
+    A real :class:`vidstab.Guard` (real CPU ``Accelerator``, a one-parameter stand-in model: the recorded
+    row carries every model-dependent number) is built once. Per step, the recorded packed row (the
+    ``[world=1, k]`` table of :mod:`vidstab.signals`) goes through ``Guard._build_stats``; the three LR
+    values the guard reads from the optimizer and the scheduler (the param group's LR, the schedule's
+    peak, the scheduler's own LR) are set to the recorded ones first. Then ``vidstab.detectors.judge``,
+    ``applied = verdict <= WARN`` (the unguarded trajectory), ``vidstab.detectors.absorb``: the guard's
+    two phases. Nothing about what detectors see is re-implemented here.
     """
 
     name = "vidstab"
 
-    def __init__(self, config=None, max_grad_norm: float = 1.0) -> None:
+    def __init__(self, config=None, max_grad_norm: float = 1.0, lr_peak: float | None = None) -> None:
+        import tempfile
+
+        import torch
+        from accelerate import Accelerator
+
         from vidstab.config import GuardConfig
-        from vidstab.detectors import StepStats, Verdict, build_detectors
+        from vidstab.detectors import Verdict, absorb, judge
+        from vidstab.guard import Guard
 
         self.config = config if config is not None else GuardConfig()
-        self.detectors = build_detectors(self.config)
         self.max_grad_norm = max_grad_norm
-        self._StepStats, self._Verdict = StepStats, Verdict
-        self._fields = {f.name for f in dataclasses.fields(StepStats)}
+        self.lr_peak = lr_peak
+        self._tmp = tempfile.TemporaryDirectory(prefix="vidstab-replay-")
+        model = torch.nn.Linear(1, 1, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr_peak or 1.0)
+        self._scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
+        self.guard = Guard(Accelerator(cpu=True), model, optimizer, self._scheduler, self.config, self._tmp.name,
+                           register_hooks=False)
+        self._judge, self._absorb, self._Verdict = judge, absorb, Verdict
         self._prev: StepRecord | None = None
 
-    def stats(self, r: StepRecord):
-        """The ``StepStats`` the guard would hand its detectors for this recorded step."""
-        every = getattr(self.config, "param_norm_every", 0)
-        prev = self._prev
-        measured = prev is not None and every > 0 and prev.step % every == 0
-        loss = r.loss if _finite(r.loss) else math.nan
-        kw = dict(
-            step=r.step, grad_norm=r.grad_norm, loss=loss, world_size=1, max_grad_norm=self.max_grad_norm,
-            clipped=bool(_finite(r.grad_norm) and r.grad_norm > self.max_grad_norm), lr=r.lr,
-            loss_scale=r.loss_scale, overflow=False,
-            param_norm=prev.param_norm if measured else None,
-            update_ratio=prev.update_ratio if measured and _finite(prev.update_ratio) else None,
-            nonfinite_loss_ranks=[0] if r.loss_nonfinite else [], nonfinite_input_ranks=[0] if r.input_nonfinite else [],
-            exception_ranks=[], rank_loss=[loss], rank_input_absmax=[r.input_absmax], timestep_bucket_loss=[],
-            input_absmax=r.input_absmax, input_nonfinite=int(r.input_nonfinite), grad_norm_known=True,
-        )
-        return self._StepStats(**{k: v for k, v in kw.items() if k in self._fields})
+    @property
+    def detectors(self) -> list:
+        return self.guard.detectors
+
+    def stats_of_row(self, step: int, row: list[float], lr: float | None, lr_peak: float | None,
+                     lr_scheduled: float | None):
+        """``Guard._build_stats`` of one recorded row, with the guard's LR sources set to the recorded values."""
+        g = self.guard
+        if lr is not None:
+            g.optimizer.param_groups[0]["lr"] = lr
+        g._orig_lrs = [lr_peak] if lr_peak is not None else []
+        g.lr_multiplier = 1.0
+        self._scheduler._last_lr = [lr_scheduled] if lr_scheduled is not None else []
+        return g._build_stats(step, [list(row)], self.max_grad_norm, True)
+
+    def observe_row(self, step: int, row: list[float], lr: float | None = None, lr_peak: float | None = None,
+                    lr_scheduled: float | None = None) -> list:
+        """Judge one recorded row as the guard would; returns the findings (empty: no alarm)."""
+        s = self.stats_of_row(step, row, lr, lr_peak, lr_scheduled)
+        self._judge(self.guard.detectors, s)
+        s.applied = s.verdict <= self._Verdict.WARN
+        self._absorb(self.guard.detectors, s)
+        return list(s.findings)
+
+    def row_of_record(self, r: StepRecord) -> list[float]:
+        """The packed row the guard would have gathered for a tuning-split ``StepRecord`` (recorded before
+        rows were kept): the parameter norm measured after the previous ``param_norm_every`` step, no input
+        RMS (the tuning recordings hold only the absmax), no timestep buckets."""
+        from vidstab import signals as S
+
+        row = [0.0] * S.Layout(self.config.timestep_buckets).width
+        finite_loss = _finite(r.loss)
+        row[S.GRAD_NORM], row[S.NORM_OK] = r.grad_norm, 1.0
+        row[S.LOSS_SUM], row[S.LOSS_COUNT] = (r.loss, 1.0) if finite_loss else (0.0, 0.0)
+        row[S.LOSS_NONFINITE] = 0.0 if finite_loss else 1.0
+        row[S.IN_ABSMAX], row[S.IN_NONFINITE] = r.input_absmax, float(r.input_nonfinite)
+        row[S.LOSS_SCALE] = -1.0 if r.loss_scale is None else r.loss_scale
+        prev, every = self._prev, self.config.param_norm_every
+        if prev is not None and every > 0 and prev.step % every == 0:
+            row[S.PARAM_PENDING] = 1.0
+            row[S.PARAM_SQ] = prev.param_norm ** 2 if _finite(prev.param_norm) else math.nan
+            ur = prev.update_ratio * prev.param_norm if _finite(prev.update_ratio) and _finite(prev.param_norm) else -1.0
+            row[S.UPDATE_SQ] = ur * ur if ur >= 0 else -1.0
+        return row
 
     def observe(self, r: StepRecord) -> list:
-        """The findings of every detector for this step (empty: no alarm)."""
-        s = self.stats(r)
-        for det in self.detectors:
-            finding = det.observe(s)
-            if finding is not None:
-                s.findings.append(finding)
-                s.verdict = max(s.verdict, finding.verdict)
-        s.applied = s.verdict <= self._Verdict.WARN
-        for det in self.detectors:
-            det.update(s)
+        """Judge a tuning-split ``StepRecord`` (its LR peak is the one given at construction; the
+        scheduler's own LR was not recorded)."""
+        row = self.row_of_record(r)
         self._prev = r
-        return list(s.findings)
+        return self.observe_row(r.step, row, r.lr, self.lr_peak, None)
+
+    def close(self) -> None:
+        self.guard.close()
+        self._tmp.cleanup()

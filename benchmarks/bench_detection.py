@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from benchmarks import baselines as B  # noqa: E402
 from benchmarks.scenarios import catalogue as C  # noqa: E402
-from benchmarks.scenarios.recorder import CACHE_DIR, Recording, healthy_exceedances, record  # noqa: E402
+from benchmarks.scenarios.recorder import CACHE_DIR, Recording, TinyRunConfig, healthy_exceedances, record  # noqa: E402
 
 #: The target of the claim: at most this many false alarms per 1,000 healthy steps (1 per 10,000).
 FA_TARGET_PER_1K = 0.1
@@ -62,7 +62,7 @@ def judge(rec: Recording, vidstab_config=None) -> Judged:
     """Replay one recording through every baseline and vidstab (all detectors, and per detector)."""
     out = Judged(rec)
     rules = B.new_baselines()
-    vid = B.VidstabReplay(vidstab_config)
+    vid = B.VidstabReplay(vidstab_config, lr_peak=TinyRunConfig().learning_rate)
     for rule in rules:
         out.alarms[rule.name] = []
     out.alarms["vidstab"] = []
@@ -245,7 +245,7 @@ def markdown(fig: dict, rows: list[str], e2e: dict | None) -> str:
 # ------------------------------------------------------------------------------------------------------
 # End-to-end: the reference trainer with recovery on
 # ------------------------------------------------------------------------------------------------------
-E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "big_latent_flow")
+E2E_SCENARIOS = ("nan_batch", "inf_latent", "lr_spike_x1000", "lr_ramp_x1.3", "lr_ramp_x1.05", "big_latent_flow")
 
 
 @dataclass
@@ -408,10 +408,166 @@ def print_e2e(table: dict, setup: E2ESetup) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
+# The held-out split (benchmarks/scenarios/heldout.py): never used to choose a default
+# ------------------------------------------------------------------------------------------------------
+#: A baseline is "quiet" when it raises at most this many alarms per 1,000 healthy held-out steps.
+QUIET_PER_1K = 1.0
+
+
+def _step_record(rec, i: int):
+    """The baselines' view (``StepRecord``) of one recorded held-out row."""
+    from vidstab import signals as S
+
+    from benchmarks.scenarios.recorder import StepRecord
+
+    row = rec.rows[i]
+    g = row[S.GRAD_NORM]
+    loss = rec.loss[i]
+    return StepRecord(i, loss, g, rec.lr[i], bool(math.isfinite(g) and g > 1.0), math.nan, math.nan,
+                      not math.isfinite(loss), False, row[S.IN_ABSMAX], int(row[S.IN_NONFINITE]), None)
+
+
+def judge_heldout(rec, vidstab_config=None) -> dict:
+    """Alarm steps of every baseline and of vidstab (any finding / actions / per detector) on one recording."""
+    rules = B.new_baselines()
+    vid = B.VidstabReplay(vidstab_config)
+    alarms: dict[str, list[int]] = {r.name: [] for r in rules}
+    alarms.update({"vidstab": [], "vidstab[act]": []})
+    for i in range(len(rec)):
+        r = _step_record(rec, i)
+        for rule in rules:
+            if rule.observe(r):
+                alarms[rule.name].append(i)
+        found = vid.observe_row(i, rec.rows[i], rec.lr[i], rec.lr_peak[i], rec.lr_scheduled[i])
+        if found:
+            alarms["vidstab"].append(i)
+        if any(f.verdict >= 2 for f in found):
+            alarms["vidstab[act]"].append(i)
+        for f in found:
+            alarms.setdefault(f"vidstab:{f.detector}", []).append(i)
+    vid.close()
+    return alarms
+
+
+def heldout_figures(healthy: list, faults: list, vidstab_config=None) -> dict:
+    """Per family: alarms and actions per 1k healthy steps (vidstab and baselines); on fault runs: detection,
+    first action before the failure (slow faults), lead vs the best quiet baseline on every run."""
+    from benchmarks.scenarios import heldout as H
+
+    base = [cls().name for cls in B.BASELINES]
+    fams = sorted({r.family for r in healthy + faults}, key=H.FAMILIES.index)
+    out: dict = {"families": {}, "runs": [], "baselines": {}}
+    jh = [(rec, judge_heldout(rec, vidstab_config)) for rec in healthy]
+    steps_all = sum(len(r) for r, _ in jh)
+    for name in base + ["vidstab", "vidstab[act]"]:
+        fa = sum(len(a.get(name, [])) for _, a in jh)
+        out["baselines"][name] = {"alarms_per_1k": round(1000 * fa / steps_all, 3) if steps_all else None}
+    quiet = [b for b in base if (out["baselines"][b]["alarms_per_1k"] or 0) <= QUIET_PER_1K]
+    out["quiet_baselines"] = quiet
+    for fam in fams:
+        fh = [(r, a) for r, a in jh if r.family == fam]
+        n = sum(len(r) for r, _ in fh)
+        per: dict = {"healthy_steps": n}
+        for name in base + ["vidstab", "vidstab[act]"]:
+            per[name] = round(1000 * sum(len(a.get(name, [])) for _, a in fh) / n, 3) if n else None
+        per["vidstab_alarm_detectors"] = sorted({k.split(":", 1)[1] for _, a in fh for k, v in a.items()
+                                                 if k.startswith("vidstab:") and v})
+        out["families"][fam] = per
+    for rec in faults:
+        a = judge_heldout(rec, vidstab_config)
+        fail = rec.failure_step
+        def first(name):
+            return next((s for s in a.get(name, []) if s >= rec.onset), None)
+        lead = {name: (None if fail is None or first(name) is None else fail - first(name))
+                for name in base + ["vidstab", "vidstab[act]"]}
+        best_quiet = max((lead[b] for b in quiet if lead[b] is not None), default=None)
+        act = first("vidstab[act]")
+        slow = rec.kind in H.SLOW_FAULTS
+        out["runs"].append({
+            "run": rec.name, "family": rec.family, "kind": rec.kind, "onset": rec.onset, "failure_step": fail,
+            "detected": fail is not None and first("vidstab") is not None,
+            "first_alarm": first("vidstab"), "first_action": act,
+            "action_in_time": None if fail is None or act is None else (act < fail if slow else act <= fail),
+            "lead": lead["vidstab"], "best_quiet_lead": best_quiet,
+            "lead_ge_best_quiet": None if fail is None or best_quiet is None else (lead["vidstab"] is not None and lead["vidstab"] >= best_quiet),
+            "first_detectors": sorted({k.split(":", 1)[1] for k, v in a.items() if k.startswith("vidstab:") and first(k) is not None and first(k) == first("vidstab")}),
+        })
+    div = [r for r in out["runs"] if r["failure_step"] is not None]
+    slow = [r for r in div if r["kind"] in H.SLOW_FAULTS]
+    cmp_ = [r for r in div if r["lead_ge_best_quiet"] is not None]
+    out["summary"] = {
+        "divergent_runs": len(div), "detected": sum(r["detected"] for r in div),
+        "detection_rate": round(sum(r["detected"] for r in div) / len(div), 3) if div else None,
+        "slow_divergent": len(slow), "slow_action_in_time": sum(bool(r["action_in_time"]) for r in slow),
+        "lead_ge_best_quiet": sum(r["lead_ge_best_quiet"] for r in cmp_), "lead_compared": len(cmp_),
+        "benign_runs": len(out["runs"]) - len(div),
+        "max_skips_per_1k_family": max((f["vidstab[act]"] or 0) for f in out["families"].values()) if fams else None,
+        "max_alarms_per_1k_family": max((f["vidstab"] or 0) for f in out["families"].values()) if fams else None,
+    }
+    s_ = out["summary"]
+    s_["targets"] = {
+        "detection_rate>=0.95": (s_["detection_rate"] or 0) >= 0.95,
+        "slow_action_in_time_most": s_["slow_action_in_time"] * 2 > s_["slow_divergent"],
+        "skips<=0.1/1k_every_family": (s_["max_skips_per_1k_family"] or 0) <= 0.1,
+        "alarms<=0.3/1k_every_family": (s_["max_alarms_per_1k_family"] or 0) <= 0.3,
+        "lead>=best_quiet_every_run": s_["lead_ge_best_quiet"] == s_["lead_compared"],
+    }
+    return out
+
+
+def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DIR, draw: str = "B") -> dict:
+    """Record (cached) and judge the held-out split (``draw``: seeds of ``heldout.DRAW_SEEDS``); ``quick``:
+    a handful of runs for CI."""
+    from benchmarks.scenarios import heldout as H
+
+    if quick:
+        healthy_runs = [H.HeldoutRun("unet_eps", "cosine_restarts", 100, steps=150),
+                        H.HeldoutRun("plain_tf_flow", "long_warmup", 100, steps=150)]
+        fault_runs = [H.HeldoutRun("unet_eps", "cosine_restarts", 100, "lr_bug@12=1e4", steps=30, tail=10),
+                      H.HeldoutRun("plain_tf_flow", "long_warmup", 100, "input_scale@60=5.5", steps=150)]
+    else:
+        seeds = H.DRAW_SEEDS[draw]
+        fine = H.finetune_runs(seeds=seeds)
+        healthy_runs = H.healthy_runs(seeds=seeds) + [r for r in fine if r.fault is None]
+        fault_runs = H.fault_runs(seeds=seeds) + [r for r in fine if r.fault is not None]
+    healthy = {r: H.record(r, cache) for r in healthy_runs}
+    faults = []
+    for r in fault_runs:
+        twin = next((h for hr, h in healthy.items() if (hr.family, hr.schedule, hr.seed, hr.steps) == (r.family, r.schedule, r.seed, r.steps)), None)
+        faults.append(H.record(r, cache, healthy=twin))
+    return heldout_figures(list(healthy.values()), faults, vidstab_config)
+
+
+def print_heldout(fig: dict) -> None:
+    base = [cls().name for cls in B.BASELINES]
+    print("\n== Held-out split: alarms per 1k healthy steps, per model family (vidstab[act] = SKIP/ROLLBACK) ==")
+    names = base + ["vidstab", "vidstab[act]"]
+    print(f"{'family':16s} {'steps':>6s}" + "".join(f" {n[:12]:>12s}" for n in names))
+    for fam, f in fig["families"].items():
+        print(f"{fam:16s} {f['healthy_steps']:>6d}" + "".join(f" {_fmt(f[n], 2):>12s}" for n in names)
+              + (f"   vidstab alarms from: {', '.join(f['vidstab_alarm_detectors'])}" if f["vidstab_alarm_detectors"] else ""))
+    print(f"quiet baselines (<= {QUIET_PER_1K:g} alarm per 1k healthy steps): {fig['quiet_baselines']}")
+    print("\n== Held-out fault runs: lead = failure step - first alarm (vidstab vs best quiet baseline) ==")
+    print(f"{'run':52s} {'fail':>5s} {'alarm':>6s} {'act':>5s} {'lead':>5s} {'bestQ':>6s}  first detectors")
+    for r in fig["runs"]:
+        print(f"{r['run'][:52]:52s} {_fmt(r['failure_step']):>5s} {_fmt(r['first_alarm']):>6s} {_fmt(r['first_action']):>5s} "
+              f"{_fmt(r['lead']):>5s} {_fmt(r['best_quiet_lead']):>6s}  {','.join(r['first_detectors'])}")
+    s = fig["summary"]
+    print(f"\nheld-out: detected {s['detected']}/{s['divergent_runs']} divergent runs; slow faults acted on before the "
+          f"failure {s['slow_action_in_time']}/{s['slow_divergent']}; lead >= best quiet baseline on "
+          f"{s['lead_ge_best_quiet']}/{s['lead_compared']} runs; benign fault runs (no failure point) {s['benign_runs']}")
+    print(f"held-out targets: {s['targets']}")
+
+
+# ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="Smoke subset (< 60 s): 3 scenarios x 1 seed, 2 healthy seeds, no e2e.")
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
+    ap.add_argument("--split", choices=("tuning", "heldout", "both"), default="both",
+                    help="tuning: the DiT catalogue the defaults were chosen on; heldout: scenarios/heldout.py.")
+    ap.add_argument("--heldout-draw", choices=("A", "B"), default="B",
+                    help="Held-out seeds: B (recorded after the defaults were frozen; default) or A (see RESULTS.md).")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--e2e-steps", type=int, default=E2ESetup.steps)
     ap.add_argument("--e2e-fault-step", type=int, default=E2ESetup.fault_step)
@@ -445,54 +601,62 @@ def main(argv: list[str] | None = None) -> dict:
     seeds_of = (lambda s: C.QUICK_SEEDS) if args.quick else (lambda s: s.seeds)
     healthy_seeds = C.QUICK_HEALTHY_SEEDS if args.quick else C.HEALTHY_SEEDS
 
-    healthy = {}
-    for seed in healthy_seeds:
-        healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
-    judged_h = [judge(h, vcfg) for h in healthy.values()]
-    faults: dict[str, list[Judged]] = {}
-    for s in scen:
-        faults[s.name] = []
-        for seed in seeds_of(s):
-            ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
-            faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg))
-    fig = figures(judged_h, faults)
-    fig["median_only_exceedances_per_1k"] = round(
-        1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)
-    rows = row_names(judged_h + [j for js in faults.values() for j in js])
-    print_tables(fig, rows)
+    summary = {"bench": "detection", "quick": args.quick, "split": args.split}
+    if args.split in ("tuning", "both"):
+        healthy = {}
+        for seed in healthy_seeds:
+            healthy[seed] = record(C.HEALTHY, seed, cache_dir=cache)
+        judged_h = [judge(h, vcfg) for h in healthy.values()]
+        faults: dict[str, list[Judged]] = {}
+        for s in scen:
+            faults[s.name] = []
+            for seed in seeds_of(s):
+                ref = healthy.get(seed) if s.prediction_type == "epsilon" else None
+                faults[s.name].append(judge(record(s, seed, healthy=ref, cache_dir=cache), vcfg))
+        fig = figures(judged_h, faults)
+        fig["median_only_exceedances_per_1k"] = round(
+            1000.0 * sum(healthy_exceedances(h) for h in healthy.values()) / max(1, fig["healthy_steps"]), 2)
+        rows = row_names(judged_h + [j for js in faults.values() for j in js])
+        print_tables(fig, rows)
 
-    e2e = None
-    if not args.quick and not args.no_e2e:
-        work = cache / "e2e"
-        import shutil
+        e2e = None
+        if not args.quick and not args.no_e2e:
+            work = cache / "e2e"
+            import shutil
 
-        shutil.rmtree(work, ignore_errors=True)
-        names = tuple(x for x in args.e2e_scenarios.split(",") if x)
-        if torch.cuda.is_available() and "fp16_overflow" not in names:
-            names += ("fp16_overflow",)  # GradScaler overflow: only meaningful (and possible) on CUDA
-        setup = E2ESetup(steps=args.e2e_steps, fault_step=args.e2e_fault_step, scenarios=names,
-                         extra_config=str(Path(args.e2e_vidstab_config).resolve()) if args.e2e_vidstab_config else None)
-        e2e = run_e2e(setup, args.e2e_seed, work)
-        print_e2e(e2e, setup)
-    elif args.quick:
-        print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
+            shutil.rmtree(work, ignore_errors=True)
+            names = tuple(x for x in args.e2e_scenarios.split(",") if x)
+            if torch.cuda.is_available() and "fp16_overflow" not in names:
+                names += ("fp16_overflow",)  # GradScaler overflow: only meaningful (and possible) on CUDA
+            setup = E2ESetup(steps=args.e2e_steps, fault_step=args.e2e_fault_step, scenarios=names,
+                             extra_config=str(Path(args.e2e_vidstab_config).resolve()) if args.e2e_vidstab_config else None)
+            e2e = run_e2e(setup, args.e2e_seed, work)
+            print_e2e(e2e, setup)
+        elif args.quick:
+            print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(fig, rows, e2e))
-    t = fig["targets"]
-    summary = {
-        "bench": "detection", "quick": args.quick, "seconds": round(time.time() - started, 1),
-        "healthy_steps": fig["healthy_steps"],
-        "detectors": {k: {kk: v[kk] for kk in ("detection_rate", "median_lead", "false_alarms_per_1k")} for k, v in fig["detectors"].items()},
-        "scenarios": {k: {"failure_steps": v["failure_steps"],
-                          "vidstab_leads": v["per_detector"]["vidstab"]["leads"],
-                          "best_baseline_leads": [max((v["per_detector"][b]["leads"][i] for b in [c().name for c in B.BASELINES]
-                                                       if v["per_detector"][b]["leads"][i] is not None), default=None)
-                                                  for i in range(v["divergent_runs"])]}
-                      for k, v in fig["scenarios"].items()},
-        "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
-        "e2e": e2e,
-    }
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(fig, rows, e2e))
+        t = fig["targets"]
+        summary.update({
+            "healthy_steps": fig["healthy_steps"],
+            "detectors": {k: {kk: v[kk] for kk in ("detection_rate", "median_lead", "false_alarms_per_1k")} for k, v in fig["detectors"].items()},
+            "scenarios": {k: {"failure_steps": v["failure_steps"],
+                              "vidstab_leads": v["per_detector"]["vidstab"]["leads"],
+                              "best_baseline_leads": [max((v["per_detector"][b]["leads"][i] for b in [c().name for c in B.BASELINES]
+                                                           if v["per_detector"][b]["leads"][i] is not None), default=None)
+                                                      for i in range(v["divergent_runs"])]}
+                          for k, v in fig["scenarios"].items()},
+            "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
+            "e2e": e2e,
+        })
+    if args.split in ("heldout", "both"):
+        held = run_heldout(quick=args.quick, vidstab_config=vcfg, cache=cache, draw=args.heldout_draw)
+        print(f"\nheld-out draw {args.heldout_draw if not args.quick else 'quick'}")
+        print_heldout(held)
+        summary["heldout"] = {"draw": "quick" if args.quick else args.heldout_draw, "summary": held["summary"], "families": held["families"],
+                              "quiet_baselines": held["quiet_baselines"], "baselines": held["baselines"]}
+    summary["seconds"] = round(time.time() - started, 1)
     print(json.dumps(summary, default=str))
     return summary
 

@@ -29,6 +29,11 @@ events of ``torch.profiler(profile_memory=True)`` over one extra, untimed step.
     python benchmarks/bench_model.py --device cuda       # bf16 autocast, sizes small+base
     python benchmarks/bench_model.py --quick             # smoke run of the script (size micro), seconds
 
+Throughput: the FLOPs of one step (forward + backward) are counted once per model with
+``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention), so achieved TFLOP/s =
+FLOPs / median step time, and MFU = achieved / the device's dense peak for the precision
+(:data:`PEAK_TFLOPS`, matched on the CUDA device name; ``--peak_tflops`` overrides; none on CPU).
+
 The last line of output is one JSON object.
 """
 
@@ -46,6 +51,34 @@ import torch.nn.functional as F
 from torch import nn
 
 MODELS = ("ours", "wan", "wan_no_xattn", "ours_factorized")
+#: Dense (no sparsity) peak TFLOP/s by CUDA device-name fragment, (bf16/fp16 tensor core, fp32), vendor data sheets.
+PEAK_TFLOPS = {
+    "H200": (989.0, 67.0), "H100 SXM": (989.0, 67.0), "H100 PCIe": (756.0, 51.0), "H100": (989.0, 67.0),
+    "A100": (312.0, 19.5), "L40S": (362.0, 91.6), "L4": (121.0, 30.3), "A10G": (70.0, 31.2), "RTX 4090": (165.0, 82.6),
+}
+
+
+def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """The dense peak of ``device`` at ``precision`` (None when unknown, e.g. on CPU)."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, (half, single) in PEAK_TFLOPS.items():
+        if fragment in name:
+            return half if precision == "bf16" else single
+    return None
+
+
+def step_flops(step) -> int:
+    """FLOPs of one call of ``step`` (forward + backward), counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return int(counter.get_total_flops())
 TEXT_LEN, TEXT_DIM = 1, 16
 
 
@@ -196,10 +229,17 @@ def bench_size(size: Size, args, device: torch.device) -> dict:
             cpu[name].append(time.process_time() - c0)
 
     rows = {}
+    peak_tf = peak_tflops(device, args.precision, args.peak_tflops)
     for name, model in models.items():
         model.zero_grad(set_to_none=True)
         peak = peak_step_memory(steps[name], device)
+        model.zero_grad(set_to_none=True)
+        flops = step_flops(steps[name])
+        achieved = flops / statistics.median(wall[name]) / 1e12
         rows[name] = {
+            "gflops_per_step": flops / 1e9,
+            "achieved_tflops": achieved,
+            "mfu": achieved / peak_tf if peak_tf else None,
             "params": sum(p.numel() for p in model.parameters()),
             "ms_median": 1e3 * statistics.median(wall[name]),
             "ms_min": 1e3 * min(wall[name]),
@@ -223,7 +263,7 @@ def bench_size(size: Size, args, device: torch.device) -> dict:
 def print_table(name: str, size: Size, res: dict) -> None:
     print(f"\n[{name}] {size.describe()}")
     header = (f"{'model':<17}{'params':>10}{'median ms':>11}{'min ms':>9}{'cpu ms':>9}{'peak MB':>9}"
-              f"{'ours/this':>11}")
+              f"{'ours/this':>11}{'TFLOP/s':>9}{'MFU':>7}")
     print(header)
     print("-" * len(header))
     ours = res["models"]["ours"]["ms_median"]
@@ -233,8 +273,9 @@ def print_table(name: str, size: Size, res: dict) -> None:
         r = res["models"][model]
         cpu = "-" if r["cpu_ms_median"] is None else f"{r['cpu_ms_median']:.1f}"
         peak = "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}"
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(f"{model:<17}{r['params'] / 1e6:>9.3f}M{r['ms_median']:>11.1f}{r['ms_min']:>9.1f}{cpu:>9}{peak:>9}"
-              f"{ours / r['ms_median']:>11.3f}")
+              f"{ours / r['ms_median']:>11.3f}{r['achieved_tflops']:>9.3f}{mfu:>7}")
     q = res["ratios"]
     for ref in ("wan", "wan_no_xattn"):
         parts = [f"time {q[f'time_vs_{ref}']:.3f} (median)", f"{q[f'min_time_vs_{ref}']:.3f} (min)"]
@@ -260,6 +301,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no_factorized", action="store_true", help="skip the informational factorized row")
     parser.add_argument("--quick", action="store_true", help="smoke run: size micro, 5 repeats, 1 warm-up step")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="dense peak of the device for MFU (default: PEAK_TFLOPS by name)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats, args.warmup = args.sizes or "micro", 5, 1
@@ -302,6 +344,7 @@ def main(argv=None) -> dict:
         "quick": args.quick,
         "sizes": {s: {"config": r["config"], "ratios": rounded(r["ratios"]), "noisy": r["noisy"],
                       "models": {m: rounded(v) for m, v in r["models"].items()}} for s, r in results.items()},
+        "peak_tflops": peak_tflops(device, args.precision, args.peak_tflops),
         "ours_not_slower_than_wan": all(r["ratios"]["time_vs_wan"] <= 1.0 for r in results.values()),
         "ours_not_slower_than_wan_cpu_time": (all(r["ratios"]["cpu_time_vs_wan"] <= 1.0 for r in results.values())
                                               if device.type == "cpu" else None),

@@ -7,7 +7,7 @@
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
-micro-batches: latents -> timesteps + noise (seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
+micro-batches: latents -> timesteps + noise (drawn on the device, seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
 loss -> ``guard.backward``; then ``guard.step`` clips, makes one lockstep decision on every rank, and
 steps or skips the optimizer. Everything else here is building those pieces and bookkeeping.
 """
@@ -30,6 +30,10 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 import vidstab
+from args import (RUN_CONTROL_FLAGS, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
+                  scaled_learning_rate)
+from export import export_pipeline
+from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -40,116 +44,47 @@ from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, ste
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
 
 logger = get_logger("vidstab.train")
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
-# Flags that steer a run but not its numbers: a resume may change them without a "config changed" warning.
-RUN_CONTROL_FLAGS = {
-    "config", "output_dir", "max_train_steps", "resume_from_checkpoint", "checkpointing_steps", "checkpoints_total_limit",
-    "no_async_save", "report_to", "logging_steps", "dataloader_num_workers", "inject_fault", "audit", "max_retries",
-    "overwrite_output_dir", "reset_recovery",
-}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Arguments: diffusers-style flags; a YAML --config supplies defaults and the command line overrides it.
-# --------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", type=str, default=str(DEFAULT_CONFIG), help="YAML file of defaults for any flag below.")
-    run = p.add_argument_group("run")
-    run.add_argument("--output_dir", type=str, default="output/vidstab-tiny")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--max_train_steps", type=int, default=300)
-    run.add_argument("--train_batch_size", type=int, default=8, help="Per-device micro-batch size.")
-    run.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    run.add_argument("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"])
-    run.add_argument("--report_to", type=str, default="tensorboard", help='Tracker(s) for `log_with`: "tensorboard", "wandb", "all" or "none".')
-    run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps.")
-    run.add_argument("--dataloader_num_workers", type=int, default=0)
-    opt = p.add_argument_group("optimisation")
-    opt.add_argument("--learning_rate", type=float, default=3e-4)
-    opt.add_argument("--lr_scheduler", type=str, default="constant_with_warmup", help="diffusers.optimization.get_scheduler name.")
-    opt.add_argument("--lr_warmup_steps", type=int, default=20, help="Linear warm-up (the seed: never a fixed LR at start).")
-    opt.add_argument("--adam_beta1", type=float, default=0.9)
-    opt.add_argument("--adam_beta2", type=float, default=0.999)
-    opt.add_argument("--adam_weight_decay", type=float, default=0.0)
-    opt.add_argument("--adam_epsilon", type=float, default=1e-8)
-    opt.add_argument("--max_grad_norm", type=float, default=1.0)
-    opt.add_argument("--use_ema", action="store_true")
-    opt.add_argument("--ema_decay", type=float, default=0.999)
-    ckpt = p.add_argument_group("checkpoints")
-    ckpt.add_argument("--checkpointing_steps", type=int, default=100)
-    ckpt.add_argument("--checkpoints_total_limit", type=int, default=3, help="Newest K kept (plus the last good one).")
-    ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
-    ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")
-    ckpt.add_argument("--overwrite_output_dir", action="store_true", help="Start over in an output_dir that holds a run (it is moved to previous-runs/).")
-    model = p.add_argument_group("model and objective")
-    model.add_argument("--prediction_type", type=str, default="epsilon", choices=["epsilon", "v_prediction", "flow_matching"])
-    model.add_argument("--num_train_timesteps", type=int, default=1000)
-    model.add_argument("--hidden_size", type=int, default=64)
-    model.add_argument("--num_layers", type=int, default=2)
-    model.add_argument("--num_heads", type=int, default=4)
-    model.add_argument("--attention_type", type=str, default="factorized", choices=["full", "factorized"])
-    model.add_argument("--pos_embed", type=str, default="rope", choices=["rope", "sincos"])
-    model.add_argument("--gradient_checkpointing", action="store_true")
-    data = p.add_argument_group("data and VAE")
-    data.add_argument("--data_dir", type=str, default=None, help="Folder of video files (decoded with PyAV); default: built-in moving shapes.")
-    data.add_argument("--num_videos", type=int, default=64, help="Size of the built-in moving-shapes data set.")
-    data.add_argument("--num_frames", type=int, default=9, help="Frames per clip (Wan VAE: 1 + 4k).")
-    data.add_argument("--resolution", type=int, default=32)
-    data.add_argument("--frame_stride", type=int, default=1)
-    data.add_argument("--skip_bad_samples", action="store_true", help="Skip and record undecodable/empty/short/non-finite videos.")
-    data.add_argument("--vae", type=str, default=None, help="Local diffusers VAE folder; default: tiny seeded random AutoencoderKLWan.")
-    data.add_argument("--latent_channels", type=int, default=4)
-    data.add_argument("--latent_clamp", type=float, default=None, help="Clamp normalised latents to [-x, x] at encode time.")
-    stab = p.add_argument_group("vidstab")
-    stab.add_argument("--no_vidstab", action="store_true", help="Plain Accelerate step (for comparison).")
-    stab.add_argument("--vidstab_config", type=str, default=None, help="YAML of vidstab.GuardConfig fields.")
-    stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
-    stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
-    stab.add_argument("--reset_recovery", action="store_true", help="Forget the rollback state (LR back-off, open incident) carried over in vidstab/recovery.json.")
-    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module.")
-    stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    pre, _ = parser.parse_known_args(argv)
-    if pre.config:
-        path = Path(pre.config)
-        if not path.is_file():
-            parser.error(f"--config {path}: no such file")
-        values = yaml.safe_load(path.read_text()) or {}
-        known = {a.dest for a in parser._actions}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            parser.error(f"--config {path}: unknown key(s) {unknown}; every key must be a flag name")
-        parser.set_defaults(**values)
-    args = parser.parse_args(argv)
-    for name in ("max_train_steps", "train_batch_size", "gradient_accumulation_steps", "checkpointing_steps", "num_frames", "resolution"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    return args
 
 
 # --------------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
 def build_latents(args: argparse.Namespace, accelerator: Accelerator):
-    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards."""
+    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards; returns (cache, vae)."""
     with accelerator.main_process_first():
         if args.data_dir:
             videos, skipped = video_folder_dataset(
-                args.data_dir, args.num_frames, args.resolution, frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
+                args.data_dir, args.num_frames, (args.height, args.width), frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
             )
             for record in skipped:
                 logger.warning(f"skipped bad sample {record['sample_id']}: {record['reason']}", main_process_only=True)
         else:
-            videos = moving_shapes_dataset(args.num_videos, args.num_frames, args.resolution, seed=args.seed)
+            videos = moving_shapes_dataset(args.num_videos, args.num_frames, (args.height, args.width), seed=args.seed)
         vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
         log = (lambda msg: logger.info(msg)) if accelerator.is_main_process else (lambda msg: None)
         cache = encode_to_cache(videos, vae, Path(args.output_dir) / "latent_cache", clamp=args.latent_clamp, log=log)
-    return cache
+    return cache, vae
+
+
+def objective_config(args: argparse.Namespace) -> ObjectiveConfig:
+    """The diffusion objective the flags describe (the flow-matching fields only matter for flow matching)."""
+    return ObjectiveConfig(
+        prediction_type=args.prediction_type, num_train_timesteps=args.num_train_timesteps, flow_shift=args.flow_shift,
+        weighting_scheme=args.weighting_scheme, logit_mean=args.logit_mean, logit_std=args.logit_std, mode_scale=args.mode_scale,
+    )
+
+
+def build_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The run's Accelerator: precision from --mixed_precision or else Accelerate's own config, trackers checked."""
+    out = Path(args.output_dir)
+    return Accelerator(
+        mixed_precision=args.mixed_precision,  # None: whatever `accelerate config` / `accelerate launch` say
+        log_with=check_trackers(args.report_to),
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / args.logging_dir)),
+        # One optimizer step is exactly `gradient_accumulation_steps` micro-batches, across epoch ends too.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
 
 
 def build_model(args: argparse.Namespace, latent_channels: int) -> VideoDiT:
@@ -186,7 +121,7 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
         ctx.batches_consumed += 1
         with acc.accumulate(model):
             latents, _ = faults.corrupt_batch(step, batch["latents"])
-            draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index))
+            draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index, latents.device))
             captured = {"latents": latents, **draws}  # what an incident bundle stores to replay this micro-batch
             error, per_sample = None, None
             with faults.module_fault(step, acc.unwrap_model(model)):
@@ -214,40 +149,34 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         out = Path(args.output_dir)
-        trackers = None if args.report_to == "none" else args.report_to
-        self.accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            log_with=trackers,
-            project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-            # One optimizer step is exactly `gradient_accumulation_steps` micro-batches, across epoch ends too.
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        )
+        self.accelerator = build_accelerator(args)
         acc = self.accelerator
         # One run per folder: another live trainer, or the same command again without resuming, is refused.
         vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
+        apply_backend_flags(args)
         self.faults = FaultInjector(args.inject_fault, acc.process_index)
 
-        cache = build_latents(args, acc)
+        cache, self.vae = build_latents(args, acc)
+        self.cache = cache
+        self.vae_on_device = None  # moved to the training device at the first validation
+        self.reference_latents = None  # data clips the validation samples are compared with, read at the first validation
         latent_channels = cache[0]["latents"].shape[0]
         self.model = build_model(args, latent_channels)
-        self.objective = DiffusionObjective(ObjectiveConfig(prediction_type=args.prediction_type, num_train_timesteps=args.num_train_timesteps))
-        optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-        )
-        # diffusers convention: the prepared scheduler steps once per process per optimizer step.
-        lr_scheduler = get_scheduler(
-            args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
-            num_training_steps=args.max_train_steps * acc.num_processes,
-        )
+        self.objective = DiffusionObjective(objective_config(args))
         dataloader = torch.utils.data.DataLoader(
             cache, batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
             num_workers=args.dataloader_num_workers, generator=torch.Generator().manual_seed(args.seed),
         )
         if len(dataloader) == 0:
             raise SystemExit(f"data set of {len(cache)} clips is smaller than one batch of {args.train_batch_size}")
+        # Per-process batches: the prepared dataloader is sharded over the processes.
+        args.max_train_steps = resolve_max_train_steps(args, math.ceil(len(dataloader) / acc.num_processes))
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=scaled_learning_rate(args, acc.num_processes), betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+        )
+        lr_scheduler = get_scheduler(args.lr_scheduler, optimizer, **lr_scheduler_kwargs(args, acc.num_processes))
         self.model, self.optimizer, self.dataloader, self.lr_scheduler = acc.prepare(self.model, optimizer, dataloader, lr_scheduler)
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
@@ -256,6 +185,7 @@ class Run:
         if args.no_vidstab:
             guard_config.enabled = False
         guard_config.num_train_timesteps = args.num_train_timesteps
+        guard_config.log_every = args.logging_steps  # --logging_steps: tracker interval (events JSONL gets every step)
         self.checkpoints = CheckpointManager(
             acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save),
             config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
@@ -334,6 +264,17 @@ def finish_checkpoints(run: Run, step: int, retry: bool) -> bool:
         return False
 
 
+def export_run(run: Run) -> dict:
+    """``output_dir/transformer/`` (+ ``transformer_ema/``, ``vae/``, ``scheduler/``): see recipes/export.py."""
+    args = run.args
+    written = export_pipeline(
+        args.output_dir, run.accelerator.unwrap_model(run.model), ema=run.ema, vae=run.vae, vae_path=args.vae,
+        objective=run.objective.to_dict(), normalization=run.cache.normalization, latent_shape=run.cache.latent_shape,
+    )
+    run.guard.events.log("export", run.guard.global_step, folders={k: str(Path(v).relative_to(args.output_dir)) for k, v in written.items()})
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args)
@@ -341,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "train_config.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=True))
-    acc.init_trackers("vidstab", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+    acc.init_trackers(args.tracker_name, config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     if args.audit:
         from vidstab.tools.audit import audit_before_training
@@ -401,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
                 save_checkpoint(run, step)
+            if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
+                run_validation(run, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
@@ -408,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         if not finish_checkpoints(run, step, retry=exit_code == 0) and exit_code == 0:
             exit_code = 4  # trained to the end, but the final state is not on disk
     progress.close()
+    acc.wait_for_everyone()
+    exported = None
+    if exit_code == 0 and step >= args.max_train_steps and acc.is_main_process:
+        exported = export_run(run)
+        run_validation(run, step)
     acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
@@ -423,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
             + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
                if run.checkpoint_failures else "") +
-            f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl, report: {report_path})"
+            f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "
+            f"report: {report_path})"
         )
     return exit_code
 

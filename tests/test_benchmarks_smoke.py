@@ -56,6 +56,27 @@ def test_baselines_follow_their_published_rules():
     assert B.FixedThreshold().observe(rec(0, g=float("nan"))) and not B.FixedThreshold().observe(rec(0, g=9e3))
 
 
+def test_vidstab_replay_uses_the_guards_own_statistics_builder():
+    """The replay judges the packed row the guard gathers (vidstab.signals) through Guard._build_stats."""
+    import torch
+
+    from benchmarks import baselines as B
+    from vidstab import signals
+
+    v = B.VidstabReplay()
+    w = signals.Window(torch.device("cpu"), v.config.timestep_buckets, 1000, ("latents",))
+    x = 2.0 * torch.ones(2, 3)
+    w.record(torch.tensor(0.5), {"latents": x}, None, None, False)
+    row = w.pack(torch.tensor(0.7), False, None, None, None).tolist()
+    s = v.stats_of_row(0, row, lr=1e-4, lr_peak=2e-4, lr_scheduled=1e-4)
+    assert (s.grad_norm, s.loss, s.input_absmax, s.input_rms, s.lr, s.lr_peak, s.lr_scheduled) == pytest.approx(
+        (0.7, 0.5, 2.0, 2.0, 1e-4, 2e-4, 1e-4))
+    # An LR x10^4 the scheduled one at the first step of a run: refused by lr_bound, no history needed.
+    found = v.observe_row(0, row, lr=1.0, lr_peak=2e-4, lr_scheduled=1e-4)
+    assert any(f.detector == "lr_bound" and f.verdict >= 2 for f in found)
+    v.close()
+
+
 def test_vidstab_replay_skips_a_nan_step():
     from benchmarks import baselines as B
     from benchmarks.scenarios.recorder import StepRecord
@@ -77,6 +98,10 @@ def test_bench_detection_quick():
     assert out["detectors"]["vidstab"]["detection_rate"] == 1.0
     for name, d in out["detectors"].items():
         assert d["false_alarms_per_1k"] is None or 0 <= d["false_alarms_per_1k"] <= 1000, name
+    # The held-out subset: another model family and schedule, an LR bug in a 30-step fine-tune, a x5.5 input.
+    held = out["heldout"]["summary"]
+    assert held["divergent_runs"] >= 1 and held["detection_rate"] == 1.0
+    assert held["max_skips_per_1k_family"] == 0.0  # no SKIP on the healthy held-out runs
 
 
 @pytest.mark.slow

@@ -223,3 +223,26 @@ def test_folder_errors_for_missing_or_empty_folders(tmp_path: Path, video_dir: P
         (video_dir / good).unlink()
     with pytest.raises(BadSampleError, match="no usable videos"):
         video_folder_dataset(video_dir, 5, 16, skip_bad_samples=True)
+
+
+def test_clips_that_rescale_badly_are_warned_about_naming_the_file(tmp_path: Path):
+    import warnings as _warnings
+
+    _write_video(tmp_path / "tiny.mp4", _gray_frames(5, 2, 2))
+    _write_video(tmp_path / "sliver.mp4", _gray_frames(5, 330, 8))
+    _write_video(tmp_path / "fine.mp4", _gray_frames(5, 48, 64))
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        ds, skipped = video_folder_dataset(tmp_path, num_frames=5, resolution=32)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any("tiny.mp4" in m and "2x2 frames are upscaled 16.0x (training size 32x32)" in m for m in messages), messages
+    assert any("sliver.mp4" in m and "330x8 frames are upscaled 4.0x and centre-cropped, keeping 2% of the picture (training size 32x32)" in m for m in messages), messages
+    assert not any("fine.mp4" in m for m in messages), messages
+    assert skipped == [] and len(ds) == 3 and ds[0]["video"].shape == (5, 3, 32, 32)
+
+
+def test_height_and_width_give_non_square_clips(tmp_path: Path):
+    _write_video(tmp_path / "a.mp4", _gray_frames(5, 48, 64))
+    ds, _ = video_folder_dataset(tmp_path, num_frames=5, resolution=(16, 24))
+    assert ds[0]["video"].shape == (5, 3, 16, 24)
+    assert moving_shapes_dataset(2, 5, (16, 24), seed=0)[1]["video"].shape == (5, 3, 16, 24)

@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -379,16 +375,6 @@ def test_fp16_overflow_is_left_to_the_grad_scaler(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_example_loop_with_vidstab_survives_a_nan_batch(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "vidstab_loop.py"), "--steps", "6",
-                           "--corrupt_step", "4", "--output_dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "parameters finite: True, skipped steps: 1" in proc.stdout
-    assert [e["step"] for e in read_events(tmp_path, "skip")] == [2]
-
-
 def test_nonfinite_weights_request_rollback_and_a_restore_clears_it(tmp_path):
     acc, model, opt, sched, guard = make(tmp_path, accum=1, config=GuardConfig(param_norm_every=1))
     train(acc, model, guard, micro_steps=2)
@@ -410,18 +396,18 @@ def test_nonfinite_weights_request_rollback_and_a_restore_clears_it(tmp_path):
 
 def test_a_warning_makes_checkpoints_unhealthy_for_the_health_window(tmp_path):
     """A slowly diverging run warns before it skips: a checkpoint taken then must not be a rollback target."""
-    config = GuardConfig.from_dict({"health_window": 5, "lr_jump": {"warmup_steps": 3}})
+    config = GuardConfig.from_dict({"health_window": 5})
     acc, model, opt, sched, guard = make(tmp_path, config=config)
     health = []
 
     def jump_lr_at_6(i, r):
         health.append(guard.healthy)
-        if i == 5:  # the LR jumps x10 for the next step: lr_jump warns (a forecast, nothing is skipped)
-            for group in opt.param_groups:
-                group["lr"] *= 10
+        if i == 5:  # x9 the scheduled 1/7 of the peak = 1.29x the peak for the next step: lr_bound warns (a
+            for group in opt.param_groups:  # forecast, nothing skipped); x10 the scheduled LR would be refused
+                group["lr"] *= 9
 
     results = train(acc, model, guard, 14, on_result=jump_lr_at_6)
-    warned = [r.step for r in results if any(f.detector == "lr_jump" for f in r.findings)]
+    warned = [r.step for r in results if any(f.detector == "lr_bound" for f in r.findings)]
     assert warned == [6] and not any(r.skipped for r in results)
     assert health[:6] == [True] * 6          # quiet so far
     assert health[6:11] == [False] * 5       # the warning step and the 4 after it

@@ -124,23 +124,23 @@ def test_rebuilt_when_the_data_changes(tmp_path: Path, data, vae):
 
 def test_rebuilt_when_the_vae_weights_change(tmp_path: Path, data, vae):
     cache_dir = tmp_path / "c"
-    first = encode_to_cache(data, vae, cache_dir, log=Log())
+    first = encode_to_cache(data, vae, cache_dir, log=Log()).latents  # read now: the cache is read lazily from disk
     log = Log()
     second = encode_to_cache(data, build_vae(None, seed=1), cache_dir, log=log)
     assert second.rebuilt and log.says("vae changed")
-    assert not torch.equal(first.latents, second.latents)
+    assert not torch.equal(first, second.latents)
 
 
 def test_clamp_bounds_values_and_rebuilds(tmp_path: Path, data, vae):
     cache_dir = tmp_path / "c"
-    unclamped = encode_to_cache(data, vae, cache_dir, log=Log())
-    assert unclamped.latents.abs().max() > 1.0
+    unclamped = encode_to_cache(data, vae, cache_dir, log=Log()).latents  # read now: the cache is read lazily from disk
+    assert unclamped.abs().max() > 1.0
 
     log = Log()
     clamped = encode_to_cache(data, vae, cache_dir, clamp=1.0, log=log)
     assert clamped.rebuilt and log.says("clamp changed") and log.says("clamped")
     assert clamped.latents.abs().max() <= 1.0
-    assert clamped.stats["clamped_values"] == int((unclamped.latents.abs() > 1.0).sum()) > 0
+    assert clamped.stats["clamped_values"] == int((unclamped.abs() > 1.0).sum()) > 0
     assert clamped.manifest["clamp"] == 1.0
     # And it is what a reload sees.
     assert LatentCache.load(cache_dir).latents.abs().max() <= 1.0
@@ -149,7 +149,7 @@ def test_clamp_bounds_values_and_rebuilds(tmp_path: Path, data, vae):
 @pytest.mark.parametrize("damage", ["truncate", "delete", "flip_byte"])
 def test_damaged_shard_is_detected_and_rebuilt(tmp_path: Path, data, vae, damage: str):
     cache_dir = tmp_path / "c"
-    good = encode_to_cache(data, vae, cache_dir, log=Log())
+    good = encode_to_cache(data, vae, cache_dir, log=Log()).latents  # read now: the cache is read lazily
     shard = cache_dir / "latents-00000.safetensors"
     raw = shard.read_bytes()
     if damage == "truncate":
@@ -164,7 +164,7 @@ def test_damaged_shard_is_detected_and_rebuilt(tmp_path: Path, data, vae, damage
     log = Log()
     cache = encode_to_cache(data, vae, cache_dir, log=log)
     assert cache.rebuilt and log.says("damaged")
-    assert torch.equal(cache.latents, good.latents)
+    assert torch.equal(cache.latents, good)
     assert not LatentCache.load(cache_dir).rebuilt  # and the new one verifies
 
 
@@ -243,3 +243,18 @@ def test_build_vae_explains_bad_folders(tmp_path: Path):
     )
     with pytest.raises(ValueError, match="cannot load the Wan VAE"):
         build_vae(tmp_path / "noweights", seed=0)
+
+
+def test_reading_a_data_set_larger_than_the_memory_budget_stays_flat(tmp_path: Path):
+    """Latents (safe_open per item) and clips (rendered per item) are read without holding the data set."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_data_scale
+
+    budget_mib, clips = 64, 900
+    bench_data_scale.write_latent_cache(tmp_path / "c", clips)
+    for mode in ("latents_lazy", "videos_lazy"):
+        row = bench_data_scale.run_measure(mode, clips, tmp_path / "c")
+        assert row["data_mib"] > budget_mib, row  # the data set does not fit the budget...
+        assert row["peak_growth_mib"] < budget_mib / 2, row  # ...and reading all of it stays well inside

@@ -32,6 +32,43 @@ def test_loss_is_fp32_per_sample_and_replayable():
     assert torch.equal(loss, again)
 
 
+def test_flow_matching_sigmas_are_the_shifted_schedulers_and_weighting_is_diffusers():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    latents = torch.randn(512, 1, 1, 1, 1)
+    mean_sigma = {}
+    for shift in (1.0, 3.0):
+        objective = DiffusionObjective(ObjectiveConfig(prediction_type="flow_matching", flow_shift=shift, weighting_scheme="none"))
+        t = objective.sample(latents, step_generator(0, 0, 0, 0))["timesteps"]
+        table = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift).sigmas
+        sigmas = objective.sigmas(t)
+        # every training sigma is one the sampler also visits, shifted the same way
+        assert (sigmas[:, None] - table.float()[None]).abs().min(dim=1).values.max() < 1e-6
+        mean_sigma[shift] = float(sigmas.mean())
+    assert mean_sigma[3.0] > mean_sigma[1.0] + 0.1  # shift > 1 trains more at high noise (Wan, SD3)
+
+    model = torch.nn.Identity()
+    model.forward = lambda x, t: x
+    plain = DiffusionObjective(ObjectiveConfig(prediction_type="flow_matching", weighting_scheme="none"))
+    weighted = DiffusionObjective(ObjectiveConfig(prediction_type="flow_matching", weighting_scheme="sigma_sqrt"))
+    latents = torch.randn(4, 2, 1, 2, 2)
+    draws = plain.sample(latents, step_generator(1, 2, 0, 0))
+    a = plain.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
+    b = weighted.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
+    assert torch.allclose(b, a * compute_loss_weighting_for_sd3("sigma_sqrt", plain.sigmas(draws["timesteps"])))
+    with pytest.raises(ValueError, match="weighting_scheme"):
+        ObjectiveConfig(weighting_scheme="uniform")
+
+
+def test_draws_are_made_on_the_latents_device():
+    objective = DiffusionObjective()
+    with pytest.raises(ValueError, match="generator is on cpu but the latents are on meta"):
+        objective.sample(torch.empty(2, 4, 1, 2, 2, device="meta"), step_generator(0, 0, 0, 0))
+    draws = objective.sample(torch.zeros(2, 4, 1, 2, 2), step_generator(0, 0, 0, 0, device="cpu"))
+    assert draws["noise"].device.type == draws["timesteps"].device.type == "cpu"
+
+
 def test_unknown_prediction_type_is_rejected():
     with pytest.raises(ValueError, match="prediction_type"):
         ObjectiveConfig(prediction_type="x0")

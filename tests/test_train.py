@@ -44,12 +44,17 @@ def test_tensorboard_is_the_default_tracker(tmp_path):
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
 
 
-def test_loss_clearly_drops_over_100_steps(tmp_path):
+def test_default_size_flow_matching_run_learns_the_shapes(tmp_path):
+    """README's demo: the default model and data with flow matching, 300 steps, default validation."""
     out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "100", "--checkpointing_steps", "100", "--learning_rate", "1e-3")
+    run_trainer(out, "--num_videos", "64", "--train_batch_size", "8", "--hidden_size", "64", "--num_heads", "4",
+                "--lr_warmup_steps", "20", "--checkpointing_steps", "300", "--prediction_type", "flow_matching")
     losses = [m["loss"] for m in events(out, kind="metrics")]
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    assert last < 0.8 * first, f"loss did not drop: first10={first:.4f} last10={last:.4f}"
+    assert len(losses) == 300 and last < 0.6 * first, f"loss did not drop: first10={first:.4f} last10={last:.4f}"
+    # Sampled latents land much nearer the training clips than the noise they start from.
+    final = events(out, kind="validation")[-1]
+    assert final["step"] == 300 and final["nn_distance"] < 0.8 * final["noise_nn_distance"], final
 
 
 def test_flow_matching_ema_accumulation_checkpointing_train_and_resume(tmp_path):
@@ -130,8 +135,11 @@ def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):
     out = tmp_path / "run"
     # Spikes only warn here, so the run is left to diverge and we can see whether the growth detector
     # forecast it. A slowly rising LR (x1.3 per step from step 60) makes the grad norm grow exponentially.
+    # lr_bound (which refuses the ramp from 3x the schedule's peak on) and trend (which rolls back on the
+    # corroborated warnings) are set to warn / off for the same reason.
     warn_only = tmp_path / "warn_only.yaml"
-    warn_only.write_text("grad_spike: {action: warn}\nloss_spike: {action: warn}\nrepeated_spikes: {enabled: false}\n")
+    warn_only.write_text("grad_spike: {action: warn}\nloss_spike: {action: warn}\nrepeated_spikes: {enabled: false}\n"
+                         "lr_bound: {action: warn}\ntrend: {enabled: false}\n")
     run_trainer(out, "--max_train_steps", "110", "--checkpointing_steps", "200", "--inject_fault", "lr_ramp@60=1.3",
                 "--vidstab_config", str(warn_only), "--max_retries", "0", check=False)
     warns = [e["step"] for e in events(out, kind="warn") if e.get("detector") == "grad_growth"]
@@ -167,3 +175,42 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     assert stopped_at >= 3
     resumed = run_trainer(out, "--max_train_steps", str(stopped_at + 2), "--resume_from_checkpoint", "latest")
     assert f"done: {stopped_at + 2}/{stopped_at + 2} steps" in resumed.stdout
+
+
+def test_run_exports_a_loadable_model_ema_and_validation_clips(tmp_path):
+    import av
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vidstab.reference.model import VideoDiT
+
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--validation_steps", "2",
+                "--num_validation_videos", "2", "--validation_num_inference_steps", "3", "--report_to", "tensorboard")
+    model = VideoDiT.from_pretrained(str(out / "transformer"))
+    checkpoint = _weights(out, 4)
+    assert model.state_dict().keys() == checkpoint.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint.items()), "export differs from the final weights"
+    ema = VideoDiT.from_pretrained(str(out / "transformer_ema"))
+    assert any(not torch.equal(ema.state_dict()[k], v) for k, v in checkpoint.items()), "transformer_ema holds the live weights"
+
+    validations = events(out, kind="validation")
+    assert [v["step"] for v in validations] == [2, 4] and all(v["ema"] for v in validations)
+    for v in validations:
+        assert (out / v["strip"]).is_file() and len(v["videos"]) == 2
+        with av.open(str(out / v["videos"][0])) as container:
+            frames = list(container.decode(video=0))
+        assert len(frames) == 9 and (frames[0].height, frames[0].width) == (32, 32)
+        assert v["noise_nn_distance"] > 0 and v["data_nn_distance"] > 0 and v["nn_distance"] > 0
+    assert "validation/step_000004/strip.png" in (out / "report.html").read_text()
+    tb = EventAccumulator(str(next((out / "logs").rglob("events.out.tfevents*")).parent), size_guidance={"images": 0})
+    tb.Reload()
+    assert [e.step for e in tb.Images("validation")] == [2, 4]
+
+    # recipes/sample.py samples the exported folder (the EMA weights here) the same way
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "sample.py"), "--model_dir", str(out), "--use_ema", "--num_videos", "2",
+                           "--num_inference_steps", "3", "--output_dir", str(tmp_path / "samples")],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["model"].endswith("transformer_ema") and len(result["videos"]) == 2
+    assert (tmp_path / "samples" / "strip.png").is_file() and result["noise_nn_distance"] > 0

@@ -14,7 +14,7 @@ Three lines in a plain Accelerate loop::
 __version__ = "0.1.0"
 
 from .config import GuardConfig, config_hash
-from .detectors import ConfigError, Detector, Finding, StepStats, Verdict
+from .detectors import ConfigError, Detector, DetectorConfig, Finding, StepStats, Verdict, register_detector
 from .events import EventLog, read_events
 from .guard import Guard, StepResult, attach
 
@@ -28,6 +28,8 @@ __all__ = [
     "Finding",
     "Verdict",
     "Detector",
+    "DetectorConfig",
+    "register_detector",
     "ConfigError",
     "EventLog",
     "read_events",

@@ -22,15 +22,19 @@ from .detectors import (
     GradGrowthConfig,
     GradSpikeConfig,
     InputRangeConfig,
+    InputScaleConfig,
     LossScaleConfig,
     LossSpikeConfig,
+    LRBoundConfig,
     LRJumpConfig,
     NonFiniteConfig,
     NonFiniteParamsConfig,
     ParamGrowthConfig,
     RepeatedSpikesConfig,
     StragglerConfig,
+    TrendConfig,
     UpdateRatioConfig,
+    registered_detectors,
 )
 from .detectors.base import check
 
@@ -80,6 +84,8 @@ class GuardConfig:
     """Caller-reported exception in a micro-step (default: rollback)."""
     nonfinite_params: NonFiniteParamsConfig = field(default_factory=NonFiniteParamsConfig)
     """Non-finite parameter norm (default: rollback)."""
+    lr_bound: LRBoundConfig = field(default_factory=LRBoundConfig)
+    """LR beyond anything the schedule can produce, judged before the update is applied (default: skip)."""
     grad_spike: GradSpikeConfig = field(default_factory=GradSpikeConfig)
     """Gradient-norm spike vs. its EMA (default: skip)."""
     grad_growth: GradGrowthConfig = field(default_factory=GradGrowthConfig)
@@ -100,10 +106,18 @@ class GuardConfig:
     """An extreme finite input value (e.g. an unclamped VAE latent) vs. its EMA (default: warn)."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """A rank persistently slower than the others (default: warn)."""
+    input_scale: InputScaleConfig = field(default_factory=InputScaleConfig)
+    """Input RMS vs. a fixed reference (given, or the first healthy steps) (default: warn at x1.5, skip at x2)."""
+    trend: TrendConfig = field(default_factory=TrendConfig)
+    """Warnings of several detectors within a window (default: rollback)."""
     consecutive_skips: ConsecutiveSkipsConfig = field(default_factory=ConsecutiveSkipsConfig)
     """A run of skipped steps (default: rollback)."""
     repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)
     """Spikes clustered in a window (default: rollback)."""
+    custom: dict[str, Any] = field(default_factory=dict)
+    """Configs of detectors added with :func:`vidstab.register_detector`, by name. In YAML/dicts they sit
+    at the top level like the built-in ones (``my_rule: {action: skip}``); a registered detector without
+    an entry runs with its config class's defaults."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
@@ -119,6 +133,11 @@ class GuardConfig:
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
                 sub.validate(f.name)
+        user = registered_detectors()
+        for name, sub in self.custom.items():
+            check(name in user, f"custom.{name}", "must name a detector added with vidstab.register_detector", name)
+            check(isinstance(sub, user[name][0]), name, f"must be a {user[name][0].__name__}", sub)
+            sub.validate(name)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,7 +145,19 @@ class GuardConfig:
     @classmethod
     def from_dict(cls, d: dict | None) -> "GuardConfig":
         """Build from a plain dict (nested dicts for detectors); unknown keys and bad values raise."""
-        return _build(cls, d or {}, "")
+        d = dict(d or {})
+        if not isinstance(d.get("custom", {}), dict):
+            raise ConfigError(f"custom must be a mapping, got {d['custom']!r}")
+        user = registered_detectors()
+        custom = {name: _build(user[name][0], d.pop(name), name + ".") for name in list(d) if name in user}
+        for name, sub in d.pop("custom", {}).items():  # the to_dict form is flat; this spelling is accepted too
+            if name not in user:
+                raise ConfigError(f"custom.{name}: no detector {name!r} was added with vidstab.register_detector")
+            custom[name] = _build(user[name][0], sub, name + ".")
+        obj = _build(cls, d, "")
+        obj.custom = custom
+        obj.validate()
+        return obj
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "GuardConfig":
@@ -141,7 +172,9 @@ class GuardConfig:
 
     def to_dict(self) -> dict:
         """Plain JSON/YAML-serialisable form (round-trips through :meth:`from_dict`)."""
-        return _to_plain(dataclasses.asdict(self))
+        d = _to_plain(dataclasses.asdict(self))
+        custom = d.pop("custom", {})
+        return {**d, **custom}
 
 
 def _to_plain(x: Any) -> Any:

@@ -38,7 +38,7 @@ import torch
 from . import capture, signals
 from .atomic import write_json_atomic
 from .config import GuardConfig
-from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge
+from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge, published
 from .events import EventLog, log_to_trackers
 from .localize import locate_nonfinite
 
@@ -367,6 +367,8 @@ class Guard:
             clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
             lr=self._lr(),
             loss_scale=table[0][S.LOSS_SCALE] if self._scale_known else None,
+            lr_peak=self._lr_peak(),
+            lr_scheduled=self._lr_scheduled(),
             param_norm=param_norm,
             update_ratio=update_ratio,
             nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
@@ -379,6 +381,7 @@ class Guard:
             # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
             input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
             input_nonfinite=int(sum(in_nonfinite)),
+            input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
         )
         s.overflow = bool(
             getattr(self.accelerator, "scaler", None) is not None
@@ -463,6 +466,7 @@ class Guard:
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": s.verdict.name,
             "applied": s.applied,
+            **published(self.detectors),  # each detector's own thresholds for the next step (the dashboard's lines)
         }
         self.events.log("metrics", s.step, **metrics)
         if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):
@@ -589,6 +593,21 @@ class Guard:
     def _lr(self) -> float | None:
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         return float(lr) if isinstance(lr, (int, float)) else None  # a tensor LR would need a sync: not read
+
+    def _lr_peak(self) -> float | None:
+        """The largest LR the schedule can produce for group 0: base LR at attach x ``lr_multiplier``, or
+        the group's ``max_lr`` (OneCycleLR/CyclicLR) when larger."""
+        if not self.optimizer.param_groups or not self._orig_lrs:
+            return None
+        peak = self._orig_lrs[0] * self.lr_multiplier
+        max_lr = self.optimizer.param_groups[0].get("max_lr")
+        return max(peak, float(max_lr) * self.lr_multiplier) if isinstance(max_lr, (int, float)) else peak
+
+    def _lr_scheduled(self) -> float | None:
+        """The LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
+        sch = self._scheduler()
+        last = getattr(sch, "_last_lr", None) if sch is not None else None
+        return float(last[0]) if last and isinstance(last[0], (int, float)) else None
 
     def scale_lr(self, factor: float) -> None:
         """Multiply the LR persistently: param-group lrs now, and the scheduler's ``base_lrs`` so the
@@ -717,6 +736,10 @@ def _bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
     loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
     return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
             and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
+
+
+def _rms(sum_sq: float, count: float) -> float | None:
+    return math.sqrt(sum_sq / count) if count > 0 else None
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:

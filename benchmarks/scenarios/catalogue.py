@@ -79,6 +79,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              faults=(f"lr_ramp@{FAULT_STEP}=1.3",), onset=FAULT_STEP),
     Scenario("lr_ramp_x1.1", f"LR x1.1 per step from step {FAULT_STEP} (slow drift to divergence)",
              faults=(f"lr_ramp@{FAULT_STEP}=1.1",), onset=FAULT_STEP),
+    Scenario("lr_ramp_x1.05", f"LR x1.05 per step from step {FAULT_STEP} (a slow ramp: warnings long before damage)",
+             faults=(f"lr_ramp@{FAULT_STEP}=1.05",), onset=FAULT_STEP),
     Scenario("nan_batch", f"NaN latents in the batch of step {FAULT_STEP} (poisoned sample)",
              faults=(f"nan_batch@{FAULT_STEP}",), onset=FAULT_STEP),
     Scenario("inf_latent", f"one +inf latent value at step {FAULT_STEP}",

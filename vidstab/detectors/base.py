@@ -52,6 +52,30 @@ ACTIONS = ("warn", "skip", "rollback")
 
 
 @dataclass
+class DetectorConfig:
+    """What every detector's configuration holds: on/off, the action of its findings, validation.
+
+    A detector's own config subclasses it, adds its fields (each with a docstring) and checks them in
+    :meth:`validate_fields`; YAML/dict loading (``GuardConfig.from_dict``) is the same for all of them,
+    registered user detectors included (:func:`vidstab.register_detector`).
+    """
+
+    enabled: bool = True
+    """Run this detector."""
+    action: str = "warn"
+    """``warn | skip | rollback``: the verdict of this detector's findings."""
+
+    def validate(self, prefix: str = "detector") -> None:
+        """Raise :class:`ConfigError` naming the first bad field as ``<prefix>.<field>``."""
+        check(isinstance(self.enabled, bool), f"{prefix}.enabled", "must be true or false", self.enabled)
+        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+        self.validate_fields(prefix)
+
+    def validate_fields(self, prefix: str) -> None:
+        """Check this detector's own fields (default: none)."""
+
+
+@dataclass
 class Finding:
     """One detector's judgement of one step."""
 
@@ -103,6 +127,11 @@ class StepStats:
     """Whether clipping changed the gradients (pre-clip norm > max norm)."""
     lr: float | None = None
     """Learning rate of the first param group at this step."""
+    lr_peak: float | None = None
+    """Largest LR the schedule can produce for the first param group: its base LR when the guard attached
+    (times the guard's ``lr_multiplier``) or the group's ``max_lr``; ``None`` when unknown."""
+    lr_scheduled: float | None = None
+    """LR the scheduler itself set for this step (``get_last_lr()[0]``); ``None`` without a scheduler."""
     loss_scale: float | None = None
     """GradScaler scale under fp16, else ``None``."""
     overflow: bool = False
@@ -131,6 +160,8 @@ class StepStats:
     """Largest finite absolute input value over ranks."""
     input_nonfinite: int = 0
     """Non-finite input values over ranks."""
+    input_rms: float | None = None
+    """Root mean square of the finite input values over ranks (``None`` when no input was recorded)."""
     # Filled in by the guard while judging (see module docstring).
     verdict: Verdict = Verdict.OK
     """Verdict reached so far (final verdict in :meth:`Detector.update`)."""
@@ -162,6 +193,11 @@ class Detector:
 
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict`."""
+
+    def published(self) -> dict[str, float]:
+        """Thresholds this detector applies to the next step, logged with the step's metrics so that the
+        dashboard draws the detector's own line (e.g. ``{"grad_spike_threshold": 3.2}``); default none."""
+        return {}
 
     def finding(self, message: str, figures: dict[str, float], ranks: list[int] | None = None) -> Finding:
         """A finding of this detector with its configured verdict."""

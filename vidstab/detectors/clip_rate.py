@@ -15,15 +15,13 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
-class ClipRateConfig:
+class ClipRateConfig(DetectorConfig):
     """Configuration of the ``clip_rate`` detector."""
 
-    enabled: bool = True
-    """Watch how often gradient clipping fires."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: permanent clipping means the LR or the model is off, which a
     human must fix; the run itself is not in danger yet."""
@@ -34,8 +32,7 @@ class ClipRateConfig:
     min_clip_factor: float = 2.5
     """... and the window's median pre-clip norm is at least this multiple of ``max_grad_norm``."""
 
-    def validate(self, prefix: str = "clip_rate") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(0 < self.max_rate <= 1, f"{prefix}.max_rate", "must be in (0, 1]", self.max_rate)
         check(self.min_clip_factor >= 1, f"{prefix}.min_clip_factor", "must be >= 1", self.min_clip_factor)
@@ -50,14 +47,20 @@ class ClipRateDetector(Detector):
         super().__init__(config)
         self.norms: deque[float] = deque(maxlen=config.window)  # pre-clip norms of applied steps
         self.armed = True
+        self.warmed_up = False  # the LR has reached the schedule's peak once (or the peak is unknown)
 
     def _judge(self, norms: list[float], max_norm: float) -> tuple[float, float, bool]:
         rate = sum(n > max_norm for n in norms) / len(norms)
         factor = statistics.median(norms) / max_norm if max_norm > 0 else math.inf
         return rate, factor, rate > self.config.max_rate and factor >= self.config.min_clip_factor
 
+    def _warm(self, s: StepStats) -> bool:
+        # "Lower the LR" is wrong advice while the LR is still warming up (the fresh model clips hard and the
+        # LR is a fraction of its peak): judge once the LR has reached the schedule's peak.
+        return self.warmed_up or s.lr_peak is None or s.lr is None or s.lr >= 0.95 * s.lr_peak
+
     def observe(self, s: StepStats) -> Finding | None:
-        if s.max_grad_norm is None or not self.armed or not math.isfinite(s.grad_norm):
+        if s.max_grad_norm is None or not self.armed or not math.isfinite(s.grad_norm) or not self._warm(s):
             return None
         norms = list(self.norms)[1 - self.config.window:] + [s.grad_norm] if self.config.window > 1 else [s.grad_norm]
         if len(norms) < self.config.window:
@@ -73,6 +76,7 @@ class ClipRateDetector(Detector):
         )
 
     def update(self, s: StepStats) -> None:
+        self.warmed_up = self._warm(s)
         if any(f.detector == self.name for f in s.findings):
             self.armed = False
         if s.applied and s.max_grad_norm is not None and math.isfinite(s.grad_norm):
@@ -81,8 +85,9 @@ class ClipRateDetector(Detector):
                 self.armed = not self._judge(list(self.norms), s.max_grad_norm)[2]
 
     def state_dict(self) -> dict:
-        return {"norms": list(self.norms), "armed": self.armed}
+        return {"norms": list(self.norms), "armed": self.armed, "warmed_up": self.warmed_up}
 
     def load_state_dict(self, d: dict) -> None:
         self.norms = deque((float(n) for n in d.get("norms", [])), maxlen=self.config.window)
         self.armed = bool(d.get("armed", True))
+        self.warmed_up = bool(d.get("warmed_up", True))

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, Verdict, check
+from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
+from .diagnosis import Timeline
 
 
 @dataclass
-class ConsecutiveSkipsConfig:
+class ConsecutiveSkipsConfig(DetectorConfig):
     """Configuration of the ``consecutive_skips`` detector (runs after the step detectors)."""
 
-    enabled: bool = True
-    """Escalate a run of skips."""
     action: str = "rollback"
     """``warn | skip | rollback``. Rollback: when every step is rejected, the weights or the optimizer
     state themselves are sick."""
     max_consecutive: int = 5
     """Rollback when this many optimizer steps in a row were skipped (this one included)."""
 
-    def validate(self, prefix: str = "consecutive_skips") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.max_consecutive >= 1, f"{prefix}.max_consecutive", "must be >= 1", self.max_consecutive)
 
 
@@ -32,24 +30,29 @@ class ConsecutiveSkipsDetector(Detector):
     def __init__(self, config: ConsecutiveSkipsConfig) -> None:
         super().__init__(config)
         self.count = 0
+        self.timeline = Timeline()
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.verdict < Verdict.SKIP or self.count + 1 < self.config.max_consecutive:
             return None
         return self.finding(
-            f"{self.count + 1} consecutive optimizer steps skipped", {"consecutive": float(self.count + 1)}
+            f"{self.count + 1} consecutive optimizer steps skipped; {self.timeline.explain_with(s.step, s.findings)}",
+            {"consecutive": float(self.count + 1)},
         )
 
     def update(self, s: StepStats) -> None:
+        self.timeline.add(s.step, s.findings)
         if s.verdict >= Verdict.ROLLBACK:
             self.count = 0
+            self.timeline.clear()
         elif s.verdict >= Verdict.SKIP:
             self.count += 1
         elif s.applied:
             self.count = 0
 
     def state_dict(self) -> dict:
-        return {"count": self.count}
+        return {"count": self.count, "timeline": self.timeline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.count = int(d["count"])
+        self.timeline.load_state_dict(d.get("timeline", {}))

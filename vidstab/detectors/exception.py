@@ -4,21 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats
 
 
 @dataclass
-class ExceptionConfig:
+class ExceptionConfig(DetectorConfig):
     """Configuration of the ``exception`` detector (``guard.backward(error=exc)``)."""
 
-    enabled: bool = True
-    """Turn caller-reported exceptions into a verdict."""
     action: str = "rollback"
     """``warn | skip | rollback``. Rollback by default: after an exception inside forward/backward
     (e.g. a CUDA error, an assertion in the model) the in-memory state can no longer be trusted."""
-
-    def validate(self, prefix: str = "exception") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
 
 
 class ExceptionDetector(Detector):

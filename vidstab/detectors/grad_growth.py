@@ -6,19 +6,17 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
-class GradGrowthConfig:
+class GradGrowthConfig(DetectorConfig):
     """Configuration of the ``grad_growth`` detector.
 
     A norm growing 10% per step crosses the spike detector's 10x only after ~24 steps; this detector
     sees the trend after ``window`` steps (8 by default), while there is still time to act.
     """
 
-    enabled: bool = True
-    """Watch the trend of the pre-clip gradient norm over applied steps."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a trend is a forecast, not yet damage."""
     window: int = 8
@@ -35,8 +33,7 @@ class GradGrowthConfig:
     warmup_steps: int = 50
     """Applied steps before judging: the norm often rises legitimately while the LR warms up."""
 
-    def validate(self, prefix: str = "grad_growth") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.window >= 2, f"{prefix}.window", "must be >= 2", self.window)
         check(1 <= self.min_rises <= self.window, f"{prefix}.min_rises", f"must be in [1, window={self.window}]", self.min_rises)
         check(self.min_growth > 1, f"{prefix}.min_growth", "must be > 1", self.min_growth)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
+from .base import DetectorConfig, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
-class InputRangeConfig:
+class InputRangeConfig(DetectorConfig):
     """Configuration of the ``input_range`` detector."""
 
-    enabled: bool = True
-    """Watch the largest finite absolute input value of each step (over ranks)."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: the sample may be legitimate; the bad ranks are named, and with
     ``skip`` the offending micro-batches are captured as an incident bundle."""
@@ -31,8 +29,7 @@ class InputRangeConfig:
     """After a warning, no new warning for this many steps; values are absorbed meanwhile so that a
     deliberate change of data scale becomes the reference instead of warning forever."""
 
-    def validate(self, prefix: str = "input_range") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
         check(self.warmup_steps >= 1, f"{prefix}.warmup_steps", "must be >= 1", self.warmup_steps)

@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
-class LossScaleConfig:
+class LossScaleConfig(DetectorConfig):
     """Configuration of the ``loss_scale`` detector (fp16 only; silent otherwise)."""
 
-    enabled: bool = True
-    """Watch the GradScaler scale."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: overflows are skipped by the scaler itself; frequent ones say
     the initial scale, the loss or the activations need attention."""
@@ -24,8 +22,7 @@ class LossScaleConfig:
     warmup_steps: int = 20
     """Ignore drops in the first steps, while the scaler calibrates down from its initial scale."""
 
-    def validate(self, prefix: str = "loss_scale") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(self.max_drops >= 1, f"{prefix}.max_drops", "must be >= 1", self.max_drops)
         check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0", self.warmup_steps)

@@ -5,15 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, EMAStat, Finding, StepStats, check
+from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check
 
 
 @dataclass
-class LossSpikeConfig:
+class LossSpikeConfig(DetectorConfig):
     """Configuration of the ``loss_spike`` detector."""
 
-    enabled: bool = True
-    """Judge the mean loss of the step against its running statistics."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: diffusion losses are noisy by nature (the timestep is sampled
     per sample), so a high loss alone is weak evidence; the gradient detectors decide skips."""
@@ -28,10 +26,9 @@ class LossSpikeConfig:
     warmup_steps: int = 20
     """Applied steps absorbed before the detector judges."""
     min_std_fraction: float = 0.1
-    """Floor of the EMA std as a fraction of the EMA mean (see ``grad_spike.min_std_fraction``)."""
+    """Floor of the EMA std as a fraction of the EMA mean (a harmless wiggle in a quiet phase is not a 6-sigma event)."""
 
-    def validate(self, prefix: str = "loss_spike") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(self.zscore > 0, f"{prefix}.zscore", "must be > 0", self.zscore)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)

@@ -1,4 +1,4 @@
-"""The learning rate jumped against its own recent history -> WARN.
+"""The learning rate jumped against its own recent history -> WARN (only when the schedule's peak is unknown).
 
 Under AdamW the update, not the gradient, scales with the LR: during an LR ramp or after a bad resume
 the gradient norm can stay flat until the run is already breaking, while the LR itself shows it at once
@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
+from .base import DetectorConfig, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
-class LRJumpConfig:
+class LRJumpConfig(DetectorConfig):
     """Configuration of the ``lr_jump`` detector."""
 
-    enabled: bool = True
-    """Watch the learning rate of the first param group."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a deliberate LR change (a warm restart) is legitimate, a 2x jump
     is still worth a line in the log."""
@@ -34,8 +32,7 @@ class LRJumpConfig:
     """After a warning, no new warning for this many steps; the EMA absorbs the LR meanwhile so that a
     deliberate new LR level becomes the reference instead of warning forever."""
 
-    def validate(self, prefix: str = "lr_jump") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
         check(self.warmup_steps >= 1, f"{prefix}.warmup_steps", "must be >= 1", self.warmup_steps)
@@ -49,7 +46,10 @@ class LRJumpDetector(EMAJumpDetector):
     reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:
-        return s.lr
+        # With the schedule's peak known, ``lr_bound`` judges the LR against it and without history; a rise
+        # below the peak is the schedule's own (warm-up, warm restart) and no news. This EMA rule is the
+        # fallback for LRs the guard cannot place (no base LR known).
+        return s.lr if s.lr_peak is None else None
 
     def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
         return self.finding(f"learning rate {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g}",

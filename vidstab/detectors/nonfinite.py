@@ -5,21 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats
 
 
 @dataclass
-class NonFiniteConfig:
+class NonFiniteConfig(DetectorConfig):
     """Configuration of the ``nonfinite`` detector."""
 
-    enabled: bool = True
-    """Judge steps for NaN/Inf losses, inputs and gradient norms."""
     action: str = "skip"
     """``warn | skip | rollback``. Skip by default: one poisoned batch must not reach the weights, and a
     single bad sample is not a reason to throw away progress (consecutive skips escalate to rollback)."""
-
-    def validate(self, prefix: str = "nonfinite") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
 
 
 class NonFiniteDetector(Detector):

@@ -5,21 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats
 
 
 @dataclass
-class NonFiniteParamsConfig:
+class NonFiniteParamsConfig(DetectorConfig):
     """Configuration of the ``nonfinite_params`` detector."""
 
-    enabled: bool = True
-    """Judge the parameter norm when it is measured."""
     action: str = "rollback"
     """``warn | skip | rollback``. Rollback: once the weights hold NaN/Inf, skipping steps cannot help;
     only a checkpoint can."""
-
-    def validate(self, prefix: str = "nonfinite_params") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
 
 
 class NonFiniteParamsDetector(Detector):

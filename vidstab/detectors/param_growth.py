@@ -6,15 +6,13 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
-class ParamGrowthConfig:
+class ParamGrowthConfig(DetectorConfig):
     """Configuration of the ``param_growth`` detector (uses the norm measured every ``param_norm_every``)."""
 
-    enabled: bool = True
-    """Watch the global parameter norm."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: weight growth is slow damage (weight decay too low, LR too high)."""
     window: int = 200
@@ -22,8 +20,7 @@ class ParamGrowthConfig:
     max_growth: float = 1.5
     """Warn when the norm grew by more than this factor over ``window`` steps."""
 
-    def validate(self, prefix: str = "param_growth") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(self.max_growth > 1, f"{prefix}.max_growth", "must be > 1", self.max_growth)
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .base import ACTIONS, Detector, Finding, StepStats, Verdict, check
+from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
+from .diagnosis import Timeline
 
 
 @dataclass
-class RepeatedSpikesConfig:
+class RepeatedSpikesConfig(DetectorConfig):
     """Configuration of the ``repeated_spikes`` detector (runs after the step detectors)."""
 
-    enabled: bool = True
-    """Escalate spikes that keep coming back."""
     action: str = "rollback"
     """``warn | skip | rollback``. Rollback: isolated spikes are bad batches; clustered ones mean the
     weights sit in an unstable region that the LR back-off of a rollback is meant to leave."""
@@ -24,8 +23,7 @@ class RepeatedSpikesConfig:
     detectors: tuple[str, ...] = field(default_factory=lambda: ("grad_spike",))
     """Which detectors' findings count as spikes."""
 
-    def validate(self, prefix: str = "repeated_spikes") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.max_spikes >= 1, f"{prefix}.max_spikes", "must be >= 1", self.max_spikes)
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(all(isinstance(d, str) for d in self.detectors), f"{prefix}.detectors", "must be detector names", self.detectors)
@@ -39,6 +37,7 @@ class RepeatedSpikesDetector(Detector):
     def __init__(self, config: RepeatedSpikesConfig) -> None:
         super().__init__(config)
         self.steps: deque[int] = deque()
+        self.timeline = Timeline()
 
     def _is_spike(self, s: StepStats) -> bool:
         return any(f.detector in self.config.detectors for f in s.findings)
@@ -50,21 +49,24 @@ class RepeatedSpikesDetector(Detector):
         if len(recent) < self.config.max_spikes:
             return None
         return self.finding(
-            f"{len(recent)} spikes within {self.config.window} steps (steps {recent})",
+            f"{len(recent)} spikes within {self.config.window} steps (steps {recent}); {self.timeline.explain_with(s.step, s.findings)}",
             {"spikes": float(len(recent)), "window": float(self.config.window)},
         )
 
     def update(self, s: StepStats) -> None:
         if s.verdict >= Verdict.ROLLBACK:
             self.steps.clear()
+            self.timeline.clear()
             return
+        self.timeline.add(s.step, s.findings)
         if self._is_spike(s):
             self.steps.append(s.step)
         while self.steps and self.steps[0] <= s.step - self.config.window:
             self.steps.popleft()
 
     def state_dict(self) -> dict:
-        return {"steps": list(self.steps)}
+        return {"steps": list(self.steps), "timeline": self.timeline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.steps = deque(int(x) for x in d["steps"])
+        self.timeline.load_state_dict(d.get("timeline", {}))

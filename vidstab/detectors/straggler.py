@@ -19,15 +19,13 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from .base import ACTIONS, Detector, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
-class StragglerConfig:
-    """Configuration of the ``straggler`` detector."""
+class StragglerConfig(DetectorConfig):
+    """Configuration of the ``straggler`` detector (watches per-rank compute times; needs 2 or more ranks)."""
 
-    enabled: bool = True
-    """Watch the per-rank compute times (needs 2 or more ranks)."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a slow rank costs time, not correctness."""
     window: int = 20
@@ -43,8 +41,7 @@ class StragglerConfig:
     quiet_steps: int = 500
     """Steps without a new warning about the same rank after one."""
 
-    def validate(self, prefix: str = "straggler") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(self.min_seconds >= 0, f"{prefix}.min_seconds", "must be >= 0", self.min_seconds)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ACTIONS, EMAJumpDetector, Finding, StepStats, check
+from .base import DetectorConfig, EMAJumpDetector, Finding, StepStats, check
 
 
 @dataclass
-class UpdateRatioConfig:
+class UpdateRatioConfig(DetectorConfig):
     """Configuration of the ``update_ratio`` detector."""
 
-    enabled: bool = True
-    """Watch the measured update/weight ratio."""
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a forecast; the step detectors skip when damage shows."""
     ratio: float = 3.0
@@ -30,8 +28,7 @@ class UpdateRatioConfig:
     """After a warning, no new warning for this many steps; samples are absorbed meanwhile so that a new
     regime becomes the reference instead of warning forever."""
 
-    def validate(self, prefix: str = "update_ratio") -> None:
-        check(self.action in ACTIONS, f"{prefix}.action", f"must be one of {ACTIONS}", self.action)
+    def validate_fields(self, prefix: str) -> None:
         check(self.ratio > 1, f"{prefix}.ratio", "must be > 1", self.ratio)
         check(0 < self.beta < 1, f"{prefix}.beta", "must be in (0, 1)", self.beta)
         check(self.warmup_samples >= 1, f"{prefix}.warmup_samples", "must be >= 1", self.warmup_samples)
@@ -49,8 +46,18 @@ class UpdateRatioDetector(EMAJumpDetector):
         return self.config.warmup_samples
 
     def value(self, s: StepStats) -> float | None:
-        return s.update_ratio
+        # Per unit of LR: an AdamW update scales with the LR, so the schedule itself (a warm restart, the end
+        # of a warm-up) moves the raw ratio several-fold; per unit of LR only the optimizer state and the
+        # weights move it. An LR that leaves its schedule is ``lr_bound``'s business.
+        if s.update_ratio is None:
+            return None
+        if s.lr is None:
+            return s.update_ratio
+        return s.update_ratio / s.lr if s.lr > 0 else None
 
     def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
-        return self.finding(f"update/weight ratio {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g}",
-                            {"update_ratio": value, "ema": self.ema.mean, "ratio": ratio})
+        per_lr = s.lr is not None
+        what = "update/weight ratio per unit of LR" if per_lr else "update/weight ratio"
+        return self.finding(f"{what} {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g} "
+                            f"(update ratio {s.update_ratio:.3g})",
+                            {"update_ratio": s.update_ratio, "judged": value, "ema": self.ema.mean, "ratio": ratio})

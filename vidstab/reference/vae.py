@@ -24,7 +24,9 @@ so the other ranks find it ready and only load it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vidstab.atomic import atomic_folder
@@ -223,6 +226,14 @@ def _data_fingerprint(dataset: Any, batch_size: int) -> tuple[str, list[str], tu
 # ----------------------------------------------------------------------------------------------------
 
 
+def denormalize_latents(latents: torch.Tensor, normalization: dict) -> torch.Tensor:
+    """Undo ``z = (latent - mean) / std`` per channel (``normalization`` as in a cache manifest)."""
+    shape = (-1, 1, 1, 1)
+    mean = torch.tensor(normalization["mean"], dtype=latents.dtype, device=latents.device).view(shape)
+    std = torch.tensor(normalization["std"], dtype=latents.dtype, device=latents.device).view(shape)
+    return latents * std + mean
+
+
 class LatentCacheError(RuntimeError):
     """A latent cache folder that is missing, incomplete or damaged (the message says which file and how)."""
 
@@ -236,23 +247,29 @@ def _sha256_file(path: Path) -> str:
 
 
 class LatentCache(torch.utils.data.Dataset):
-    """Normalised VAE latents of a video data set, loaded into memory from a cache folder.
+    """Normalised VAE latents of a video data set, read lazily from a cache folder of safetensors shards.
 
-    ``cache[i]`` is ``{"latents": Tensor[C, T', H', W'] float32, "sample_id": str}``. Build or reuse one with
-    :func:`encode_to_cache`; open an existing one with :meth:`LatentCache.load`.
+    ``cache[i]`` is ``{"latents": Tensor[C, T', H', W'] float32, "sample_id": str}``, read from its shard with
+    ``safetensors.safe_open`` (a memory-mapped slice): memory does not grow with the data set. Build or reuse
+    one with :func:`encode_to_cache`; open an existing one with :meth:`LatentCache.load`.
     """
 
-    def __init__(self, cache_dir: Path, manifest: dict, latents: torch.Tensor, rebuilt: bool):
+    def __init__(self, cache_dir: Path, manifest: dict, rebuilt: bool):
         #: The cache folder.
         self.cache_dir = Path(cache_dir)
         #: The parsed ``manifest.json``.
         self.manifest = manifest
-        #: All latents, ``[N, C, T', H', W']`` float32.
-        self.latents = latents
         #: Sample ids in cache order (the data set's order).
         self.sample_ids: list[str] = list(manifest["sample_ids"])
         #: True when this call encoded the data set, False when it reused the cache on disk.
         self.rebuilt = rebuilt
+        self._files = [self.cache_dir / shard["file"] for shard in manifest["shards"]]
+        self._starts = list(itertools.accumulate((shard["num_samples"] for shard in manifest["shards"]), initial=0))
+        self._handles: dict[int, Any] = {}  # shard index -> open safe_open handle (per process: see __getstate__)
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get a copy without open handles; each opens its own.
+        return {**self.__dict__, "_handles": {}}
 
     @property
     def fingerprint(self) -> str:
@@ -274,24 +291,35 @@ class LatentCache(torch.utils.data.Dataset):
         """Shape of one sample's latents, ``(C, T', H', W')``."""
         return tuple(self.manifest["latent_shape"])
 
+    @property
+    def latents(self) -> torch.Tensor:
+        """Every sample's latents ``[N, C, T', H', W']`` in memory at once: for small caches and tests only."""
+        if not self._files:
+            return torch.empty((0, *self.latent_shape))
+        return torch.cat([load_file(str(path))["latents"].float() for path in self._files])
+
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def __getitem__(self, index: int) -> dict:
-        return {"latents": self.latents[index], "sample_id": self.sample_ids[index]}
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for a latent cache of {len(self)} samples")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self._files[shard]), framework="pt")
+        row = self._handles[shard].get_slice("latents")[index - self._starts[shard]]
+        return {"latents": row.float(), "sample_id": self.sample_ids[index]}
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
         """Undo the normalisation (``latents [..., C, T', H', W']`` -> VAE latents), e.g. before ``vae.decode``."""
-        shape = (-1, 1, 1, 1)
-        mean = torch.tensor(self.normalization["mean"], dtype=latents.dtype, device=latents.device).view(shape)
-        std = torch.tensor(self.normalization["std"], dtype=latents.dtype, device=latents.device).view(shape)
-        return latents * std + mean
+        return denormalize_latents(latents, self.normalization)
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike, *, verify: bool = True) -> LatentCache:
         """Open a cache folder; with ``verify`` each shard's size and SHA-256 are checked against the manifest.
 
-        Raises :class:`LatentCacheError` naming the missing or damaged file.
+        Every shard's header (shape) is checked; the values are read only when items are. Raises
+        :class:`LatentCacheError` naming the missing or damaged file.
         """
         cache_dir = Path(cache_dir)
         manifest_path = cache_dir / "manifest.json"
@@ -303,7 +331,7 @@ class LatentCache(torch.utils.data.Dataset):
             n, shape = len(manifest["sample_ids"]), tuple(manifest["latent_shape"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LatentCacheError(f"unreadable manifest {str(manifest_path)!r}: {exc}") from exc
-        parts = []
+        total = 0
         for shard in shards:
             path = cache_dir / shard["file"]
             if not path.is_file():
@@ -317,19 +345,19 @@ class LatentCache(torch.utils.data.Dataset):
                 if _sha256_file(path) != shard["sha256"]:
                     raise LatentCacheError(f"shard {shard['file']} does not match its SHA-256 in the manifest")
             try:
-                tensor = load_file(str(path))["latents"]
+                with safe_open(str(path), framework="pt") as f:
+                    stored = tuple(f.get_slice("latents").get_shape())
             except Exception as exc:  # safetensors raises its own error types for damaged headers
                 raise LatentCacheError(f"cannot read shard {shard['file']}: {type(exc).__name__}: {exc}") from exc
-            if tuple(tensor.shape[1:]) != shape or tensor.shape[0] != shard["num_samples"]:
+            if stored[1:] != shape or stored[0] != shard["num_samples"]:
                 raise LatentCacheError(
-                    f"shard {shard['file']} holds {list(tensor.shape)}, "
+                    f"shard {shard['file']} holds {list(stored)}, "
                     f"expected [{shard['num_samples']}, *{list(shape)}]"
                 )
-            parts.append(tensor)
-        latents = torch.cat(parts) if parts else torch.empty((0, *shape))
-        if latents.shape[0] != n:
-            raise LatentCacheError(f"shards hold {latents.shape[0]} samples, the manifest lists {n}")
-        return cls(cache_dir, manifest, latents.float(), rebuilt=False)
+            total += stored[0]
+        if total != n:
+            raise LatentCacheError(f"shards hold {total} samples, the manifest lists {n}")
+        return cls(cache_dir, manifest, rebuilt=False)
 
 
 def collate_latents(items: Sequence[dict]) -> dict:
@@ -605,4 +633,4 @@ def encode_to_cache(
     }
     manifest = _write_cache(cache_dir, z, manifest)
     log(f"latent cache: wrote {len(manifest['shards'])} shard(s) to {cache_dir}")
-    return LatentCache(cache_dir, manifest, z, rebuilt=True)
+    return LatentCache(cache_dir, manifest, rebuilt=True)

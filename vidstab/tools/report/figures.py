@@ -3,7 +3,6 @@ timestep, input statistics per rank."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -12,15 +11,6 @@ from .markup import _nodata
 from .plots import _auto_log, _figure, _legend, _line, _marks, _png, _pyplot, _superseded
 from .series import Series, _bin, _loss_by_t, _merge, _nonfinite_loss_steps, _quiet
 from .tables import _rank_table
-
-
-#: Default spike ratio and EMA decay of the grad_spike detector (see vidstab/detectors/grad_spike.py),
-#: used to redraw the threshold when the metrics do not carry it.
-SPIKE_RATIO = 10.0
-
-SPIKE_BETA = 0.98
-
-SPIKE_WARMUP = 5  # the ratio test's warm-up (GradSpikeConfig.ratio_warmup_steps)
 
 
 def _loss_section(log: RunLog) -> str:
@@ -44,29 +34,18 @@ def _loss_section(log: RunLog) -> str:
                         'rollbacks (purple) and resumes (green); grey: steps superseded by a rollback or resume.</p>')
 
 
-def _spike_band(log: RunLog, grad: Series) -> tuple[np.ndarray, np.ndarray, str]:
-    """The grad-norm EMA and spike threshold: from the metrics when logged, else recomputed with the
-    detector's defaults (ratio 10, beta 0.98, 5 warm-up steps for the ratio test) over applied steps only."""
+def _spike_band(log: RunLog, grad: Series) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """The grad_spike detector's reference and threshold as it published them with each step's metrics
+    (``grad_norm_ema``, ``grad_spike_threshold``: ``GradSpikeDetector.published``); ``None`` when the run
+    did not log them (grad_spike disabled, or a log older than the publishing detectors). Never recomputed
+    here: a line redrawn with other maths would not be the detector's line."""
     ema = _merge(log, "grad_norm_ema", how="first")
-    if not ema.empty:
-        thr = _merge(log, "grad_spike_threshold", how="first")
-        if not thr.empty:
-            values = np.interp(grad.steps, thr.steps, thr.values)
-        else:
-            values = np.interp(grad.steps, ema.steps, ema.values) * SPIKE_RATIO
-        return np.interp(grad.steps, ema.steps, ema.values), values, "logged"
-    skipped = set(_skip_steps(log))
-    out_ema = np.full(len(grad.steps), np.nan)
-    mean, weight, applied = 0.0, 0.0, 0
-    for i, (s, v) in enumerate(zip(grad.steps.tolist(), grad.values.tolist())):
-        if applied >= SPIKE_WARMUP:
-            out_ema[i] = mean / weight
-        if s in skipped or not math.isfinite(v):
-            continue  # the detector's statistics only see applied steps
-        mean = SPIKE_BETA * mean + (1 - SPIKE_BETA) * v
-        weight = SPIKE_BETA * weight + (1 - SPIKE_BETA)  # bias correction, as in Adam
-        applied += 1
-    return out_ema, out_ema * SPIKE_RATIO, f"recomputed (EMA beta {SPIKE_BETA}, ratio {SPIKE_RATIO:g})"
+    thr = _merge(log, "grad_spike_threshold", how="first")
+    if ema.empty or thr.empty:
+        return None
+    # Published after step s was absorbed: the line that judges step s + 1.
+    return (np.interp(grad.steps, ema.steps + 1, ema.values), np.interp(grad.steps, thr.steps + 1, thr.values),
+            "published by grad_spike")
 
 
 def _grad_section(log: RunLog) -> str:
@@ -77,9 +56,10 @@ def _grad_section(log: RunLog) -> str:
     _superseded(ax, grad)
     positive = np.where(grad.values > 0, grad.values, np.nan)
     _line(ax, grad.steps, positive, label="grad norm (pre-clip)", color="C1")
-    ema, threshold, source = _spike_band(log, grad)
-    if np.isfinite(ema).any():
-        _line(ax, grad.steps, ema, label="EMA", color="C2", lw=1.0)
+    band = _spike_band(log, grad)
+    if band is not None:
+        ema, threshold, source = band
+        _line(ax, grad.steps, ema, label="grad_spike reference", color="C2", lw=1.0)
         bx, lo, _, _ = _bin(grad.steps.astype(float), ema)
         _, hi, _, _ = _bin(grad.steps.astype(float), threshold)
         ax.fill_between(bx, lo, hi, color="C2", alpha=0.08, lw=0)
@@ -90,8 +70,12 @@ def _grad_section(log: RunLog) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("global grad norm")
     _legend(ax)
-    return _png(fig) + ('<p class="caption">Global gradient norm before clipping (log scale) with its EMA; the shaded '
-                        'band reaches the spike threshold (EMA x ratio). A step above the red line is a spike.</p>')
+    caption = ("Global gradient norm before clipping (log scale) with the grad_spike detector's reference; the shaded "
+               "band reaches the threshold the detector published for each step (the lower of its ratio and z-score "
+               "tests). A step above the red line is a spike." if band is not None else
+               "Global gradient norm before clipping (log scale). No spike threshold is drawn: the run's metrics do "
+               "not carry the grad_spike detector's published threshold (detector disabled, or an older log).")
+    return _png(fig) + f'<p class="caption">{caption}</p>'
 
 
 def _lr_section(log: RunLog) -> str:

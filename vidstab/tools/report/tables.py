@@ -112,6 +112,23 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
             f'<code>vidstab replay RUN_DIR/&lt;bundle&gt;</code>.</p>')
 
 
+def _samples_section(log: RunLog, out_dir: Path) -> str:
+    """Validation samples of the reference trainer (events ``kind="validation"``): preview strips and clips."""
+    rows = [e for e in log.events if e.get("kind") == "validation" and e.get("strip")]
+    if not rows:
+        return _nodata("no validation samples (recipes/train.py writes them at the end of a run)")
+    body = []
+    for e in rows[-5:]:
+        strip = os.path.relpath(log.run_dir / str(e["strip"]), out_dir)
+        clips = " ".join(f'<a href="{html.escape(os.path.relpath(log.run_dir / str(v), out_dir))}">{html.escape(Path(str(v)).name)}</a>'
+                         for v in e.get("videos", []))
+        figures = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("nn_distance", "noise_nn_distance", "data_nn_distance") if e.get(k) is not None)
+        body.append(f'<p>step {html.escape(str(e.get("step")))}{" (EMA)" if e.get("ema") else ""}: {clips}<br>'
+                    f'<span class="caption">{html.escape(figures)}</span><br><img src="{html.escape(strip)}" alt="samples"></p>')
+    return "".join(body) + ('<p class="caption">One row of frames per clip. nn distance: how far sampled latents are from the '
+                            "nearest training clip, next to Gaussian noise and the data's own spacing.</p>")
+
+
 def _notes_section(log: RunLog) -> str:
     if not log.notes:
         return '<p class="nodata">no data: every log line was read</p>'

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU check kit: everything vidstab claims about a GPU that a CPU machine cannot show, in one run.
+#
+#   benchmarks/gpu_check.sh             # on one CUDA GPU: under 8 minutes (each piece has its own time limit)
+#   benchmarks/gpu_check.sh --dry-run   # on a CPU: every piece tiny, to prove the kit still runs (a test does this)
+#
+# Pieces (each prints a JSON line; the last line of this script is ONE JSON object holding them all):
+#   sync_debug     the reference trainer's guarded step under torch.cuda.set_sync_debug_mode: reads of device
+#                  values per step (must be 1: the guard's one read of the lockstep verdict) and where the
+#                  first sync happens in "error" mode                       (benchmarks/gpu_check_pieces.py)
+#   guard_overhead benchmarks/bench_guard_overhead.py --device cuda
+#   model          benchmarks/bench_model.py --device cuda: step time vs Wan, achieved TFLOP/s and MFU
+#   fp16_overflow  a real fp16 GradScaler overflow (initial scale 2^30), end to end through the guard
+#   async_stall    the async checkpoint's stall of the training loop with pinned host buffers vs a sync save
+# A dry run measures nothing about a GPU: its JSON says "dry_run": true and every piece "cuda": false.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; elif [[ $# -gt 0 ]]; then echo "usage: $0 [--dry-run]" >&2; exit 2; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+STARTED=$(date +%s)
+
+piece() {  # piece NAME TIME_LIMIT_S COMMAND...: run it, keep its output, exit status and duration
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  echo "== $name (limit ${limit}s): $*" >&2
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  echo $? >"$LOGS/$name.rc"
+  echo $(( $(date +%s) - start )) >"$LOGS/$name.seconds"
+  tail -n 3 "$LOGS/$name.log" | cut -c1-300 >&2
+}
+
+if [[ $DRY_RUN == 1 ]]; then
+  piece sync_debug 240 python benchmarks/gpu_check_pieces.py sync_debug --dry-run
+  piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --rounds 3 --warmup 1 --hidden 32 --layers 1
+  piece model 240 python benchmarks/bench_model.py --quick --no_factorized
+  piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run
+  piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run
+else
+  piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
+  piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda
+  piece model 180 python benchmarks/bench_model.py --device cuda
+  piece fp16_overflow 60 python benchmarks/gpu_check_pieces.py fp16_overflow
+  piece async_stall 60 python benchmarks/gpu_check_pieces.py async_stall
+fi
+
+python - "$LOGS" "$DRY_RUN" "$(( $(date +%s) - STARTED ))" <<'PY'
+import json, sys
+from pathlib import Path
+
+logs, dry_run, seconds = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+pieces = {}
+for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall"):
+    lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
+    rc = int((logs / f"{name}.rc").read_text())
+    result = None
+    for line in reversed(lines):
+        try:
+            result = json.loads(line)
+            break
+        except ValueError:
+            continue
+    entry = {"rc": rc, "timed_out": rc in (124, 137), "seconds": int((logs / f"{name}.seconds").read_text()), "result": result}
+    if rc != 0 or result is None:
+        entry["tail"] = lines[-8:]
+    pieces[name] = entry
+try:
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not dry_run else "cpu"
+except Exception as exc:  # noqa: BLE001 -- the summary line must always print
+    device = f"unknown ({exc})"
+ok = all(p["rc"] == 0 and p["result"] is not None for p in pieces.values())
+print(json.dumps({"gpu_check": "vidstab", "dry_run": dry_run, "device": device, "seconds": seconds, "ok": ok, "pieces": pieces}))
+sys.exit(0 if ok else 1)
+PY

@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""The checks of ``benchmarks/gpu_check.sh`` that no other benchmark makes; each prints one JSON line.
+
+    python benchmarks/gpu_check_pieces.py sync_debug     [--dry-run]  # the trainer's guarded step: host syncs per step
+    python benchmarks/gpu_check_pieces.py fp16_overflow  [--dry-run]  # a real GradScaler overflow, end to end
+    python benchmarks/gpu_check_pieces.py async_stall    [--dry-run]  # async checkpoint: loop stall, pinned buffers
+
+``--dry-run`` runs the same code tiny on the CPU (so the kit does not rot where no GPU is): there is no
+CUDA sync debug mode and no GradScaler there, and the JSON says so (``"cuda": false``) instead of
+claiming a GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def _device(dry_run: bool) -> str:
+    if dry_run:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --dry-run on a CPU machine")
+    return "cuda"
+
+
+def _trainer_run(out: str, dry_run: bool, extra: list[str]):
+    """A real ``recipes/train.py`` Run (Accelerator, latents, DiT, guard, checkpoints), tiny on CPU."""
+    from args import parse_args
+    from train import Run, batch_stream
+
+    size = ["--num_videos", "8", "--train_batch_size", "4", "--hidden_size", "32", "--num_heads", "2"] if dry_run else \
+        ["--num_videos", "32", "--train_batch_size", "8", "--hidden_size", "256", "--num_heads", "4", "--num_layers", "4"]
+    args = parse_args(["--output_dir", out, "--report_to", "none", "--no_async_save", "--lr_warmup_steps", "0",
+                       "--max_train_steps", "1000", *size, *extra])
+    run = Run(args)
+    run.data = batch_stream(run.accelerator, run.dataloader, 0)
+    return run
+
+
+def _first_vidstab_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/vidstab/" in f.filename or "/recipes/" in f.filename]
+    f = frames[-1] if frames else traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} in {f.name}"
+
+
+@contextlib.contextmanager
+def count_device_reads(device: str, counts: dict):
+    """Count ``Tensor.item/tolist/...`` calls that read a value to the host, by the repository line that made them.
+
+    On CUDA only reads of CUDA tensors count (a CPU tensor's ``.item()``, like AdamW's step counter, is no
+    sync). On CPU every tensor is a host tensor, so only reads made by vidstab or the trainer count.
+    """
+    from bench_guard_overhead import READS
+
+    originals = {n: getattr(torch.Tensor, n) for n in READS}
+
+    def wrap(fn):
+        def inner(t, *a, **k):
+            caller = traceback.extract_stack(limit=2)[0]  # the line that called .item() / .tolist() / ...
+            ours = str(REPO) in caller.filename and "/benchmarks/" not in caller.filename
+            if (t.device.type == "cuda") if device == "cuda" else ours:
+                where = f"{Path(caller.filename).name}:{caller.lineno}" if ours else f"{Path(caller.filename).name}:{caller.lineno} (library)"
+                counts[where] = counts.get(where, 0) + 1
+            return fn(t, *a, **k)
+        return inner
+
+    for n, fn in originals.items():
+        setattr(torch.Tensor, n, wrap(fn))
+    try:
+        yield counts
+    finally:
+        for n, fn in originals.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def sync_debug(dry_run: bool) -> dict:
+    """Host syncs per guarded trainer step: counted reads (CPU and GPU) and CUDA's sync debug mode (GPU)."""
+    from train import train_step
+
+    device = _device(dry_run)
+    with tempfile.TemporaryDirectory() as tmp:
+        # param_norm_every=0: the periodic parameter-norm read is a separate, documented sync
+        cfg = Path(tmp) / "guard.yaml"
+        cfg.write_text("param_norm_every: 0\n")
+        run = _trainer_run(str(Path(tmp) / "run"), dry_run, ["--vidstab_config", str(cfg)])
+        for step in range(3):  # warm-up: lazy initialisation (cuBLAS handles, allocator) is not a per-step cost
+            train_step(run, step)
+        reads, where = [], {}
+        for step in range(3, 8):
+            with count_device_reads(device, {}) as counts:
+                train_step(run, step)
+            reads.append(sum(counts.values()))
+            where.update(counts)
+        result = {"piece": "sync_debug", "cuda": device == "cuda", "reads_per_step": reads, "read_sites": sorted(where)}
+        if device == "cuda":
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    train_step(run, 8)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            result["cuda_syncs_in_step"] = sum("synchroniz" in str(w.message) for w in caught)
+            # "error": the first synchronising call raises; it must be the guard's one read of the step's verdict.
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                train_step(run, 9)
+                result["first_sync"] = None
+            except RuntimeError as exc:
+                result["first_sync"] = _first_vidstab_frame(exc)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        result["ok"] = max(reads) <= 1 and (device != "cuda" or result["cuda_syncs_in_step"] <= 1)
+        run.accelerator.end_training()
+    return result
+
+
+def fp16_overflow(dry_run: bool) -> dict:
+    """GradScaler starting at 2^30: the first steps overflow for real; the guard must let the scaler skip them
+    (applied=False, not a vidstab skip), log them, keep the weights finite and unchanged, and train after."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradScalerKwargs
+
+    import vidstab
+    from vidstab.reference.model import VideoDiT
+    from vidstab.reference.objective import DiffusionObjective, step_generator
+
+    device = _device(dry_run)
+    acc = Accelerator(mixed_precision="fp16" if device == "cuda" else "no", cpu=device == "cpu",
+                      kwargs_handlers=[GradScalerKwargs(init_scale=2.0**30, growth_interval=10_000)])
+    torch.manual_seed(0)
+    model = VideoDiT(in_channels=4, hidden_size=64 if dry_run else 256, num_layers=2, num_heads=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    objective = DiffusionObjective()
+    latents = torch.randn(4, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0)).to(acc.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        guard = vidstab.attach(acc, model, opt, config=vidstab.GuardConfig(param_norm_every=0), run_dir=tmp)
+        rows = []
+        for step in range(25):
+            before = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+            draws = objective.sample(latents, step_generator(0, step, 0, 0, latents.device))
+            with acc.autocast():
+                loss = objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"]).mean()
+            guard.backward(loss, batch={"latents": latents}, timesteps=draws["timesteps"])
+            result = guard.step(1.0)
+            after = list(acc.unwrap_model(model).parameters())
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+            rows.append({"applied": result.applied, "skipped": result.skipped, "unchanged": unchanged,
+                         "loss_scale": acc.scaler.get_scale() if acc.scaler is not None else None})
+        events = [json.loads(line) for line in (Path(tmp) / "vidstab" / "events-rank0.jsonl").read_text().splitlines()]
+    overflows = [e["step"] for e in events if e["kind"] == "overflow"]
+    finite = all(torch.isfinite(p).all() for p in acc.unwrap_model(model).parameters())
+    skipped_by_scaler = [i for i, r in enumerate(rows) if not r["applied"] and not r["skipped"]]
+    out = {"piece": "fp16_overflow", "cuda": device == "cuda", "scaler": acc.scaler is not None, "overflow_steps": overflows,
+           "scaler_skips_left_weights_unchanged": all(rows[i]["unchanged"] for i in skipped_by_scaler),
+           "final_loss_scale": rows[-1]["loss_scale"], "applied_after": sum(r["applied"] for r in rows[len(overflows):]),
+           "weights_finite": bool(finite), "vidstab_skips": sum(r["skipped"] for r in rows)}
+    if acc.scaler is not None:
+        out["ok"] = bool(overflows) and out["scaler_skips_left_weights_unchanged"] and finite and out["applied_after"] > 0 \
+            and out["vidstab_skips"] == 0 and overflows == skipped_by_scaler
+    else:  # CPU: no GradScaler, so nothing overflows; the path still ran end to end
+        out["ok"] = finite and not overflows and all(r["applied"] for r in rows)
+    acc.end_training()
+    return out
+
+
+def async_stall(dry_run: bool) -> dict:
+    """How long ``CheckpointManager.save`` blocks the loop with async saves (pinned host buffers on CUDA),
+    against a foreground save of the same state."""
+    from accelerate import Accelerator
+
+    from vidstab.checkpoint import CheckpointConfig, CheckpointManager
+
+    device = _device(dry_run)
+    acc = Accelerator(cpu=device == "cpu")
+    width, depth = (256, 4) if dry_run else (4096, 12)  # ~1 MB vs ~800 MB of fp32 weights (+ AdamW state)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, width, device=acc.device)).sum().backward()
+    opt.step()
+    mb = sum(p.numel() * 4 for p in model.parameters()) * 3 / 2**20
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, async_save in (("sync", False), ("async", True)):
+            manager = CheckpointManager(acc, str(Path(tmp) / mode), config=CheckpointConfig(keep=2, async_save=async_save))
+            manager.register("model", model)
+            manager.register("optimizer", opt)
+            stalls, totals = [], []
+            for step in range(1, 4):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                manager.save(step)
+                stalls.append(time.perf_counter() - t0)
+                manager.wait()
+                totals.append(time.perf_counter() - t0)
+            figures[mode] = {"stall_ms": round(1e3 * sorted(stalls)[1], 1), "total_ms": round(1e3 * sorted(totals)[1], 1)}
+    out = {"piece": "async_stall", "cuda": device == "cuda", "state_mb": round(mb, 1),
+           "pinned": device == "cuda" and CheckpointConfig().pin_memory, **figures,
+           "stall_vs_sync": round(figures["async"]["stall_ms"] / max(figures["sync"]["total_ms"], 1e-6), 3)}
+    out["ok"] = math.isfinite(out["stall_vs_sync"]) and (dry_run or out["stall_vs_sync"] < 0.5)
+    acc.end_training()
+    return out
+
+
+PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall": async_stall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("piece", choices=list(PIECES))
+    ap.add_argument("--dry-run", action="store_true", help="tiny, on the CPU: checks the kit runs, measures nothing about a GPU")
+    args = ap.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer's prints must not break the one JSON line
+        result = PIECES[args.piece](args.dry_run)
+    print(json.dumps(result))
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

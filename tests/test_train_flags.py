@@ -1,0 +1,127 @@
+"""Every flag of the reference trainer does what its name says: each test checks an effect, not the parsing."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from trainer_utils import REPO, events, run_trainer
+
+sys.path.insert(0, str(REPO / "recipes"))
+import args as train_args  # noqa: E402  (recipes/args.py: the trainer's flags)
+import train  # noqa: E402  (recipes/train.py)
+
+
+def _parse_error(capsys, argv):
+    with pytest.raises(SystemExit):
+        train_args.parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_config_values_get_the_flags_type_checks(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("learning_rate: true\n")
+    assert "learning_rate (--learning_rate) must be a number, got True" in _parse_error(capsys, ["--config", str(cfg)])
+    cfg.write_text("train_batch_size: '8'\n")
+    assert "train_batch_size (--train_batch_size) must be an integer" in _parse_error(capsys, ["--config", str(cfg)])
+    cfg.write_text("use_ema: 1\n")
+    assert "use_ema (--use_ema) must be true or false" in _parse_error(capsys, ["--config", str(cfg)])
+    cfg.write_text("prediction_type: eps\n")
+    assert "must be one of ['epsilon'" in _parse_error(capsys, ["--config", str(cfg)])
+    cfg.write_text("max_train_steps: 0\n")
+    assert "--max_train_steps must be >= 1, got 0" in _parse_error(capsys, ["--config", str(cfg)])
+    cfg.write_text("- a list\n")
+    assert "expected a mapping" in _parse_error(capsys, ["--config", str(cfg)])
+    # YAML 1.1 reads an unquoted `no` as false: for --mixed_precision that means "no", as the user wrote.
+    cfg.write_text("mixed_precision: no\nlearning_rate: 1\n")
+    parsed = train_args.parse_args(["--config", str(cfg)])
+    assert parsed.mixed_precision == "no" and parsed.learning_rate == 1.0 and isinstance(parsed.learning_rate, float)
+    assert "--learning_rate must be > 0" in _parse_error(capsys, ["--learning_rate", "-1"])
+
+
+def test_mixed_precision_defers_to_accelerate_unless_given(tmp_path, monkeypatch):
+    # `accelerate launch --mixed_precision bf16` passes its choice in this variable.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    acc = train.build_accelerator(train_args.parse_args(["--output_dir", str(tmp_path), "--report_to", "none"]))
+    assert acc.mixed_precision == "bf16"
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    acc = train.build_accelerator(train_args.parse_args(["--output_dir", str(tmp_path), "--report_to", "none", "--mixed_precision", "no"]))
+    assert acc.mixed_precision == "no"
+
+
+def test_report_to_a_missing_tracker_raises_like_diffusers():
+    from diffusers.utils import is_wandb_available
+
+    if is_wandb_available():
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ImportError, match="install wandb"):
+        train_args.check_trackers("wandb")
+
+
+def test_allow_tf32_switches_tf32_on():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        train_args.apply_backend_flags(train_args.parse_args([]))
+        assert not torch.backends.cuda.matmul.allow_tf32
+        train_args.apply_backend_flags(train_args.parse_args(["--allow_tf32"]))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_lr_power_shapes_the_polynomial_decay():
+    def lrs(power):
+        args = train_args.parse_args(["--lr_scheduler", "polynomial", "--lr_power", str(power), "--lr_warmup_steps", "0", "--max_train_steps", "10"])
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = train.get_scheduler(args.lr_scheduler, opt, **train_args.lr_scheduler_kwargs(args, 1))
+        out = []
+        for _ in range(5):
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+
+    linear, squared = lrs(1.0), lrs(2.0)
+    assert linear[4] == pytest.approx(1.0 - 4 / 10, abs=1e-6)
+    assert squared[4] == pytest.approx((1.0 - 4 / 10) ** 2, abs=1e-6)
+
+
+def test_epochs_scale_lr_and_restarts_reach_the_run(tmp_path):
+    """--num_train_epochs sets the step count, --scale_lr the peak LR, --lr_num_cycles the restarts,
+    --height/--width the clip size, --num_validation_videos 0 turns sampling off."""
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
+                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0")
+    # 16 clips / batch 4 = 4 steps per epoch
+    assert "done: 8/8 steps" in proc.stdout
+    lr = [m["lr"] for m in events(out, kind="metrics")]
+    assert lr[0] == pytest.approx(1e-5 * 4)  # x batch 4 x accumulation 1 x 1 process
+    assert lr[4] == pytest.approx(lr[0]) and lr[3] < 0.5 * lr[0], f"no restart at the half: {lr}"
+    import json
+
+    cache = json.loads((out / "latent_cache" / "manifest.json").read_text())
+    assert cache["latent_shape"][-2:] == [4, 6]  # 32x48 frames through the 8x VAE
+    # --num_validation_videos 0: the model is exported, nothing is sampled
+    assert (out / "transformer" / "config.json").is_file() and not (out / "validation").exists()
+    assert not events(out, kind="validation")
+
+
+def test_logging_steps_tracker_name_and_logging_dir(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "7", "--report_to", "tensorboard", "--logging_steps", "3",
+                "--logging_dir", "tb", "--tracker_name", "my-project")
+    runs = list((out / "tb" / "my-project").rglob("events.out.tfevents*"))
+    assert runs, f"no TensorBoard file under tb/my-project: {list(out.rglob('*tfevents*'))}"
+    acc = EventAccumulator(str(runs[0].parent))
+    acc.Reload()
+    tag = next(t for t in acc.Tags()["scalars"] if t.endswith("loss"))
+    assert [e.step for e in acc.Scalars(tag)] == [0, 3, 6]
+    assert math.isfinite(acc.Scalars(tag)[0].value)

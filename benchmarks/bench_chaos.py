@@ -9,9 +9,12 @@ Each chaos run trains the reference trainer (``recipes/train.py``, tiny settings
 segments. Before each resumed segment one fault is applied, drawn from:
 
 - ``sigkill_step``: SIGKILL at a random step while training;
-- ``sigkill_save``: SIGKILL the moment a checkpoint write is in flight (a ``checkpoints/.tmp-*`` entry exists);
+- ``sigkill_save``: SIGKILL the moment a checkpoint write is in flight (a ``vidstab/checkpoints/.tmp-*`` entry exists);
 - ``sigterm``: SIGTERM at a random step (the trainer should save and exit cleanly);
 - ``truncate`` / ``bitflip``: damage a random file of the newest checkpoint on disk (between segments).
+
+Then every damaged-state drill of ``tests/checkpoint_drills.py`` runs once (section "drills": passed,
+failed, skipped; the same drills are tests in ``tests/test_checkpoint_safety.py``).
 
 Every segment restarts with ``--resume_from_checkpoint latest``; the last one runs to the end. Counted:
 runs resumed and finished; checkpoints lost (a checkpoint that was complete on disk -- valid manifest --
@@ -19,7 +22,7 @@ and that we did not damage, found missing or failing its manifest's sizes/checks
 resume that started from an older checkpoint than the newest intact one); damaged checkpoints loaded
 anyway; unrecoverable runs (the final segment does not finish), split into those that still had an
 intact checkpoint and those whose every checkpoint had been damaged on purpose; and runs whose final weights
-(``checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's. The checker verifies
+(``vidstab/checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's. The checker verifies
 files itself from the manifests and never trusts the component under test.
 
 The last line of output is one JSON object.
@@ -150,7 +153,7 @@ def verify(ckpt: Path) -> bool:
 
 def complete_checkpoints(out: Path) -> dict[str, bool]:
     """step folder name -> verified, for every folder that has a manifest (i.e. claims to be complete)."""
-    root = out / "checkpoints"
+    root = out / "vidstab" / "checkpoints"
     res = {}
     if not root.is_dir():
         return res
@@ -193,7 +196,7 @@ def run_segment(out: Path, cfg: ChaosConfig, resume: bool, fault: str | None, rn
     lo = min(max(start_step + 1, cfg.min_kill_step), cfg.steps - 1)
     target = rng.randint(lo, cfg.steps - 1) if fault in ("sigkill_step", "sigterm") else None
     deadline = time.time() + cfg.timeout
-    ckroot = out / "checkpoints"
+    ckroot = out / "vidstab" / "checkpoints"
     try:  # a killed save leaves its .tmp folder until the next manager starts: only new ones count
         stale = set(os.listdir(ckroot))
     except OSError:
@@ -240,7 +243,7 @@ def damage(out: Path, kind: str, rng: random.Random) -> dict | None:
     if not done:
         return None
     name = max(done)
-    files = sorted(p for p in (out / "checkpoints" / name).iterdir() if p.is_file() and p.stat().st_size > 0)
+    files = sorted(p for p in (out / "vidstab" / "checkpoints" / name).iterdir() if p.is_file() and p.stat().st_size > 0)
     victim = rng.choice(files)
     size = victim.stat().st_size
     if kind == "truncate":
@@ -311,7 +314,7 @@ def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path)
     final = run_segment(out, cfg, resume, None, rng)
     _audit(out, before, damaged, rep, n_resume_before)
     rep.final_rc = final["rc"]
-    final_ckpt = out / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors"
+    final_ckpt = out / "vidstab" / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors"
     rep.finished = final["rc"] == 0 and final_ckpt.is_file() and verify(final_ckpt.parent)
     if rep.finished and reference is not None:
         rep.identical, rep.max_abs_diff = weights_equal(final_ckpt, reference)
@@ -357,6 +360,38 @@ def _checkpoint_name(field_value) -> str:
     return m.group(0) if m else ""
 
 
+# ------------------------------------------------------------------------------------------------------
+# Damaged-state drills (tests/checkpoint_drills.py): counted here, each also a test in tests/
+# ------------------------------------------------------------------------------------------------------
+def run_checkpoint_drills(workdir: Path) -> dict:
+    """Run every checkpoint drill of ``tests/checkpoint_drills.py`` (manifest names outside the folder,
+    links, FIFOs, devices, unreadable pointers/manifests, the clock stepped back, an unremovable damaged
+    checkpoint, another world size, no such checkpoint, Accelerate/diffusers coexistence, classic damage)
+    in-process against real files; print one row each and return the counts. A drill has no baseline: it
+    states what vidstab must do and passes or fails."""
+    import logging
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from checkpoint_drills import DRILLS, run_drill
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    quiet = logging.NullHandler()  # the drills' expected warnings stay out of the table (drills still see them)
+    logging.getLogger("vidstab.checkpoint").addHandler(quiet)
+    started = time.time()
+    try:
+        rows = [run_drill(name, workdir / name) for name in DRILLS]
+    finally:
+        logging.getLogger("vidstab.checkpoint").removeHandler(quiet)
+    print(f"== Checkpoint drills: {len(rows)} (tests/checkpoint_drills.py), {time.time() - started:.0f} s ==")
+    for r in rows:
+        verdict = "skipped" if r["ok"] is None else ("pass" if r["ok"] else "FAIL")
+        print(f"{r['drill']:34s} {verdict:7s} {r['detail'][:110]}")
+    return {"total": len(rows), "passed": sum(r["ok"] is True for r in rows),
+            "failed": sum(r["ok"] is False for r in rows), "skipped": sum(r["ok"] is None for r in rows),
+            "failed_names": [r["drill"] for r in rows if r["ok"] is False], "seconds": round(time.time() - started, 1),
+            "details": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -383,17 +418,18 @@ def main(argv: list[str] | None = None) -> dict:
     with ThreadPoolExecutor(max_workers=2) as ex:
         ref_job = ex.submit(run_segment, ref, cfg, False, None, random.Random(0))
         reports: list[RunReport | None] = [None] * cfg.runs
-        ref_model = ref / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors"
+        ref_model = ref / "vidstab" / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors"
         first = ex.submit(chaos_run, 0, cfg, None, work)
         ref_info = ref_job.result()
         reports[0] = first.result()
     ref_ok = ref_info["rc"] == 0 and ref_model.is_file()
     if reports[0].finished and ref_ok:
         reports[0].identical, reports[0].max_abs_diff = weights_equal(
-            work / "run0" / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors", ref_model)
+            work / "run0" / "vidstab" / "checkpoints" / f"step_{cfg.steps:06d}" / "model.safetensors", ref_model)
     for i in range(1, cfg.runs):
         reports[i] = chaos_run(i, cfg, ref_model if ref_ok else None, work)
 
+    drills = run_checkpoint_drills(work / "drills")
     print(f"== Chaos: {cfg.runs} run(s) x {cfg.kills} fault(s), {cfg.steps} steps, checkpoint every "
           f"{cfg.checkpointing_steps}, async saves; reference finished: {ref_ok} ==")
     print(f"{'run':>3s} {'faults (landed at step)':60s} {'resumes':>7s} {'lost':>4s} {'finished':>8s} {'identical':>9s}")
@@ -424,6 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
         "weights_identical": sum(1 for r in reports if r.identical is True),
         "max_abs_diff": max((r.max_abs_diff for r in reports if r.max_abs_diff is not None), default=None),
         "details": [asdict(r) for r in reports],
+        "drills": drills,
     }
     print(json.dumps(summary, default=str))
     return summary

@@ -291,7 +291,7 @@ def eval_loss(run_dir: Path, n_draws: int = 4) -> float:
     from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
     from vidstab.reference.vae import LatentCache
 
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*/model.safetensors"))
+    ckpts = sorted((run_dir / "vidstab" / "checkpoints").glob("step_*/model.safetensors"))
     if not ckpts:
         return math.nan
     args = yaml.safe_load((run_dir / "train_config.yaml").read_text())

@@ -35,7 +35,7 @@ from args import (RUN_CONTROL_FLAGS, apply_backend_flags, check_trackers, lr_sch
 import sharding  # recipes/sharding.py: --fsdp
 from export import export_pipeline
 from validation import run_validation
-from vidstab.checkpoint import CheckpointConfig, CheckpointManager
+from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
@@ -191,7 +191,8 @@ class Run:
         guard_config.num_train_timesteps = args.num_train_timesteps
         guard_config.log_every = args.logging_steps  # --logging_steps: tracker interval (events JSONL gets every step)
         self.checkpoints = CheckpointManager(
-            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save, sharded=args.fsdp or None),
+            acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save, sharded=args.fsdp or None,
+                                          allow_world_size_change=args.fsdp),  # --fsdp: restore() re-derives it
             config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
         )
         self.guard = vidstab.attach(
@@ -212,16 +213,83 @@ class Run:
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
                                  reset=args.reset_recovery)
         self.batches_consumed = 0
+        self.checkpoint_failures = 0
         self.data = None
 
     def trainer_state(self, step: int) -> dict:
         epoch, index = divmod(self.batches_consumed, len(self.dataloader))
-        return {"step": step, "batches_consumed": self.batches_consumed, "epoch": epoch, "batch_in_epoch": index, "seed": self.args.seed}
+        return {"step": step, "batches_consumed": self.batches_consumed, "epoch": epoch, "batch_in_epoch": index,
+                "seed": self.args.seed, "world_size": self.accelerator.num_processes}
 
     def restore(self, state: dict) -> int:
         self.batches_consumed = int(state["batches_consumed"])
+        saved_world, world = int(state.get("world_size", self.accelerator.num_processes)), self.accelerator.num_processes
+        if saved_world != world:  # only under --fsdp: CheckpointManager refuses it otherwise
+            self._rederive_for_world_size(int(state["step"]), saved_world, world)
         self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed)
         return int(state["step"])
+
+    def _rederive_for_world_size(self, step: int, saved_world: int, world: int) -> None:
+        """A sharded checkpoint of ``saved_world`` processes resumed on ``world``: the model and optimizer were
+        resharded by DCP; here the data position and the LR schedule are made right for the new world size.
+
+        Data: the same number of samples consumed (each rank's micro-batches x world size), so the epoch and
+        the position in it carry over; which sample lands on which rank changes (the sampler shards by rank).
+        LR: Accelerate steps the wrapped scheduler once per process per optimizer step (diffusers' convention,
+        ``num_training_steps * num_processes``), so its count is re-set to ``step * world`` and the LR recomputed.
+        """
+        self.batches_consumed = self.batches_consumed * saved_world // world
+        inner = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        inner.last_epoch = step * world - 1
+        inner.step()  # recomputes the LR for the re-set count
+        logger.warning(f"resumed a checkpoint of {saved_world} process(es) on {world}: data position re-derived "
+                       f"({self.batches_consumed} micro-batches per rank), LR schedule at step {step} of {world} "
+                       f"process(es) (lr {inner.get_last_lr()[0]:.3g})", main_process_only=True)
+        self.guard.events.log("warn", step, detector="world_size", message=f"resumed on {world} process(es) from {saved_world}",
+                              figures={"saved_world_size": saved_world, "world_size": world}, bad_ranks=[])
+
+
+def _checkpoint_failed(run: Run, step: int, error: CheckpointError) -> None:
+    """A failed save never ends the run: earlier checkpoints are untouched (the writer only publishes a
+    complete folder), so training goes on and the next interval tries again. Logged as a ``warn`` event
+    (detector ``checkpoint``), which the report lists."""
+    run.checkpoint_failures += 1
+    intact = run.checkpoints.latest_path_str() or "none yet"
+    message = f"checkpoint save failed ({error}); training continues, the next interval retries; newest intact checkpoint: {intact}"
+    logger.warning(message, main_process_only=True)
+    run.guard.events.log("warn", step, detector="checkpoint", message=message, figures={"failures": run.checkpoint_failures},
+                         bad_ranks=[])
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Save ``step``; a failure of the previous (async) save or of this one is logged, not raised."""
+    try:
+        run.checkpoints.wait()  # surfaces the previous async save's failure before this one starts
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+    try:
+        run.checkpoints.save(step, healthy=run.guard.healthy, trainer_state=run.trainer_state(step))
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+
+
+def finish_checkpoints(run: Run, step: int, retry: bool) -> bool:
+    """Wait for the last save; True when it was written. A failed final save is retried once (``retry``:
+    the model in memory is the one to keep; never after an abort)."""
+    try:
+        run.checkpoints.wait()
+        return True
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+    if not retry:
+        return False
+    try:
+        run.checkpoints.save(step, healthy=run.guard.healthy, trainer_state=run.trainer_state(step))
+        run.checkpoints.wait()
+        return True
+    except CheckpointError as exc:
+        _checkpoint_failed(run, step, exc)
+        return False
 
 
 def export_run(run: Run, model: VideoDiT) -> dict:
@@ -266,13 +334,16 @@ def main(argv: list[str] | None = None) -> int:
 
     step = 0
     if args.resume_from_checkpoint:
-        state = run.checkpoints.load(args.resume_from_checkpoint)
+        try:
+            state = run.checkpoints.load(args.resume_from_checkpoint)
+        except CheckpointError as exc:  # no such checkpoint, every one damaged, another world size: say which
+            acc.print(f"--resume_from_checkpoint {args.resume_from_checkpoint}: {exc}")
+            return 2
         if state is None:
             acc.print(f"no checkpoint found for --resume_from_checkpoint {args.resume_from_checkpoint}; starting from scratch")
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
-            guard.events.log("resume", step, checkpoint=str(run.checkpoints.last_loaded))
     if run.data is None:
         run.data = batch_stream(acc, run.dataloader, 0)
     guard.global_step = step
@@ -308,14 +379,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
-                run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
+                save_checkpoint(run, step)
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
                 validate(run, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
         # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
-        run.checkpoints.wait()
+        if not finish_checkpoints(run, step, retry=exit_code == 0) and exit_code == 0:
+            exit_code = 4  # trained to the end, but the final state is not on disk
     progress.close()
     acc.wait_for_everyone()
     exported = None
@@ -337,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         acc.print(
             f"done: {step}/{args.max_train_steps} steps, loss {first_loss if first_loss is None else round(first_loss, 4)} -> "
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
-            f"outputs in {args.output_dir} (checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "
+            + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
+               if run.checkpoint_failures else "") +
+            f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "
             f"report: {report_path})"
         )
     return exit_code

@@ -65,7 +65,7 @@ def compare(ref: str, run: str) -> tuple[bool, bool]:
 
 def leftovers(run: str) -> list[str]:
     bad = []
-    for root, dirs, files in os.walk(os.path.join(run, "checkpoints")):
+    for root, dirs, files in os.walk(os.path.join(run, "vidstab", "checkpoints")):
         bad += [os.path.join(root, d) for d in dirs if d.startswith(".tmp-")]
         bad += [os.path.join(root, f) for f in files if f.endswith((".pt", ".bin", ".pkl", ".pickle"))]
     return bad
@@ -109,7 +109,7 @@ def chaos(a: argparse.Namespace) -> dict:
         p.stdout.read()
         err = p.stderr.read()
         rc = p.wait()
-        ck_dir = os.path.join(run, "checkpoints")
+        ck_dir = os.path.join(run, "vidstab", "checkpoints")
         if rc == -signal.SIGKILL and os.path.isdir(ck_dir) and any(n.startswith(".tmp-") for n in os.listdir(ck_dir)):
             mid_save += 1  # the kill left a half-written save behind (the next start removes it)
         if rc not in (0, -signal.SIGKILL):

@@ -112,6 +112,7 @@ def test_bench_chaos_quick():
     assert out["unrecoverable"] == 0
     assert out["damaged_checkpoints_loaded"] == 0
     assert out["runs_finished"] == out["runs"]
+    assert out["drills"]["total"] >= 19 and out["drills"]["failed"] == 0, out["drills"]["failed_names"]
 
 
 def test_clip_rate_rule_separates_mild_from_heavy_clipping():

@@ -44,9 +44,9 @@ def _assert_same_as_reference(run, reference):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ref_losses, losses = (json.loads((d / "losses.json").read_text()) for d in (reference, run))
     assert losses and all(ref_losses[k] == v for k, v in losses.items())
-    left = [n for n in os.listdir(run / "checkpoints") if n.startswith(".tmp-")]
+    left = [n for n in os.listdir(run / "vidstab" / "checkpoints") if n.startswith(".tmp-")]
     assert not left
-    for d in (run / "checkpoints").iterdir():
+    for d in (run / "vidstab" / "checkpoints").iterdir():
         if d.is_dir():
             assert not [f for f in os.listdir(d) if f.endswith((".pt", ".bin", ".pkl", ".pickle"))]
 
@@ -68,7 +68,7 @@ def test_sigkill_at_each_phase_of_a_save_resumes_to_identical_weights(tmp_path, 
         assert start >= last, f"resume went back from {last} to {start}"
         last = start
         # The interrupted save never shows up as a checkpoint.
-        assert all((d / "manifest.json").exists() for d in (run / "checkpoints").glob("step_*"))
+        assert all((d / "manifest.json").exists() for d in (run / "vidstab" / "checkpoints").glob("step_*"))
     r = _run(run)
     assert _start_step(r) >= last > 0
     _assert_same_as_reference(run, reference)
@@ -95,7 +95,7 @@ def test_sigterm_preemption_saves_exits_0_and_resumes(tmp_path, reference):
     assert p.returncode == 0, err
     stopped = int(next(li for li in out.splitlines() if li.startswith("preempted at step")).split()[-1])
     assert 2 <= stopped < 12
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
+    assert (run / "vidstab" / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
     r = _run(run)
     assert _start_step(r) == stopped
     _assert_same_as_reference(run, reference)

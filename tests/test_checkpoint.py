@@ -151,7 +151,7 @@ def test_round_trip_restores_everything_without_pickle(tmp_path):
     guard.state = {}
     state = ckpt.load("latest")
 
-    assert state["step"] == 3 and state["_checkpoint"]["path"] == "checkpoints/step_000003"
+    assert state["step"] == 3 and state["_checkpoint"]["path"] == "vidstab/checkpoints/step_000003"
     got = _weights(model)
     assert all(torch.equal(got[k], v) for k, v in want_w.items())
     assert model.out.weight.data_ptr() == model.emb.weight.data_ptr()  # still tied after the load
@@ -170,8 +170,8 @@ def test_round_trip_restores_everything_without_pickle(tmp_path):
     man = json.loads(open(os.path.join(path, "manifest.json")).read())
     assert man["step"] == 3 and man["healthy"] and man["params_finite"] and man["config_hash"] == "abc"
     assert man["world_size"] == 1 and set(man["files"]) == names - {"manifest.json"}
-    assert open(tmp_path / "checkpoints" / "latest").read().strip() == "step_000003"
-    assert open(tmp_path / "checkpoints" / "last_good").read().strip() == "step_000003"
+    assert open(tmp_path / "vidstab" / "checkpoints" / "latest").read().strip() == "step_000003"
+    assert open(tmp_path / "vidstab" / "checkpoints" / "last_good").read().strip() == "step_000003"
 
 
 def test_async_save_snapshots_state_at_call_time(tmp_path):
@@ -179,7 +179,7 @@ def test_async_save_snapshots_state_at_call_time(tmp_path):
     want = _weights(model)
     ckpt.save(3, healthy=True, trainer_state={"step": 3})
     _perturb(model, opt, sched)  # the loop goes on while the writer runs
-    assert ckpt.wait() == str(tmp_path / "checkpoints" / "step_000003")
+    assert ckpt.wait() == str(tmp_path / "vidstab" / "checkpoints" / "step_000003")
     ckpt.load("latest")
     got = _weights(model)
     assert all(torch.equal(got[k], v) for k, v in want.items())
@@ -198,7 +198,7 @@ def test_rotation_keeps_newest_k_plus_last_good_and_health_gate(tmp_path):
     with torch.no_grad():
         model.mid.weight[0, 0] = float("nan")  # healthy=True is not enough: parameters must be finite
     ckpt.save(5, healthy=True, trainer_state={"step": 5})
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "vidstab" / "checkpoints"
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000001", "step_000004", "step_000005"]
     assert open(root / "last_good").read().strip() == "step_000001"
     assert open(root / "latest").read().strip() == "step_000005"
@@ -215,7 +215,7 @@ def test_damaged_checkpoint_falls_back_with_a_message(tmp_path, damage, caplog):
     want = _weights(model)
     _perturb(model, opt, sched)
     ckpt.save(4, healthy=True, trainer_state={"step": 4})
-    bad = tmp_path / "checkpoints" / "step_000004"
+    bad = tmp_path / "vidstab" / "checkpoints" / "step_000004"
     f = bad / "model.safetensors"
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[:-7])
@@ -230,9 +230,9 @@ def test_damaged_checkpoint_falls_back_with_a_message(tmp_path, damage, caplog):
     with caplog.at_level(logging.WARNING, logger="vidstab.checkpoint"):
         state = ckpt.load("latest")
     assert state["step"] == 3
-    assert ckpt.latest_valid() == str(tmp_path / "checkpoints" / "step_000003")
+    assert ckpt.latest_valid() == str(tmp_path / "vidstab" / "checkpoints" / "step_000003")
     if damage != "no_manifest":  # without a manifest it is not a checkpoint at all, nothing to report
-        assert state["_checkpoint"]["skipped"][0][0] == "checkpoints/step_000004"
+        assert state["_checkpoint"]["skipped"][0][0] == "vidstab/checkpoints/step_000004"
         reason = {"truncate": "truncated", "bitflip": "crc32 mismatch", "delete": "missing"}[damage]
         assert reason in state["_checkpoint"]["skipped"][0][1]
         assert "step_000004" in caplog.text
@@ -243,7 +243,7 @@ def test_damaged_checkpoint_falls_back_with_a_message(tmp_path, damage, caplog):
 def test_no_valid_checkpoint_raises_and_loads_nothing(tmp_path):
     acc, model, opt, sched, ckpt = _setup(tmp_path)
     ckpt.save(3, healthy=True, trainer_state={"step": 3})
-    f = tmp_path / "checkpoints" / "step_000003" / "optimizer.safetensors"
+    f = tmp_path / "vidstab" / "checkpoints" / "step_000003" / "optimizer.safetensors"
     f.write_bytes(f.read_bytes()[:-1])  # model file intact, optimizer broken: nothing may be loaded
     _perturb(model, opt, sched)
     before = _weights(model)
@@ -262,16 +262,16 @@ def _flip_bit(path, bit=3):
 def test_crc32_default_detects_a_single_bit_flip_and_verify_names_the_file(tmp_path):
     acc, model, opt, sched, ckpt = _setup(tmp_path)
     path = ckpt.save(3, healthy=True, trainer_state={"step": 3})
-    man = json.loads((tmp_path / "checkpoints" / "step_000003" / "manifest.json").read_text())
+    man = json.loads((tmp_path / "vidstab" / "checkpoints" / "step_000003" / "manifest.json").read_text())
     for f, meta in man["files"].items():
-        data = (tmp_path / "checkpoints" / "step_000003" / f).read_bytes()
+        data = (tmp_path / "vidstab" / "checkpoints" / "step_000003" / f).read_bytes()
         assert meta == {"bytes": len(data), "crc32": f"0x{zlib.crc32(data):08x}"}, f
     verify_checkpoint_files(path)
     verify_checkpoint_files(path, ["model.safetensors"])
     with pytest.raises(CheckpointError, match=r"step_000003: file nope\.json is not listed"):
         verify_checkpoint_files(path, ["nope.json"])
 
-    _flip_bit(tmp_path / "checkpoints" / "step_000003" / "optimizer.safetensors")
+    _flip_bit(tmp_path / "vidstab" / "checkpoints" / "step_000003" / "optimizer.safetensors")
     with pytest.raises(CheckpointError, match=r"step_000003: file optimizer\.safetensors is corrupt \(crc32 mismatch\)"):
         verify_checkpoint_files(path)
     verify_checkpoint_files(path, ["model.safetensors", "trainer.json"])  # the others are intact
@@ -279,14 +279,14 @@ def test_crc32_default_detects_a_single_bit_flip_and_verify_names_the_file(tmp_p
     with pytest.raises(CheckpointError, match="optimizer.safetensors is corrupt"):
         ckpt.load("latest")
 
-    (tmp_path / "checkpoints" / "step_000003" / "trainer.json").unlink()
+    (tmp_path / "vidstab" / "checkpoints" / "step_000003" / "trainer.json").unlink()
     with pytest.raises(CheckpointError, match=r"file trainer\.json is missing"):
         verify_checkpoint_files(path, ["trainer.json"])
-    f = tmp_path / "checkpoints" / "step_000003" / "model.safetensors"
+    f = tmp_path / "vidstab" / "checkpoints" / "step_000003" / "model.safetensors"
     f.write_bytes(f.read_bytes() + b"x")
     with pytest.raises(CheckpointError, match=r"file model\.safetensors has \d+ bytes, manifest says \d+"):
         verify_checkpoint_files(path, ["model.safetensors"])
-    (tmp_path / "checkpoints" / "step_000003" / "manifest.json").unlink()
+    (tmp_path / "vidstab" / "checkpoints" / "step_000003" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no manifest.json"):
         verify_checkpoint_files(path)
 
@@ -296,7 +296,7 @@ def test_sha256_manifests_old_and_opt_in_still_validate(tmp_path):
     ckpt.save(3, healthy=True, trainer_state={"step": 3})
     want = _weights(model)
     # A manifest as vidstab wrote it before crc32 became the default: {"bytes", "sha256"} per file.
-    folder = tmp_path / "checkpoints" / "step_000003"
+    folder = tmp_path / "vidstab" / "checkpoints" / "step_000003"
     man = json.loads((folder / "manifest.json").read_text())
     man["files"] = {f: {"bytes": m["bytes"], "sha256": hashlib.sha256((folder / f).read_bytes()).hexdigest()}
                     for f, m in man["files"].items()}
@@ -332,7 +332,7 @@ def test_sha256_manifests_old_and_opt_in_still_validate(tmp_path):
 def test_stale_temp_folders_are_removed_and_never_loaded(tmp_path):
     acc, model, opt, sched, ckpt = _setup(tmp_path)
     ckpt.save(3, healthy=True, trainer_state={"step": 3})
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "vidstab" / "checkpoints"
     stale = root / ".tmp-step_000009-deadbeef"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
@@ -355,12 +355,12 @@ def test_load_a_named_checkpoint_and_bad_state_is_refused_cleanly(tmp_path):
     for s in (3, 4):
         ckpt.save(s, healthy=True, trainer_state={"step": s})
     assert [i.step for i in ckpt.list()] == [3, 4]
-    assert ckpt.load("checkpoints/step_000003")["step"] == 3  # relative to the run folder
-    assert ckpt.load(str(tmp_path / "checkpoints" / "step_000004"))["step"] == 4
+    assert ckpt.load("vidstab/checkpoints/step_000003")["step"] == 3  # relative to the run folder
+    assert ckpt.load(str(tmp_path / "vidstab" / "checkpoints" / "step_000004"))["step"] == 4
     with pytest.raises(CheckpointError, match="step_000005.*trainer_state"):
         ckpt.save(5, healthy=True, trainer_state={"step": 5, "oops": torch.zeros(1)})
     assert [i.step for i in ckpt.list()] == [3, 4]
-    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".tmp-")]
+    assert not [n for n in os.listdir(tmp_path / "vidstab" / "checkpoints") if n.startswith(".tmp-")]
 
 
 def test_exact_resume_in_process_is_bitwise(tmp_path):
@@ -408,7 +408,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
     r = subprocess.run([sys.executable, "-c", _DISK_FULL, str(tmp_path), mode], capture_output=True, text=True, timeout=60)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "checkpoint step_000002 could not be written" in r.stdout and "File too large" in r.stdout
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "vidstab" / "checkpoints"
     assert sorted(os.listdir(root)) == ["last_good", "latest", "step_000001"]  # temp folder removed
     assert (root / "latest").read_text().strip() == "step_000001"
     acc = Accelerator(cpu=True)

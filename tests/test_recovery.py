@@ -68,7 +68,7 @@ def test_a_target_that_fails_again_sends_the_next_rollback_further_back(tmp_path
     assert rec.rollback("spikes", step=23)["step"] == 20
     # the replay from step 20 fails again at step 22, before passing the first failure (23): go further back
     assert rec.rollback("spikes again", step=22)["step"] == 10
-    assert (tmp_path / "checkpoints" / "last_good").read_text().strip() == "step_000010"
+    assert (tmp_path / "vidstab" / "checkpoints" / "last_good").read_text().strip() == "step_000010"
     # a failure after passing the previous one is a new problem: the newest good checkpoint again
     ckpt.save(30, healthy=True, trainer_state={"step": 30, "batches_consumed": 30})
     assert rec.rollback("later trouble", step=35)["step"] == 30
@@ -85,11 +85,11 @@ def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
     state = rec.rollback("grad_norm 1e9 > 50 x median", step=23, incident="out/vidstab/incidents/step000023-rank0")
     assert state["step"] == 10 and state["batches_consumed"] == 10
     assert state["skip_data"] is True and state["rewind_data"] is False
-    assert state["_checkpoint"]["path"] == "checkpoints/step_000010"
+    assert state["_checkpoint"]["path"] == "vidstab/checkpoints/step_000010"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
     assert guard.lr_multiplier == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
     # A restart before the next save resumes on the rolled-back trajectory.
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000010"
+    assert (tmp_path / "vidstab" / "checkpoints" / "latest").read_text().strip() == "step_000010"
     ev = _events(tmp_path, "rollback")
     assert ev[-1]["step"] == 23 and ev[-1]["to_step"] == 10 and ev[-1]["retries"] == 1
     assert ev[-1]["cause"] == "divergence" and ev[-1]["lr_multiplier"] == 0.5

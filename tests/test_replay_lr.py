@@ -68,7 +68,7 @@ def test_lr_blow_up_is_diagnosed_from_the_log_and_the_checkpoint(tmp_path):
     step8 = write_incident(run, step=8, micro_step=0, rank=0, world_size=1, batch=make_batch(seed=8),
                            sample_ids=["s8-0", "s8-1", "s8-2"], lr=10.0, precision="no", seed=0,
                            finding={"detector": "lr_jump", "verdict": "WARN", "message": "lr x1e4", "figures": {}},
-                           checkpoint="checkpoints/step_000005", model_spec=SPEC)
+                           checkpoint="vidstab/checkpoints/step_000005", model_spec=SPEC)
     report = replay(step8, trust=["replay_user_model"])
     assert report.lr["implicated"] and report.lr["evidence"]["suspect_step"] == 8
     assert "LR:" in report.verdict and "not implicated" not in report.lr["summary"]

@@ -22,16 +22,16 @@ def _finite(x):
 
 
 def _weights(output_dir, step):
-    return load_file(str(output_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+    return load_file(str(output_dir / "vidstab" / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
 def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
     out = tmp_path / "run"
     proc = run_trainer(out, "--max_train_steps", "12", "--checkpointing_steps", "5")
     assert "done: 12/12 steps" in proc.stdout
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000012"
+    assert (out / "vidstab" / "checkpoints" / "latest").read_text().strip() == "step_000012"
     for step in (5, 10, 12):
-        assert (out / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+        assert (out / "vidstab" / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
     metrics = events(out, kind="metrics")
     assert [m["step"] for m in metrics] == list(range(12))
     assert all(_finite(m["loss"]) and _finite(m["grad_norm"]) for m in metrics)
@@ -62,7 +62,7 @@ def test_flow_matching_ema_accumulation_checkpointing_train_and_resume(tmp_path)
     flags = ["--checkpointing_steps", "2", "--use_ema", "--prediction_type", "flow_matching", "--gradient_accumulation_steps", "2",
              "--gradient_checkpointing", "--attention_type", "full", "--pos_embed", "sincos"]
     run_trainer(out, "--max_train_steps", "2", *flags)
-    assert (out / "checkpoints" / "step_000002" / "ema.safetensors").is_file()
+    assert (out / "vidstab" / "checkpoints" / "step_000002" / "ema.safetensors").is_file()
     proc = run_trainer(out, "--max_train_steps", "4", "--resume_from_checkpoint", "latest", *flags)
     assert "done: 4/4 steps" in proc.stdout and "written with config" not in proc.stdout + proc.stderr
     assert [m["step"] for m in events(out, kind="metrics")][-2:] == [2, 3]
@@ -171,7 +171,7 @@ def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    stopped_at = int((out / "vidstab" / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert stopped_at >= 3
     resumed = run_trainer(out, "--max_train_steps", str(stopped_at + 2), "--resume_from_checkpoint", "latest")
     assert f"done: {stopped_at + 2}/{stopped_at + 2} steps" in resumed.stdout

@@ -23,6 +23,7 @@ Schema (version 1) of ``incident.json`` -- the contract in ``docs/ARCHITECTURE.m
     lr, precision, seed
     detector, verdict, message, figures, finding_ranks   the finding that triggered the capture
     checkpoint         checkpoint folder relative to the run folder (absolute if outside it), or null
+    checkpoint_weights that checkpoint's manifest entry for model.safetensors (bytes + checksum), or null
     model              {"class": "module:Class", "config": {...}} | {"factory": "module:fn", "kwargs": {...}} | null
     loss               {"fn": "module:fn", "kwargs": {...}} | null   (loss = fn(model, batch, **kwargs))
     objective          the loss kwargs again, under the contract's name
@@ -258,6 +259,15 @@ def _relative_checkpoint(run_dir: Path, checkpoint: str | os.PathLike | None) ->
         return p.as_posix()  # outside the run folder: keep it absolute
 
 
+def _weights_entry(run_dir: Path, checkpoint: str | os.PathLike | None) -> dict | None:
+    if checkpoint is None:
+        return None
+    from .checkpoint.layout import manifest_entry
+
+    folder = Path(checkpoint) if Path(checkpoint).is_absolute() else run_dir / checkpoint
+    return manifest_entry(folder, "model.safetensors")
+
+
 def _versions() -> dict[str, str | None]:
     from . import __version__ as vidstab_version
 
@@ -339,6 +349,9 @@ def write_incident(
         "seed": seed,
         **_finding_dict(finding),
         "checkpoint": _relative_checkpoint(run_dir, checkpoint),
+        # The weights' manifest entry (size + checksum): replay refuses a checkpoint rewritten since (a
+        # rollback may save the same step again with other weights).
+        "checkpoint_weights": _weights_entry(run_dir, checkpoint),
         "model": model_section,
         "loss": loss_section,
         "objective": loss_section["kwargs"] if loss_section else None,

@@ -332,7 +332,7 @@ class Recovery:
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
         choice = self._target(step)
         try:
-            state = self.ckpt.load(choice)
+            state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
         except CheckpointError as e:
             raise RunAborted(self._abort_message(f"rollback at step {step} impossible: {e}", incident)) from e
         if state is None:

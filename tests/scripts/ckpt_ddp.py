@@ -41,7 +41,7 @@ def check(out: str, mode: str) -> None:
     assert state["step"] == 3, state
     assert torch.equal(acc.unwrap_model(model).weight, want_w)
     assert torch.equal(torch.rand(3), want_rng), "per-rank RNG not restored"
-    names = set(os.listdir(os.path.join(out, "checkpoints", "step_000003")))
+    names = set(os.listdir(os.path.join(out, "vidstab", "checkpoints", "step_000003")))
     assert {"rng-rank0.safetensors", "rng-rank1.safetensors", "rng-rank0.json", "rng-rank1.json"} <= names, names
 
     # Rank 1 cannot write (file size limit): every rank must get the error at the same call.
@@ -59,7 +59,7 @@ def check(out: str, mode: str) -> None:
     if acc.process_index == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     acc.wait_for_everyone()
-    root = os.path.join(out, "checkpoints")
+    root = os.path.join(out, "vidstab", "checkpoints")
     assert open(os.path.join(root, "latest")).read().strip() == "step_000003"
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")], os.listdir(root)
     ckpt.save(5, healthy=True, trainer_state={"step": 5})

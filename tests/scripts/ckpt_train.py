@@ -1,6 +1,6 @@
 """Tiny deterministic Accelerate training loop with vidstab checkpoints, for resume / kill tests.
 
-Run as a script (one process) or import ``train``. It resumes from ``OUT/checkpoints/latest`` when there
+Run as a script (one process) or import ``train``. It resumes from ``OUT/vidstab/checkpoints/latest`` when there
 is one, saves every ``--save-every`` steps, and at the end writes ``OUT/final.safetensors`` (model
 weights) and ``OUT/losses.json`` (``{step: float.hex(loss)}``) so a test can compare runs bitwise.
 

@@ -16,11 +16,17 @@ class CheckpointConfig:
     """How checkpoints are written, kept and loaded."""
 
     keep: int = 3
-    """Number of newest checkpoints kept (by save time); the one ``last_good`` points to is kept in addition."""
+    """Number of checkpoints kept: the newest steps of the current trajectory first (after a rollback, those of
+    the abandoned one go first); the ones ``latest`` and ``last_good`` point to are kept in addition."""
+    keep_for_incidents: int = 2
+    """Also keep the checkpoints named by the incident bundles of the last this-many distinct checkpoints
+    (``vidstab/incidents``, newest step first), so a bundle still finds the weights it replays on; 0: none."""
     async_save: bool = True
     """Copy state to host memory synchronously, write it in a background thread (the loop waits only for the copy)."""
-    subdir: str = "checkpoints"
-    """Folder under the output dir that holds checkpoints and pointer files."""
+    subdir: str = "vidstab/checkpoints"
+    """Folder under the output dir that holds checkpoints and pointer files. Under ``vidstab/`` so that it
+    coexists with Accelerate's automatic naming (``checkpoints/checkpoint_N``, ``total_limit``) and with
+    diffusers' examples, which read every ``checkpoint*`` entry of the output dir as ``checkpoint-N``."""
     fsync: bool = True
     """fsync files and folders. Turning this off gives up durability on power loss; only for throw-away runs."""
     pin_memory: bool = True
@@ -34,6 +40,10 @@ class CheckpointConfig:
     remove_stale: bool = True
     """Remove ``.tmp-*`` leftovers of killed saves when the manager starts (main process). Set False for a
     tool that opens the folder of a run that is still training, whose save may be in flight."""
+    allow_world_size_change: bool = False
+    """Load a checkpoint written by another number of processes (default: refuse with a message). Only for a
+    loop that re-derives per-rank data positions, RNG and the LR schedule for the new world size itself;
+    ranks the checkpoint has no RNG state for keep their own."""
     rank_timeout_s: float = 1800.0
     """How long the writer waits for a rank that is alive but has not finished writing (its collectives'
     timeout) before giving up on a checkpoint. A rank that dies is noticed within seconds regardless."""

@@ -6,13 +6,15 @@
     ema.safetensors + ema.json, rng-rank{R}.safetensors + rng-rank{R}.json, trainer.json, vidstab.json
 
 Models are saved from ``accelerator.get_state_dict`` (the full, unsharded state dict, written by the main
-process) and loaded with ``strict=True`` into the unwrapped model; every other object goes through the
+process) and loaded with ``strict=True`` into the unwrapped model (parameters that do not require grad are
+fingerprinted instead of saved, see :mod:`.frozen`); every other object goes through the
 pickle-free codec :mod:`vidstab.statedict_io`. This serves single-process and DDP runs; sharded (FSDP2)
 models and their optimizers use the DCP backend instead.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from typing import Any
@@ -22,6 +24,7 @@ import torch
 
 from .. import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
+from .frozen import FROZEN_KEY, FingerprintCache, check_frozen, frozen_keys, read_header_metadata
 from .layout import file_stem
 from .writer import FileSpec
 
@@ -41,6 +44,7 @@ class FullStateBackend:
         self.rank = accelerator.process_index
         self.is_main = accelerator.is_main_process
         self._host_buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.frozen = FingerprintCache()
 
     # ------------------------------------------------------------------ save
     def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict) -> list[FileSpec]:
@@ -74,8 +78,13 @@ class FullStateBackend:
                 sd = self.accelerator.get_state_dict(obj)
                 if self.is_main:
                     fn = f"{stem}.safetensors"
-                    files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in sd.items()},
-                                          metadata={"format": "pt"}))
+                    meta = {"format": "pt"}
+                    frozen = frozen_keys(self.accelerator.unwrap_model(obj))
+                    if frozen:  # only what training changes, plus a fingerprint of the rest (see .frozen)
+                        skip = set(frozen)
+                        sd = {k: v for k, v in sd.items() if k not in skip}
+                        meta[FROZEN_KEY] = json.dumps(self.frozen.get(self.accelerator.unwrap_model(obj), frozen))
+                    files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in sd.items()}, metadata=meta))
                 continue
             if not self.is_main:
                 continue
@@ -125,9 +134,17 @@ class FullStateBackend:
         for n, obj in objects.items():
             stem = file_stem(n)
             if isinstance(obj, torch.nn.Module):
+                meta = read_header_metadata(raw[f"{stem}.safetensors"])
+                saved = json.loads(meta[FROZEN_KEY]) if FROZEN_KEY in meta else None
+                why = check_frozen(ckpt, n, self.accelerator.unwrap_model(obj), saved, self.frozen)
+                if why:
+                    raise CheckpointError(why)
                 sd = st_load(raw[f"{stem}.safetensors"])
-                self.check_model_keys(ckpt, n, obj, sd)
+                frozen = set(saved["keys"]) if saved else set()
+                self.check_model_keys(ckpt, n, obj, sd, frozen)
                 out["objects"][n] = sd
+                if frozen:
+                    out.setdefault("frozen", {})[n] = frozen
             else:
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
                 out["objects"][n] = sio.unflatten(sio.loads(raw[f"{stem}.json"]), tensors)
@@ -146,9 +163,11 @@ class FullStateBackend:
                       if rj in raw else None)
         return out
 
-    def check_model_keys(self, ckpt: str, name: str, model: torch.nn.Module, sd: dict) -> None:
-        """Refuse a state dict whose keys or shapes differ from ``model``'s, naming the parameter."""
-        ref = self.accelerator.unwrap_model(model).state_dict()
+    def check_model_keys(self, ckpt: str, name: str, model: torch.nn.Module, sd: dict,
+                         frozen: set[str] = frozenset()) -> None:
+        """Refuse a state dict whose keys or shapes differ from ``model``'s (less its ``frozen`` parameters,
+        which the checkpoint fingerprints instead of holding), naming the parameter."""
+        ref = {k: v for k, v in self.accelerator.unwrap_model(model).state_dict().items() if k not in frozen}
         missing, extra = set(ref) - set(sd), set(sd) - set(ref)
         if missing or extra:
             raise CheckpointError(f"{ckpt}: {name!r} does not match the model (missing {sorted(missing)[:5]}, "
@@ -162,7 +181,10 @@ class FullStateBackend:
         for n, obj in objects.items():
             state = payload["objects"][n]
             if isinstance(obj, torch.nn.Module):
-                self.accelerator.unwrap_model(obj).load_state_dict(state, strict=True)
+                frozen = payload.get("frozen", {}).get(n)
+                result = self.accelerator.unwrap_model(obj).load_state_dict(state, strict=not frozen)
+                if frozen and (set(result.missing_keys) != frozen or result.unexpected_keys):
+                    raise CheckpointError(f"{n!r}: state does not fit the model ({result})")  # checked in decode
             else:
                 obj.load_state_dict(state)
         self.apply_common(payload)

@@ -1,24 +1,44 @@
-"""The on-disk layout of a checkpoint run: names, the manifest, pointer files, listing and verification.
+"""The on-disk layout of a checkpoint run: names, the manifest, pointer files, listing, order and verification.
 
 ::
 
-    OUTPUT_DIR/checkpoints/step_000100/   the files of one checkpoint + manifest.json (written last)
-    OUTPUT_DIR/checkpoints/latest         pointer file: folder name of the newest complete checkpoint
-    OUTPUT_DIR/checkpoints/last_good      pointer file: newest checkpoint that passed the health gate
-    OUTPUT_DIR/checkpoints/.tmp-*         a save in progress, or the remains of a killed one: never loaded
+    OUTPUT_DIR/vidstab/checkpoints/step_000100/   the files of one checkpoint + manifest.json (written last)
+    OUTPUT_DIR/vidstab/checkpoints/step_000100-2/ the same step saved again while a damaged step_000100
+                                                  could not be moved aside (read-only, immutable)
+    OUTPUT_DIR/vidstab/checkpoints/latest         pointer file: folder name of the newest complete checkpoint
+    OUTPUT_DIR/vidstab/checkpoints/last_good      pointer file: newest checkpoint that passed the health gate
+    OUTPUT_DIR/vidstab/checkpoints/.tmp-*         a save in progress, or the remains of a killed one: never loaded
 
-A folder counts as a checkpoint only with a parseable ``manifest.json`` of this :data:`SCHEMA`; every file
-it lists carries its size and a checksum, checked before anything is decoded.
+The folder sits under the run's ``vidstab/`` folder so that it coexists with Accelerate's automatic
+checkpoint naming (``OUTPUT_DIR/checkpoints/checkpoint_N`` + ``total_limit``) and with diffusers' training
+examples, which take every ``OUTPUT_DIR/checkpoint*`` entry for one of their ``checkpoint-N`` folders.
+
+A folder counts as a checkpoint only with a well-formed ``manifest.json`` of this :data:`SCHEMA`; every file
+it lists carries its size and a checksum, checked before anything is decoded. Checkpoints travel (shared
+storage, other people), so nothing a folder holds is trusted further than this: every name in a manifest
+must be a plain relative name inside the folder (no ``..``, no absolute path, no link on the way) and is
+opened only after ``lstat`` shows a regular file (no symbolic link, FIFO or device), without following
+links and without blocking; sizes are compared before a byte is read, and no read goes past the recorded size. Pointer files
+and manifests that cannot be read for any reason (bytes that are not UTF-8, the wrong JSON shape, a FIFO)
+count as damaged, like missing ones.
+
+Order never comes from the wall clock: each manifest records its save ``sequence`` (one more than any
+checkpoint on disk had) and its ``parent`` (the checkpoint the saved state descends from: the previous save,
+or the one loaded on resume or rollback). The newest checkpoint is the one ``latest`` names, else the highest
+sequence; its *trajectory* is its chain of parents, so after a rollback the abandoned checkpoints (newer
+steps of the old trajectory) are never fallbacks and are the first to be rotated away.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 from typing import Any
 
 from .. import statedict_io as sio
@@ -27,14 +47,25 @@ from .config import CheckpointError, CheckpointInfo
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",
            "read_manifest", "verify_file", "verify_checkpoint_files", "read_pointer", "pointer_tmp",
-           "replace_pointer", "list_checkpoints", "candidates", "remove_stale"]
+           "replace_pointer", "list_checkpoints", "candidates", "trajectory", "newest", "rotation_order",
+           "remove_stale", "check_file_name", "manifest_entry"]
 
 logger = logging.getLogger("vidstab.checkpoint")
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
-STEP_RE = re.compile(r"^step_(\d+)$")
+STEP_RE = re.compile(r"^step_(\d+)(?:-(\d+))?$")
+"""A checkpoint folder: ``step_000100``, or ``step_000100-2`` (see the module doc)."""
 POINTERS = ("latest", "last_good")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}")
+"""One component of a name a manifest may list: no separator, no leading dot (so never ``..``), at most 255
+characters. A name is one such component, or a few joined by ``/`` (e.g. the DCP backend's ``dcp/shard-*``),
+each an actual folder inside the checkpoint (never a link)."""
+MAX_DEPTH = 3
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest is a few kB (one entry per file); anything this large is not one, and is never read."""
+MAX_POINTER_BYTES = 4096
+"""A pointer file holds one folder name."""
 # Registered names whose files are spelled differently in the documented layout.
 _STEMS = {"lr_scheduler": "scheduler"}
 RESERVED = {"manifest", "trainer", "scaler"}
@@ -59,66 +90,180 @@ def rel(path: str, root: str) -> str:
         return path
 
 
+# ---------------------------------------------------------------------------- opening files safely
+
+
+class _NotRegular(Exception):
+    """``lstat`` shows something other than a regular file (the message says what)."""
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(folder: str, name: str) -> tuple[int, int]:
+    """Open the regular file ``folder/name`` for reading without following a link (in ``name``; ``folder``
+    is taken as given) or blocking; returns ``(fd, size)``. Raises FileNotFoundError, :class:`_NotRegular`
+    or OSError."""
+    parts = name.split("/")
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Each step is relative to the folder already opened: nothing swapped in meanwhile is followed.
+        for part in parts[:-1]:
+            st = os.stat(part, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                raise _NotRegular(f"inside {_kind(st.st_mode)} ({part})")
+            sub = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW, dir_fd=dfd)
+            os.close(dfd)
+            dfd = sub
+        st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotRegular(_kind(st.st_mode))
+        # O_NOFOLLOW and O_NONBLOCK: should the file be swapped for a link or a FIFO after the stat, the open
+        # fails or returns at once instead of following it or blocking; fstat then sees what was opened.
+        fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _NotRegular(_kind(st.st_mode))
+    return fd, st.st_size
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """The ``size`` bytes of the file open as ``fd`` (closed afterwards); ValueError if it has more or fewer
+    (it changed since its size was checked). Never reads more than ``size + 1`` bytes."""
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(size + 1)
+    if len(data) != size:
+        raise ValueError(f"changed while being read ({len(data)}{'+' if len(data) > size else ''} bytes, expected {size})")
+    return data
+
+
+def check_file_name(ckpt: str, name: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``name`` is a plain file name inside a checkpoint folder."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or len(parts) > MAX_DEPTH or not all(PLAIN_NAME.fullmatch(p) for p in parts):
+        raise CheckpointError(f"{ckpt}: manifest lists {name!r}, not a plain file name inside the checkpoint folder "
+                              "(refused before opening anything)")
+
+
 # ---------------------------------------------------------------------------- verification
 
 
-def read_manifest(path: str) -> dict:
-    """Parse ``path/manifest.json``; raise :class:`CheckpointError` if it is missing, unreadable, of another
-    schema or lists a pickled file."""
-    name = os.path.basename(os.path.normpath(path))
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as fh:
-            man = json.loads(fh.read())
-        files = man["files"]
-        if not isinstance(files, dict):
-            raise TypeError(f"'files' is a {type(files).__name__}, not an object")
-        if man.get("schema") != SCHEMA:
-            raise CheckpointError(f"{name}: unsupported manifest schema {man.get('schema')!r}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{name}: no manifest.json (incomplete save)") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
-    for bad in (f for f in files if f.endswith(PICKLE_SUFFIXES)):
-        raise CheckpointError(f"{name}: refusing pickled file {bad}")
+def _check_manifest(name: str, man: Any) -> dict:
+    """The manifest ``man`` if it has the shape vidstab writes; CheckpointError naming what is wrong."""
+    if not isinstance(man, dict):
+        raise CheckpointError(f"{name}: unreadable manifest (a JSON {type(man).__name__}, not an object)")
+    if man.get("schema") != SCHEMA:
+        raise CheckpointError(f"{name}: unsupported manifest schema {man.get('schema')!r}")
+    step, files = man.get("step"), man.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{name}: unreadable manifest ('step' is {step!r}, not a step number)")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{name}: unreadable manifest ('files' is a {type(files).__name__}, not an object)")
+    for f, meta in files.items():
+        check_file_name(name, f)
+        if f.endswith(PICKLE_SUFFIXES):
+            raise CheckpointError(f"{name}: refusing pickled file {f}")
+        size = meta.get("bytes") if isinstance(meta, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CheckpointError(f"{name}: manifest entry for {f} is malformed ({meta!r})")
+    for key, kind in (("healthy", bool), ("world_size", int), ("sequence", int), ("time", (int, float))):
+        if key in man and man[key] is not None and (not isinstance(man[key], kind) or (kind is int and isinstance(man[key], bool))):
+            raise CheckpointError(f"{name}: unreadable manifest ({key!r} is {man[key]!r})")
     return man
 
 
+def read_manifest(path: str) -> dict:
+    """Parse and check ``path/manifest.json``; raise :class:`CheckpointError` if it is missing, not a regular
+    file, too large, not UTF-8 JSON of the expected shape, of another schema, or lists a pickled file or a
+    name outside the folder."""
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        fd, size = _open_regular(path, MANIFEST)
+        if size > MAX_MANIFEST_BYTES:
+            os.close(fd)
+            raise ValueError(f"{size} bytes, far more than any manifest")
+        man = json.loads(_read_exactly(fd, size))
+    except FileNotFoundError:
+        raise CheckpointError(f"{name}: no manifest.json (incomplete save)") from None
+    except _NotRegular as e:
+        raise CheckpointError(f"{name}: unreadable manifest (manifest.json is {e})") from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
+    return _check_manifest(name, man)
+
+
+def manifest_entry(path: str | os.PathLike, file: str) -> dict | None:
+    """The manifest entry (size and checksum) of ``file`` in the checkpoint folder ``path``, or None when the
+    manifest is missing or damaged or does not list it. Identifies the file's content without reading it
+    (incident bundles record it for the weights they name)."""
+    try:
+        entry = read_manifest(os.fspath(path))["files"].get(file)
+    except CheckpointError:
+        return None
+    return dict(entry) if isinstance(entry, dict) else None
+
+
 def verify_file(ckpt: str, path: str, f: str, meta: Any, keep: bool = False, checksum: bool = True) -> bytes | None:
-    """Check ``path/f`` against its manifest entry ``meta``: present, size, and (``checksum``) every checksum
-    the entry records (``crc32`` and/or ``sha256``). Returns the file's bytes when ``keep`` (read once, for
-    decoding); otherwise streams the file in constant memory."""
-    if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int):
+    """Check ``path/f`` against its manifest entry ``meta``: a plain name, a regular file (no link, FIFO or
+    device), its size, and (``checksum``) every checksum the entry records (``crc32`` and/or ``sha256``).
+    The size is compared before anything is read, and no read goes past it. Returns the file's bytes when
+    ``keep`` (read once, for decoding); otherwise streams the file in constant memory."""
+    check_file_name(ckpt, f)
+    size = meta.get("bytes") if isinstance(meta, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise CheckpointError(f"{ckpt}: manifest entry for {f} is malformed ({meta!r})")
     want = [(a, meta[a]) for a in sio.CHECKSUMS if a in meta]
     if not want:
         raise CheckpointError(f"{ckpt}: manifest records no checksum for {f} (expected one of "
                               f"{', '.join(sio.CHECKSUMS)}; has {sorted(meta)})")
-    fp = os.path.join(path, f)
     try:
-        size = os.stat(fp).st_size
-    except OSError:
+        fd, actual = _open_regular(path, f)
+    except FileNotFoundError:
         raise CheckpointError(f"{ckpt}: file {f} is missing") from None
-    if size != meta["bytes"]:
-        why = "truncated?" if size < meta["bytes"] else "overwritten?"
-        raise CheckpointError(f"{ckpt}: file {f} has {size} bytes, manifest says {meta['bytes']} ({why})")
-    if not checksum:
-        return None
-    hashers = [(a, sio.new_checksum(a), str(d).lower()) for a, d in want]
-    data = None
+    except _NotRegular as e:
+        raise CheckpointError(f"{ckpt}: file {f} is {e}, not a regular file (refused)") from None
+    except OSError as e:
+        raise CheckpointError(f"{ckpt}: file {f} cannot be opened ({e})") from None
     try:
-        with open(fp, "rb") as fh:
-            if keep:
-                data = fh.read()
-                for _, h, _ in hashers:
-                    h.update(data)
-            else:
-                buf = bytearray(1 << 22)
-                mv = memoryview(buf)
-                while n := fh.readinto(buf):
+        if actual != size:
+            why = "truncated?" if actual < size else "overwritten?"
+            raise CheckpointError(f"{ckpt}: file {f} has {actual} bytes, manifest says {size} ({why})")
+        if not checksum:
+            return None
+        hashers = [(a, sio.new_checksum(a), str(d).lower()) for a, d in want]
+        data = None
+        if keep:
+            owned, fd = fd, -1  # _read_exactly closes it
+            data = _read_exactly(owned, size)
+            for _, h, _ in hashers:
+                h.update(data)
+        else:
+            buf = bytearray(min(1 << 22, size + 1))
+            mv, total = memoryview(buf), 0
+            with os.fdopen(fd, "rb", buffering=0) as fh:
+                fd = -1
+                while total <= size and (n := fh.readinto(buf)):
+                    total += n
                     for _, h, _ in hashers:
                         h.update(mv[:n])
-    except OSError as e:
+            if total != size:
+                raise ValueError(f"changed while being read ({total} bytes, expected {size})")
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{ckpt}: file {f} cannot be read ({e})") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     for a, h, d in hashers:
         if h.hexdigest() != d:
             raise CheckpointError(f"{ckpt}: file {f} is corrupt ({a} mismatch)")
@@ -128,12 +273,13 @@ def verify_file(ckpt: str, path: str, f: str, meta: Any, keep: bool = False, che
 def verify_checkpoint_files(path: str | os.PathLike, names: list[str] | None = None) -> None:
     """Check the files of the checkpoint folder ``path`` against its ``manifest.json``.
 
-    Each file (``names``, or every file the manifest lists when ``None``) must be listed, present, of the
-    recorded size and match the recorded checksum -- whichever the manifest records for it (``crc32``,
-    the default since vidstab writes it, or ``sha256`` in older or ``checksum="sha256"`` checkpoints).
-    Files are streamed (constant memory). Raises :class:`CheckpointError` whose message names the
-    checkpoint folder, the file and the problem (no/unreadable manifest, not listed, missing, size,
-    checksum). Does not decode anything.
+    Each file (``names``, or every file the manifest lists when ``None``) must be listed, a plain file name
+    inside the folder, a regular file (no link, FIFO or device), of the recorded size and match the recorded
+    checksum -- whichever the manifest records for it (``crc32``, the default since vidstab writes it, or
+    ``sha256`` in older or ``checksum="sha256"`` checkpoints). Files are streamed (constant memory), never
+    past their recorded size, and nothing blocks. Raises :class:`CheckpointError` whose message names the
+    checkpoint folder, the file and the problem (no/unreadable manifest, not listed, not a plain name, not
+    a regular file, missing, size, checksum). Does not decode anything.
     """
     path = os.fspath(path)
     ckpt = os.path.basename(os.path.normpath(path))
@@ -147,14 +293,35 @@ def verify_checkpoint_files(path: str | os.PathLike, names: list[str] | None = N
 # ---------------------------------------------------------------------------- pointers
 
 
+_reported: set[tuple[str, str]] = set()
+
+
+def _damaged_pointer(path: str, why: str) -> None:
+    if (path, why) not in _reported:  # once per pointer and problem, not at every look-up
+        _reported.add((path, why))
+        logger.warning("pointer file %s is damaged (%s); treating it as missing: the newest checkpoint is found "
+                       "from the manifests instead (the next save rewrites it)", path, why)
+
+
 def read_pointer(root: str, pointer: str) -> str | None:
-    """Folder name the pointer file ``root/pointer`` names, or None (absent, unreadable, not a step name)."""
+    """Folder name the pointer file ``root/pointer`` names, or None when it is absent or damaged (not a
+    regular file, too large, not ASCII, not a checkpoint folder name): a damaged pointer is a missing one."""
+    path = os.path.join(root, pointer)
     try:
-        with open(os.path.join(root, pointer)) as fh:
-            name = fh.read().strip()
-    except OSError:
+        fd, size = _open_regular(root, pointer)
+        if size > MAX_POINTER_BYTES:
+            os.close(fd)
+            raise ValueError(f"{size} bytes")
+        name = _read_exactly(fd, size).decode("ascii").strip()
+    except FileNotFoundError:
         return None
-    return name if STEP_RE.match(name) else None
+    except (_NotRegular, OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        _damaged_pointer(path, str(e) or type(e).__name__)
+        return None
+    if not STEP_RE.match(name):
+        _damaged_pointer(path, f"names {name[:40]!r}, not a checkpoint folder")
+        return None
+    return name
 
 
 def pointer_tmp(root: str, pointer: str, target: str, fsync: bool) -> str:
@@ -179,8 +346,8 @@ def replace_pointer(root: str, pointer: str, target: str, fsync: bool, sync_root
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Complete-looking checkpoints under ``root`` (a parseable manifest), oldest step first. Files are not
-    verified."""
+    """Complete-looking checkpoints under ``root`` (a well-formed manifest; folders, not links), oldest step
+    first. Files are not verified."""
     out = []
     try:
         names = os.listdir(root)
@@ -191,54 +358,128 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
             continue
         p = os.path.join(root, n)
         try:
-            with open(os.path.join(p, MANIFEST), "rb") as fh:
-                man = json.loads(fh.read())
-            out.append(CheckpointInfo(p, n, int(man["step"]), bool(man.get("healthy")), float(man["time"]), man))
-        except (OSError, ValueError, KeyError, TypeError):
+            if not stat.S_ISDIR(os.lstat(p).st_mode):
+                continue
+            man = read_manifest(p)
+        except (OSError, CheckpointError):
             continue
-    return sorted(out, key=lambda i: (i.step, i.time))
+        t = man.get("time")
+        out.append(CheckpointInfo(p, n, man["step"], bool(man.get("healthy")), float(t) if t is not None else 0.0, man))
+    return sorted(out, key=_order_key)
+
+
+def _suffix(name: str) -> int:
+    m = STEP_RE.match(name)
+    return int(m.group(2) or 1) if m else 0
+
+
+def _sequence(i: CheckpointInfo) -> int:
+    return int(i.manifest.get("sequence") or 0)
+
+
+def _order_key(i: CheckpointInfo) -> tuple:
+    """Step order; within a step, save order (``step_N-2``, written when ``step_N`` could not be moved aside, after it)."""
+    return i.step, _sequence(i), _suffix(i.name)
+
+
+def _save_key(i: CheckpointInfo) -> tuple:
+    """Save order: the save sequence, then the step (checkpoints from before sequences were recorded)."""
+    return _sequence(i), i.step, _suffix(i.name)
+
+
+def newest(infos: list[CheckpointInfo], root: str, pointer: str = "latest") -> CheckpointInfo | None:
+    """The checkpoint ``pointer`` names if it is listed, else the last one saved (highest sequence); for
+    ``last_good`` without a usable pointer: the newest healthy one on the trajectory of ``latest``."""
+    by_name = {i.name: i for i in infos}
+    name = read_pointer(root, pointer)
+    if name in by_name:
+        return by_name[name]
+    if pointer == "last_good":
+        tip = newest(infos, root, "latest")
+        return next((i for i in trajectory(infos, tip) if i.healthy), None) if tip else None
+    return max(infos, key=_save_key) if infos else None
+
+
+def trajectory(infos: list[CheckpointInfo], tip: CheckpointInfo) -> list[CheckpointInfo]:
+    """``tip`` and the checkpoints its state descends from, newest first: its chain of ``parent`` links,
+    then -- where the chain ends (a parent rotated away, or checkpoints older than parent links) -- those
+    saved before the last link and of a lower step. Checkpoints of an abandoned trajectory (saved after a
+    rollback's target, before the rollback) are not on it."""
+    by_id = {(i.name, _sequence(i)): i for i in infos}
+    chain, cur, seen = [tip], tip, {id(tip)}
+    while True:
+        parent = cur.manifest.get("parent")
+        nxt = by_id.get((parent.get("name"), parent.get("sequence") or 0)) if isinstance(parent, dict) else None
+        if nxt is None or id(nxt) in seen:
+            break
+        chain.append(nxt)
+        seen.add(id(nxt))
+        cur = nxt
+    rest = [i for i in infos if id(i) not in seen and _save_key(i) < _save_key(cur) and _order_key(i) < _order_key(cur)]
+    return chain + sorted(rest, key=_order_key, reverse=True)
+
+
+def rotation_order(root: str) -> list[CheckpointInfo]:
+    """Every listed checkpoint, most worth keeping first: the trajectory of the newest checkpoint, then the
+    others (abandoned trajectories) by save order. Rotation keeps the first ``keep`` and the pointers'."""
+    infos = list_checkpoints(root)
+    tip = newest(infos, root)
+    on = trajectory(infos, tip) if tip else []
+    ids = {id(i) for i in on}
+    return on + sorted((i for i in infos if id(i) not in ids), key=_save_key, reverse=True)
+
+
+def _no_such_checkpoint(root: str, output_dir: str, which: str, tried: str, infos: list[CheckpointInfo]) -> CheckpointError:
+    names = [i.name for i in sorted(infos, key=_order_key)]
+    close = difflib.get_close_matches(which, [*POINTERS, *names], n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    here = ", ".join(names) if names else "none yet"
+    sub = rel(root, output_dir)
+    return CheckpointError(
+        f"no such checkpoint {which!r}: no folder {tried}, nor {which!r} in the run folder or in {sub}; "
+        f"checkpoints in {sub}: {here}; give 'latest', 'last_good', a folder name such as "
+        f"{names[-1] if names else step_name(100)!r} or a path{hint}")
 
 
 def candidates(root: str, output_dir: str, which: str) -> list[str]:
-    """Folders to try, in order, for ``load(which)``: the pointer's target (``"latest"``/``"last_good"``) or
-    the named folder, then older checkpoints (healthy ones only for ``"last_good"``), newest first.
-    Anything newer than the pointer's target is from an abandoned trajectory and never a candidate."""
-    infos = sorted(list_checkpoints(root), key=lambda i: i.time, reverse=True)
-    by_name = {i.name: i for i in infos}
-    order: list[str] = []
+    """Folders to try, in order, for ``load(which)``: the newest checkpoint (``"latest"``: what the pointer
+    names, else the last saved; ``"last_good"``: likewise, healthy ones only) or the named folder, then the
+    checkpoints on its trajectory (see :func:`trajectory`), newest first. A name or path that does not
+    exist raises :class:`CheckpointError` ("no such checkpoint", listing what exists)."""
+    infos = list_checkpoints(root)
     if which in POINTERS:
-        first = read_pointer(root, which)
-        if first:
-            order.append(os.path.join(root, first))
-        pool = [i for i in infos if which == "latest" or i.healthy]
-        if first in by_name:
-            t = by_name[first].time
-            pool = [i for i in pool if i.time < t]
-        order += [i.path for i in pool]
-    else:
-        path = which
-        if not os.path.isabs(path) and not os.path.isdir(path):
-            # "checkpoints/step_000100" or "step_000100" relative to the run folder
-            for base in (output_dir, root):
-                if os.path.isdir(os.path.join(base, path)):
-                    path = os.path.join(base, path)
-                    break
-        path = os.path.abspath(path)
-        order.append(path)
-        name = os.path.basename(os.path.normpath(path))
-        if name in by_name:
-            t = by_name[name].time
-            order += [i.path for i in infos if i.time < t]
-    seen, out = set(), []
-    for p in order:
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
-    return out
+        out = []
+        named = read_pointer(root, which)
+        if named and named not in {i.name for i in infos} and os.path.isdir(os.path.join(root, named)):
+            # The pointer names a folder whose manifest is damaged: try it first, so the load says why it
+            # was skipped instead of passing over it in silence.
+            out.append(os.path.join(root, named))
+        first = newest(infos, root, which)
+        if first is None:
+            return out
+        pool = trajectory(infos, first)
+        if which == "last_good":
+            pool = [first] + [i for i in pool[1:] if i.healthy]
+        return out + [i.path for i in pool]
+    path = which
+    if not os.path.isabs(path) and not os.path.isdir(path):
+        # "vidstab/checkpoints/step_000100" or "step_000100" relative to the run folder
+        for base in (output_dir, root):
+            if os.path.isdir(os.path.join(base, path)):
+                path = os.path.join(base, path)
+                break
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise _no_such_checkpoint(root, output_dir, which, path, infos)
+    for i in infos:
+        if os.path.normpath(i.path) == os.path.normpath(path):
+            return [i.path for i in trajectory(infos, i)]
+    return [path]
 
 
 def remove_stale(root: str) -> None:
-    """Remove ``.tmp-*`` entries of ``root``: saves, pointer updates and deletions a kill interrupted."""
+    """Remove ``.tmp-*`` entries of ``root``: saves, pointer updates and deletions a kill interrupted. One
+    that cannot be removed (read-only, immutable) is left, with a warning saying what to clean up."""
     for n in os.listdir(root):
         if n.startswith(TMP_PREFIX):
             p = os.path.join(root, n)
@@ -250,3 +491,6 @@ def remove_stale(root: str) -> None:
                     os.unlink(p)
                 except OSError:
                     pass
+            if os.path.lexists(p):
+                logger.warning("cannot remove %s (read-only or immutable?); it is never loaded, remove it by hand "
+                               "(e.g. `chattr -R -i` it, or remount read-write) to free its space", p)

@@ -50,11 +50,19 @@ class CheckpointManager:
         ckpt = CheckpointManager(accelerator, output_dir, CheckpointConfig(keep=3))
         ckpt.register("model", model); ckpt.register("optimizer", optimizer)
         ckpt.register("lr_scheduler", lr_scheduler); ckpt.register("vidstab", guard)
-        trainer_state = ckpt.load("latest")   # None on a fresh run
+        trainer_state = ckpt.load("latest")   # None on a fresh run; logs a ``resume`` event otherwise
         ...
         ckpt.save(step, healthy=guard.healthy, trainer_state={"step": step, "epoch": e, "batch": i})
         ...
         ckpt.wait()
+
+    ``guard.healthy`` (:class:`vidstab.Guard`) is False while the guard has seen trouble recently; such a
+    checkpoint is kept but never a rollback target. Without a guard, pass ``healthy=True``.
+
+    A resume refuses a checkpoint written by another number of processes (``CheckpointError`` saying so):
+    per-rank data positions, RNG streams and an LR scheduler stepped once per process per optimizer step
+    all depend on it. ``CheckpointConfig(allow_world_size_change=True)`` loads anyway, for a loop that
+    re-derives those itself.
     """
 
     def __init__(self, accelerator, output_dir: str, config: CheckpointConfig | None = None,
@@ -85,6 +93,7 @@ class CheckpointManager:
         """Path of the newest checkpoint this manager finished writing."""
         self.last_loaded: dict | None = None
         """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
+        self._head: dict | None = None  # {"name", "sequence"}: what the next save's state descends from
         if self.is_main:
             os.makedirs(self.root, exist_ok=True)
             if self.config.remove_stale:
@@ -266,22 +275,53 @@ class CheckpointManager:
         """Write the manifest, make everything durable, publish (rename, pointers), rotate (main process)."""
         from .. import __version__
 
+        sequence = 1 + max((int(i.manifest.get("sequence") or 0) for i in layout.list_checkpoints(self.root)), default=0)
         manifest = write_manifest(job, digests, backend=job.backend, config_hash=self.config_hash,
                                   vidstab_version=__version__, world_size=self.world_size,
-                                  objects={n: file_stem(n) for n in self._objects})
-        final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer)
+                                  objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head)
+        final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer,
+                        unmovable=self._unmovable)
         job.path = final
+        self._head = {"name": job.name, "sequence": sequence}
         seconds = time.perf_counter() - job.t0
         self._rotate()
         log_event(self.output_dir, self.rank, "checkpoint", job.step, path=rel(final, self.output_dir),
                   healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
+    def _unmovable(self, job: SaveJob, error: OSError, old_name: str) -> None:
+        message = (f"checkpoint folder {old_name} (damaged or from an abandoned trajectory) cannot be moved aside "
+                   f"({error.strerror or error}: read-only mount or immutable file?); this save of step {job.step} "
+                   f"went to {job.name} instead and training goes on. {old_name} is never loaded while {job.name} "
+                   f"is valid: remove {os.path.join(self.root, old_name)} by hand when you can (e.g. `chattr -R -i` "
+                   "it, or remount read-write)")
+        logger.warning(message)
+        log_event(self.output_dir, self.rank, "warn", job.step, detector="checkpoint", message=message,
+                  figures={}, bad_ranks=[], path=rel(os.path.join(self.root, job.name), self.output_dir))
+
     def _write_pointer(self, pointer: str, target: str, sync_root: bool = True, tmp: str | None = None) -> None:
         layout.replace_pointer(self.root, pointer, target, self.config.fsync, sync_root=sync_root, tmp=tmp)
 
     def _rotate(self) -> None:
-        self._deleters += rotate(self.root, self.config.keep)
+        self._deleters += rotate(self.root, self.config.keep, self._incident_checkpoints())
+
+    def _incident_checkpoints(self) -> set[str]:
+        """Folder names (in this root) of the checkpoints the newest incident bundles replay on."""
+        from ..capture import META_FILE, list_incidents  # capture imports this package: import late
+
+        names: list[str] = []
+        for bundle in reversed(list_incidents(self.output_dir)):
+            if len(names) >= self.config.keep_for_incidents:
+                break
+            try:
+                named = json.loads((bundle / META_FILE).read_bytes()).get("checkpoint")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(named, str):
+                path = os.path.normpath(os.path.join(self.output_dir, named))
+                if os.path.dirname(path) == os.path.normpath(self.root) and os.path.basename(path) not in names:
+                    names.append(os.path.basename(path))
+        return set(names)
 
     def set_latest(self, path: str) -> None:
         """Point ``latest`` at an existing checkpoint (main process; e.g. after a rollback, so a restart
@@ -307,8 +347,9 @@ class CheckpointManager:
         return layout.candidates(self.root, self.output_dir, which)
 
     def latest_path_str(self) -> str | None:
-        """``latest`` as a path relative to the output dir (e.g. ``checkpoints/step_000100``), from the
-        pointer file without verifying the files (cheap: for incident bundles); None before the first save."""
+        """``latest`` as a path relative to the output dir (e.g. ``vidstab/checkpoints/step_000100``), from
+        the pointer file without verifying the files (cheap: for incident bundles); None before the first
+        save (or while the pointer is damaged)."""
         name = self._read_pointer("latest")
         return f"{self.config.subdir}/{name}" if name else None
 
@@ -330,7 +371,7 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ load
-    def load(self, which: str = "latest") -> dict | None:
+    def load(self, which: str = "latest", resume_event: bool = True) -> dict | None:
         """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
 
         Every file is verified (present, size, checksum) and decoded before anything is applied; an
@@ -338,13 +379,17 @@ class CheckpointManager:
         saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "skipped"}`` saying which
         checkpoint was used. Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
         ``"last_good"`` (a fresh run); raises :class:`CheckpointError` if there are checkpoints but none
-        is valid, or ``which`` is a folder and neither it nor an older one is valid.
+        is valid, ``which`` is a folder and neither it nor an older one is valid, ``which`` names no
+        checkpoint ("no such checkpoint", listing what exists), or the checkpoint was written by another
+        number of processes (see the class doc). ``resume_event``: log a ``resume`` event (the loop
+        resumes from it; :class:`vidstab.Recovery` passes False and logs its ``rollback``).
         """
         self._finish_pending()
         cands = self._candidates(which)
         if not cands and which in ("latest", "last_good"):
             logger.info("no checkpoint under %s to resume from", self.root)
             return None
+        self._check_world_size(cands)
         skipped: list[list[str]] = []
         chosen, payload = -1, None
         if self.is_main:
@@ -393,7 +438,34 @@ class CheckpointManager:
             info["repaired_from_rank0"] = repaired
         ts["_checkpoint"] = info
         self.last_loaded = info
+        man = payload["manifest"]
+        self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
+        if resume_event:
+            log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
+                      requested=which, skipped=skipped)
         return ts
+
+    def _check_world_size(self, cands: list[str]) -> None:
+        """Refuse (every rank alike, from the same files) a checkpoint of another world size. The first
+        candidate with a readable manifest decides: a run's checkpoints share one world size, so falling
+        back past it would only list the same refusal for each."""
+        if self.config.allow_world_size_change:
+            return
+        for p in cands:
+            try:
+                saved = layout.read_manifest(p).get("world_size")
+            except CheckpointError:
+                continue
+            if saved is not None and saved != self.world_size:
+                raise CheckpointError(
+                    f"{rel(p, self.output_dir)} was written by {saved} process{'es' if saved != 1 else ''}; this run "
+                    f"has {self.world_size}. vidstab does not resume on another world size: each rank's data "
+                    "position and RNG stream, and an LR scheduler stepped once per process per optimizer step, "
+                    f"would silently change the data order and the LR schedule. Relaunch with {saved} "
+                    f"process{'es' if saved != 1 else ''} (e.g. accelerate launch --num_processes {saved}), or start "
+                    "a new run in another output folder; a loop that re-derives those itself may pass "
+                    "CheckpointConfig(allow_world_size_change=True)")
+            return
 
     def _read(self, path: str, decode: bool = True) -> dict:
         """Verify every file of the checkpoint at ``path`` and (optionally) decode what this rank needs."""

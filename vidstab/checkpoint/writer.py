@@ -1,13 +1,13 @@
 """Writing one checkpoint folder: files checksummed while written, ``manifest.json`` last, then publish.
 
-1. Every rank writes its files into ``checkpoints/.tmp-step_{STEP:06d}-{nonce}`` (the nonce is chosen by
+1. Every rank writes its files into ``vidstab/checkpoints/.tmp-step_{STEP:06d}-{nonce}`` (the nonce is chosen by
    the main process and broadcast), checksumming each file while writing it, concurrently
    (:func:`write_files`).
 2. The main process learns every other rank's file digests (:mod:`.manager` owns how: the ranks' barrier),
    writes ``manifest.json`` last and the new ``latest`` (and, when healthy, ``last_good``) pointer contents to
    temp files, fsyncs its data files, the manifest, the pointer temp files and the folder in one concurrent
    batch, renames the folder to ``step_{STEP:06d}`` (:func:`vidstab.atomic.publish_folder`), replaces the
-   pointers atomically, fsyncs ``checkpoints/`` (:func:`publish`), and only then rotates old ones
+   pointers atomically, fsyncs ``vidstab/checkpoints/`` (:func:`publish`), and only then rotates old ones
    (:func:`rotate`).
 
 A crash before the rename leaves a ``.tmp-*`` folder that is never loaded; a crash after it finds every byte
@@ -17,6 +17,7 @@ the manifest describes on disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -30,10 +31,11 @@ import torch
 
 from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir, publish_folder
-from .config import CheckpointInfo
-from .layout import MANIFEST, SCHEMA, list_checkpoints, pointer_tmp, read_pointer, replace_pointer
+from .layout import MANIFEST, SCHEMA, pointer_tmp, read_pointer, replace_pointer, rotation_order
 
 __all__ = ["FileSpec", "SaveJob", "write_files", "write_manifest", "publish", "rotate"]
+
+logger = logging.getLogger("vidstab.checkpoint")
 
 
 @dataclass
@@ -112,12 +114,17 @@ def write_manifest(job: SaveJob, digests: dict[str, dict], **fields) -> dict:
 
 
 def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: bool,
-            replace=replace_pointer) -> str:
+            replace=replace_pointer, unmovable=None) -> str:
     """Make the folder durable, rename it to its ``step_*`` name and move the pointers; returns its path.
 
     ``unsynced``: files written but not yet fsync'd. They are fsync'd in one concurrent batch together with
     the manifest, the new pointer files' contents and the folder itself (one journal commit where the file
-    system allows, instead of one per file). ``replace``: how a pointer is replaced (the manager's hook)."""
+    system allows, instead of one per file). ``replace``: how a pointer is replaced (the manager's hook).
+
+    A folder of the same step that cannot be moved aside (a damaged checkpoint on a read-only mount, an
+    immutable file) does not fail the save: it is published as ``step_N-2`` (``-3``, ...), ``job.name``
+    becomes that name, and ``unmovable(job, error, new_name)`` is called (the manager says what to clean
+    up) before the pointers move."""
     pointers: dict[str, str] = {}  # pointer -> its new content, written to a temp file
     try:
         for ptr in ("latest", "last_good") if healthy else ("latest",):
@@ -125,7 +132,19 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
         if fsync:
             sio.fsync_files(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
         # Same step saved again (e.g. after a rollback): the old folder is moved aside and deleted.
-        final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))
+        try:
+            final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))
+        except OSError as e:
+            if not os.path.isdir(job.tmp_dir) or not os.path.lexists(os.path.join(root, job.name)):
+                raise
+            # The old folder cannot be moved aside (read-only, immutable): this save goes next to it.
+            final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="number", fsync=False))
+            old_name, job.name = job.name, os.path.basename(final)
+            if unmovable is not None:
+                unmovable(job, e, old_name)
+            for ptr in pointers:
+                os.unlink(pointers[ptr])
+                pointers[ptr] = pointer_tmp(root, ptr, job.name, fsync=fsync)
         for ptr, tmp in pointers.items():
             replace(ptr, job.name, sync_root=False, tmp=tmp)
     except BaseException:
@@ -142,23 +161,32 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
     return final
 
 
-def rotate(root: str, keep: int) -> list[threading.Thread]:
-    """Delete all but the ``keep`` newest checkpoints (by save time) and those ``latest``/``last_good``
-    name; returns the threads freeing the bytes."""
-    infos: list[CheckpointInfo] = sorted(list_checkpoints(root), key=lambda i: i.time, reverse=True)
-    kept = {i.name for i in infos[:keep]}
+_unremovable: set[str] = set()
+
+
+def rotate(root: str, keep: int, protected: set[str] = frozenset()) -> list[threading.Thread]:
+    """Delete all but the ``keep`` checkpoints most worth keeping (:func:`~.layout.rotation_order`: the
+    newest checkpoint's trajectory by step, then abandoned ones), the ``protected`` folder names and those
+    ``latest``/``last_good`` name; returns the threads freeing the bytes. One that cannot be removed is
+    left, with a warning (once)."""
+    order = rotation_order(root)
+    kept = {i.name for i in order[:keep]} | set(protected)
     for ptr in ("last_good", "latest"):
         name = read_pointer(root, ptr)
         if name:
             kept.add(name)
     threads = []
-    for i in infos:
+    for i in order:
         if i.name not in kept:
             # Rename first so a kill mid-delete never leaves a half-deleted folder under a step name.
             trash = os.path.join(root, f"{TMP_PREFIX}del-{i.name}-{secrets.token_hex(4)}")
             try:
                 os.rename(i.path, trash)
-            except OSError:
+            except OSError as e:
+                if i.path not in _unremovable:
+                    _unremovable.add(i.path)
+                    logger.warning("rotation cannot remove old checkpoint %s (%s: read-only or immutable?); remove it "
+                                   "by hand when you can (e.g. `chattr -R -i` it, or remount read-write)", i.path, e)
                 continue
             # The bytes are freed in the background: nothing depends on it, and a kill mid-delete leaves a
             # .tmp-* folder that the next start removes.

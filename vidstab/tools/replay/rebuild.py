@@ -113,6 +113,12 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
                 verify_checkpoint_files(ckpt_dir, [weights.name])
             except CheckpointError as e:
                 raise ReplayError(f"{weights} is corrupt (checked against {manifest_path}): {e}") from e
+            recorded = inc.meta.get("checkpoint_weights")
+            if override is None and isinstance(recorded, dict) and recorded != files[weights.name]:
+                raise ReplayError(
+                    f"{origin} was rewritten after the incident: its {weights.name} is not the one the bundle "
+                    f"recorded ({recorded} then, {files[weights.name]} now; a rollback saved that step again?), so a "
+                    "replay would run other weights; pass --checkpoint PATH to replay on weights you choose")
     elif p.is_dir():
         notes.append(f"{ckpt_dir} has no manifest.json (written last): the checkpoint may be incomplete")
     if step is None:

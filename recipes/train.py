@@ -5,6 +5,7 @@
     accelerate launch recipes/train.py --config recipes/configs/small.yaml --output_dir runs/small
     accelerate launch recipes/train.py --resume_from_checkpoint latest
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
+    accelerate launch --max_restarts 3 recipes/train.py --resume_from_checkpoint latest  # survives hangs and dead ranks
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
 micro-batches: latents -> timesteps + noise (seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
@@ -15,7 +16,9 @@ steps or skips the optimizer. Everything else here is building those pieces and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,13 +34,15 @@ from tqdm.auto import tqdm
 
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.faults import FaultInjector
+from vidstab.elastic import LaunchInfo, previous_attempt
+from vidstab.faults import FaultInjector, validate_faults
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
+from vidstab.watchdog import Watchdog, WatchdogConfig
 
 logger = get_logger("vidstab.train")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
@@ -45,6 +50,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 RUN_CONTROL_FLAGS = {
     "config", "output_dir", "max_train_steps", "resume_from_checkpoint", "checkpointing_steps", "checkpoints_total_limit",
     "no_async_save", "report_to", "logging_steps", "dataloader_num_workers", "inject_fault", "audit", "max_retries",
+    "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume",
 }
 
 
@@ -104,9 +110,39 @@ def build_parser() -> argparse.ArgumentParser:
     stab.add_argument("--vidstab_config", type=str, default=None, help="YAML of vidstab.GuardConfig fields.")
     stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
     stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
-    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module.")
+    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]",
+                      help="nan_batch, inf_latent, lr_spike, exception, inf_module, hang, kill, slow (vidstab.faults).")
     stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
+    add_resilience_flags(p)
     return p
+
+
+def add_resilience_flags(p: argparse.ArgumentParser) -> None:
+    """Hang watchdog and in-job restart (vidstab.watchdog, vidstab.elastic); see README "Launching a run that survives faults"."""
+    res = p.add_argument_group("resilience")
+    res.add_argument("--watchdog_timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="A rank that makes no progress for max(SECONDS, multiple x its slowest step) dumps its stacks and "
+                          "exits 75 so the launcher restarts the job; 0 turns the watchdog off.")
+    res.add_argument("--watchdog_multiple", type=float, default=10.0, help="Multiple of the slowest step/checkpoint seen.")
+    res.add_argument("--watchdog_first_step", type=float, default=900.0, metavar="SECONDS",
+                     help="Allowance until the first step and the first checkpoint have completed.")
+    res.add_argument("--no_auto_resume", action="store_true",
+                     help="After a torch-elastic restart, start over instead of resuming from the latest checkpoint.")
+
+
+def check_resilience_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Faults that can never fire and impossible watchdog settings are flag errors, not silent no-ops."""
+    try:
+        validate_faults(args.inject_fault, world_size=int(os.environ.get("WORLD_SIZE", "1")), max_steps=args.max_train_steps)
+        if args.watchdog_timeout:
+            watchdog_config(args)
+    except ValueError as exc:
+        parser.error(str(exc).replace("WatchdogConfig.timeout_s", "--watchdog_timeout")
+                     .replace("WatchdogConfig.multiple", "--watchdog_multiple").replace("WatchdogConfig.first_step_s", "--watchdog_first_step"))
+
+
+def watchdog_config(args: argparse.Namespace) -> WatchdogConfig:
+    return WatchdogConfig(timeout_s=args.watchdog_timeout, multiple=args.watchdog_multiple, first_step_s=args.watchdog_first_step)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_train_steps", "train_batch_size", "gradient_accumulation_steps", "checkpointing_steps", "num_frames", "resolution"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_resilience_flags(parser, args)
     return args
 
 
@@ -179,8 +216,12 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
     acc, model, guard, faults = ctx.accelerator, ctx.model, ctx.guard, ctx.faults
     for micro_step in range(acc.gradient_accumulation_steps):
+        ctx.beat(step, "data")
+        faults.maybe_hang(step)
         batch = next(ctx.data)
         ctx.batches_consumed += 1
+        ctx.beat(step, "forward_backward")
+        compute_started = time.perf_counter()
         with acc.accumulate(model):
             latents, _ = faults.corrupt_batch(step, batch["latents"])
             draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index))
@@ -199,6 +240,9 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
                                timesteps=draws["timesteps"], error=error)
+                faults.slow_down(step, time.perf_counter() - compute_started)
+                faults.maybe_kill(step)
+                ctx.beat(step, "guard")
                 result = guard.step(ctx.args.max_grad_norm)
     if result.applied and ctx.ema is not None:
         ctx.ema.step(acc.unwrap_model(model).parameters())
@@ -222,7 +266,9 @@ class Run:
         )
         acc = self.accelerator
         set_seed(args.seed, device_specific=False)
-        self.faults = FaultInjector(args.inject_fault, acc.process_index)
+        self.launch = LaunchInfo.from_env()
+        self.faults = FaultInjector(args.inject_fault, acc.process_index, restart_count=self.launch.restart_count)
+        self.watchdog: Watchdog | None = None
 
         cache = build_latents(args, acc)
         latent_channels = cache[0]["latents"].shape[0]
@@ -274,6 +320,11 @@ class Run:
         self.batches_consumed = 0
         self.data = None
 
+    def beat(self, step: int, phase: str) -> None:
+        """Progress for the hang watchdog (a clock read; nothing crosses processes)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step, phase)
+
     def trainer_state(self, step: int) -> dict:
         epoch, index = divmod(self.batches_consumed, len(self.dataloader))
         return {"step": step, "batches_consumed": self.batches_consumed, "epoch": epoch, "batch_in_epoch": index, "seed": self.args.seed}
@@ -282,6 +333,29 @@ class Run:
         self.batches_consumed = int(state["batches_consumed"])
         self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed)
         return int(state["step"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
+# --------------------------------------------------------------------------------------------------------
+def auto_resume_after_restart(run: Run) -> dict | None:
+    """On a torch-elastic restart, resume from the latest valid checkpoint unless told otherwise; why it restarted."""
+    if not run.launch.is_restart:
+        return None
+    if run.args.resume_from_checkpoint is None and not run.args.no_auto_resume:
+        run.args.resume_from_checkpoint = "latest"
+    return {"restart_count": run.launch.restart_count, "max_restarts": run.launch.max_restarts,
+            **previous_attempt(run.args.output_dir)}
+
+
+@contextlib.contextmanager
+def logged_crash(guard: vidstab.Guard):
+    """An exception that ends the run leaves a ``crash`` event: the next attempt's restart event names it."""
+    try:
+        yield
+    except Exception as exc:
+        guard.events.log("crash", guard.global_step, error=f"{type(exc).__name__}: {exc}"[:1000])
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     step = 0
+    restart = auto_resume_after_restart(run)
     if args.resume_from_checkpoint:
         state = run.checkpoints.load(args.resume_from_checkpoint)
         if state is None:
@@ -312,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
             guard.events.log("resume", step, checkpoint=str(run.checkpoints.last_loaded))
+    if restart is not None:
+        guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
+        acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
+                  f"(ranks {restart['culprit_ranks']}): resuming at step {step}")
     if run.data is None:
         run.data = batch_stream(acc, run.dataloader, 0)
     guard.global_step = step
@@ -319,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = tqdm(total=args.max_train_steps, initial=step, desc="steps", disable=not acc.is_local_main_process)
     first_loss, last_loss, started = None, None, time.time()
     exit_code = 0
-    with PreemptionHandler(on_signal=guard.request_stop):
+    run.watchdog = Watchdog(args.output_dir, acc.process_index, watchdog_config(args)).start() if args.watchdog_timeout else None
+    with logged_crash(guard), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
@@ -331,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.3g}", lr=f"{run.lr_scheduler.get_last_lr()[0]:.2e}", skipped=guard.skipped_total)
 
             if result.rollback is not None:
+                run.beat(step, "checkpoint")
                 try:
                     state = run.recovery.rollback(result.rollback, step, incident=str(result.incident) if result.incident else None)
                 except RunAborted as exc:
@@ -345,14 +426,18 @@ def main(argv: list[str] | None = None) -> int:
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
+                run.beat(step, "checkpoint")
                 run.checkpoints.save(step, healthy=guard.healthy, trainer_state=run.trainer_state(step))
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
         # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
+        run.beat(step, "checkpoint")
         run.checkpoints.wait()
     progress.close()
     acc.wait_for_everyone()
+    if run.watchdog is not None:
+        run.watchdog.stop()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
     if acc.is_main_process:

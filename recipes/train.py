@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.elastic import LaunchInfo, previous_attempt
+from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector, validate_faults
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
@@ -340,6 +340,9 @@ class Run:
 # --------------------------------------------------------------------------------------------------------
 def auto_resume_after_restart(run: Run) -> dict | None:
     """On a torch-elastic restart, resume from the latest valid checkpoint unless told otherwise; why it restarted."""
+    store_warning = shared_store_warning()
+    if store_warning and run.accelerator.is_main_process:
+        logger.warning(store_warning)
     if not run.launch.is_restart:
         return None
     if run.args.resume_from_checkpoint is None and not run.args.no_auto_resume:

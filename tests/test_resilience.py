@@ -105,6 +105,7 @@ def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bit
     r = events(out, 0, "restart")[0]
     assert r["cause"] == "hang" and 1 in r["culprit_ranks"] and r["ranks"]["1"]["phase"] == "data", (step, r)
     assert "hang" in {e["kind"] for e in events(out, 1)}
+    assert "job restarts</th><td>1: hang (ranks" in (out / "report.html").read_text()  # the dashboard says it too
     assert_same_weights(out, reference)
 
 

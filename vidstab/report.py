@@ -61,7 +61,8 @@ MAX_POINTS = 2000
 #: Rows of the event table before it is cut (the full log stays in the JSONL files).
 MAX_EVENT_ROWS = 500
 #: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
-TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow")
+TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow",
+               "restart", "hang", "crash")
 # An events-rank{R}.jsonl file is named by its rank.
 _RANK_PREFIX = "events-rank"
 # (attempt, step) packed into one int64 key for numpy group-by: steps stay below 2**40.
@@ -411,6 +412,19 @@ def _nodata(why: str) -> str:
     return f'<p class="nodata">no data: {html.escape(why)}</p>'
 
 
+def _restarts_text(log: RunLog) -> str:
+    """Torch-elastic restarts of the job (vidstab.elastic): how many, and the cause and resume step of each."""
+    seen = {}
+    for e in log.events:
+        if e.get("kind") == "restart":
+            seen.setdefault(e.get("restart_count"), e)
+    if not seen:
+        return "0"
+    parts = [f"{e.get('cause')} (ranks {_short_list(e.get('culprit_ranks') or [])}), resumed at step {e.get('step')}"
+             for _, e in sorted(seen.items(), key=lambda kv: kv[0] if isinstance(kv[0], int) else 0)]
+    return html.escape(f"{len(seen)}: " + "; ".join(parts))
+
+
 def _summary(log: RunLog) -> str:
     loss = _merge(log, "loss")
     finite = np.isfinite(loss.values)
@@ -451,6 +465,7 @@ def _summary(log: RunLog) -> str:
         ("skipped steps", f"{len(skips)}" + (f" (steps {_short_list(skips)})" if skips else "")),
         ("rollbacks", f"{len(rollback_steps)}" + (f" (at steps {_short_list([s for _, s in rollback_steps])})" if rollbacks else "")),
         ("incidents", str(len(log.incidents))),
+        ("job restarts", _restarts_text(log)),
         ("warnings", str(len(warns))),
         ("fp16 overflow steps", str(len(overflows))),
         ("non-finite losses", f"{len(nonfinite)}" + (f" (steps {_short_list(nonfinite.tolist())})" if len(nonfinite) else "")),

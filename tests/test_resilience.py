@@ -34,14 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2) -> list[str]:
-    """The documented launch form (README), with a free port."""
+def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True) -> list[str]:
+    """The documented launch form (README: "Launching a run that survives faults"), with a free port.
+
+    ``--resume_from_checkpoint latest`` as documented (a first launch has no checkpoint and starts from scratch);
+    ``resume=False`` shows that a restart resumes without it."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if nproc > 1:
         cmd += ["--multi_gpu", "--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1",
                 "--main_process_port", str(_free_port()), "--max_restarts", str(max_restarts)]
     cmd += ["--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            str(TRAIN), "--output_dir", str(out), *RUN, *args]
+            str(TRAIN), "--output_dir", str(out), *(["--resume_from_checkpoint", "latest"] if resume else []), *RUN, *args]
     return cmd
 
 
@@ -67,6 +70,22 @@ def assert_same_weights(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_the_launch_these_tests_use_is_the_one_readme_documents():
+    readme = (REPO / "README.md").read_text().split("## Launching a run that survives faults", 1)[1]
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    export, command = [line.strip() for line in block.strip().splitlines()]
+    name, value = export.removeprefix("export ").split("=")
+    assert launch_env()[name] == value
+    tested = launch_cmd("OUT")
+    words = command.split()
+    assert words[:2] == ["accelerate", "launch"] and tested[1:3] == ["-m", "accelerate.commands.launch"]
+    for flag, val in zip(words, words[1:] + [""]):
+        if flag.startswith("--"):
+            assert flag in tested, flag
+            if flag in ("--rdzv_backend", "--resume_from_checkpoint"):
+                assert tested[tested.index(flag) + 1] == val
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted, with rank 1 five times slower from step 2 and a tight watchdog: healthy, so never killed."""
@@ -86,7 +105,7 @@ def test_a_slow_but_healthy_rank_is_never_killed_by_the_watchdog(reference):
 def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equal(tmp_path, reference):
     step = random.Random().randrange(1, STEPS - 1)
     out = tmp_path / "run"
-    proc = launch(out, "--inject_fault", f"kill@{step}:1", "--watchdog_timeout", "2")
+    proc = launch(out, "--inject_fault", f"kill@{step}:1", "--watchdog_timeout", "2", resume=False)
     restarts = events(out, 0, "restart")
     assert len(restarts) == 1, f"kill at step {step}: {restarts}\n{proc.stderr[-3000:]}"
     r = restarts[0]
@@ -98,7 +117,7 @@ def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equ
 def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bitwise_equal(tmp_path, reference):
     step = random.Random().randrange(1, STEPS - 1)
     out = tmp_path / "run"
-    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "2")
+    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "2", resume=False)
     assert "exitcode: 75" in proc.stderr  # the launcher saw the watchdog's exit status
     stacks = (out / "vidstab" / f"hang-rank1-step{step:06d}.txt").read_text()
     assert "in maybe_hang" in stacks and "in train_step" in stacks  # where the hung rank was stuck
@@ -158,7 +177,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_and_stops_the_tr
 def test_sigterm_to_a_two_process_launch_saves_and_the_requeued_job_ends_bitwise_equal(tmp_path, reference):
     out = tmp_path / "run"
     # Every step 8x slower (time only, the numbers are the same), so the signal lands mid-run.
-    requeue = ["--resume_from_checkpoint", "latest", "--checkpointing_steps", "100", "--inject_fault", "slow@0=8"]
+    requeue = ["--checkpointing_steps", "100", "--inject_fault", "slow@0=8"]
     cmd = launch_cmd(out, *requeue)
     proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -14,8 +14,15 @@ one fault on rank 1 at step ``F`` (``vidstab.faults``):
 - ``nan``: one NaN micro-batch. vidstab skips the step. Without vidstab the NaN reaches the weights; the run
   "finishes" with non-finite weights and everything after the last finite checkpoint is lost.
 
-Time lost = wall time of the faulty run - wall time of the healthy run with the same settings (launch and
-start-up included, so the restart's own start-up is counted). The healthy rows also give the watchdog's cost:
+Time lost is read from the run's own event log, the same way on both sides, so the load of a shared machine
+cancels out rather than adding two noisy wall times: with ``C`` the last checkpoint before the fault and
+``C + k`` the next one, time lost = (time of checkpoint ``C + k``'s last save - time of checkpoint ``C``'s
+first save) - (time of checkpoint ``C`` - time of checkpoint ``C - k``), i.e. how much longer the run took
+to get from ``C`` to ``C + k`` than a healthy stretch of ``k`` steps of the same run; detection, restart,
+start-up, resume and recomputation are all in it. A run that never reaches ``C + k`` counts up to the moment
+we stopped waiting (a lower bound). After a NaN without vidstab the weights are non-finite: every step
+after the last finite checkpoint is lost too, counted at the run's healthy step time. Wall times are printed
+beside. The healthy rows also give the watchdog's cost:
 median step time with the watchdog on and off (interleaved, ``ab_rounds`` each), and the cost of one
 ``Watchdog.beat`` call times the beats per step (4) against the median step.
 """
@@ -59,6 +66,7 @@ def launch(out: Path, steps: int, ckpt: int, extra: list[str], timeout: float) -
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     started = time.perf_counter()
+    started_unix = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -67,12 +75,30 @@ def launch(out: Path, steps: int, ckpt: int, extra: list[str], timeout: float) -
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)  # the launcher and its workers: a hung job we stopped waiting for
         rc, timed_out = proc.wait(), True
-    return {"wall_s": round(time.perf_counter() - started, 2), "rc": rc, "timed_out": timed_out}
+    return {"wall_s": round(time.perf_counter() - started, 2), "rc": rc, "timed_out": timed_out,
+            "_started": started_unix, "_ended": time.time()}
 
 
 def _events(out: Path, rank: int = 0) -> list[dict]:
     path = out / "vidstab" / f"events-rank{rank}.jsonl"
     return list(iter_event_file(path)) if path.exists() else []
+
+
+def checkpoint_times(out: Path) -> list[tuple[int, float]]:
+    """(step, time) of every checkpoint event of rank 0, in log order (a restarted run saves some steps twice)."""
+    return [(e["step"], e["time"]) for e in _events(out) if e.get("kind") == "checkpoint"]
+
+
+def time_lost(out: Path, fault_step: int, ckpt: int, ended: float) -> tuple[float, bool, float]:
+    """(seconds lost between checkpoints C and C + k against a healthy stretch, lower bound?, healthy step time)."""
+    c = fault_step - fault_step % ckpt
+    saves = checkpoint_times(out)
+    first_c = next(t for s, t in saves if s == c)
+    before = next(t for s, t in saves if s == c - ckpt)
+    healthy_span = first_c - before
+    after = [t for s, t in saves if s == c + ckpt]
+    end, bound = (after[-1], False) if after else (ended, True)
+    return end - first_c - healthy_span, bound, healthy_span / ckpt
 
 
 def median_step_s(out: Path) -> float:
@@ -163,46 +189,53 @@ def in_process_ab(rounds: int = 150, warmup: int = 5) -> dict:
 
 
 def run(work: Path, steps: int = 30, ckpt: int = 5, fault_step: int = 17, watchdog_floor_s: float = 10.0,
-        hang_cap_s: float = 120.0, ab_rounds: int = 2, timeout: float = 600.0) -> dict:
+        hang_cap_s: float = 120.0, ab_rounds: int = 1, timeout: float = 600.0, slowdown: float = 10.0) -> dict:
     """All rows; returns the summary dict (printed by bench_chaos.py)."""
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    wd = ["--watchdog_timeout", str(watchdog_floor_s)]
+    # Every step of every rank `slowdown` times longer (vidstab.faults `slow`, kept across restarts): the tiny
+    # model's 50 ms steps would make recomputation look free next to a launch's start-up.
+    slow = ["--inject_fault", f"slow@0={slowdown:g}"]
+    wd = ["--watchdog_timeout", str(watchdog_floor_s), *slow]
+    plain = [*PLAIN, *slow]
     f = f"{fault_step}:1"
 
     healthy = {"vidstab": [], "vidstab_no_watchdog": []}
     steps_s = {"vidstab": [], "vidstab_no_watchdog": []}
     for i in range(ab_rounds):  # interleaved, so load drift hits both alike
-        for name, extra in (("vidstab", wd), ("vidstab_no_watchdog", ["--watchdog_timeout", "0"])):
+        for name, extra in (("vidstab", wd), ("vidstab_no_watchdog", ["--watchdog_timeout", "0", *slow])):
             out = work / f"healthy-{name}-{i}"
             healthy[name].append(launch(out, steps, ckpt, extra, timeout))
             steps_s[name].append(median_step_s(out))
-    plain_healthy = launch(work / "healthy-plain", steps, ckpt, PLAIN, timeout)
+    plain_healthy = launch(work / "healthy-plain", steps, ckpt, plain, timeout)
     base = {"vidstab": statistics.median(r["wall_s"] for r in healthy["vidstab"]), "plain": plain_healthy["wall_s"]}
 
     rows = []
     for fault, spec in (("kill", f"kill@{f}"), ("hang", f"hang@{f}"), ("nan", f"nan_batch@{f}")):
-        for side, extra in (("vidstab", wd), ("plain", PLAIN)):
+        for side, extra in (("vidstab", wd), ("plain", plain)):
             out = work / f"{fault}-{side}"
             cap = hang_cap_s if (fault == "hang" and side == "plain") else timeout
             res = launch(out, steps, ckpt, [*extra, "--inject_fault", spec], cap)
             restarts = [e for e in _events(out) if e.get("kind") == "restart"]
             finite = final_finite(out, steps)
+            lost, bound, step_s = time_lost(out, fault_step, ckpt, res.pop("_ended"))
+            res.pop("_started")
+            skips = sum(1 for e in _events(out) if e.get("kind") == "skip")
             row = {"fault": fault, "side": side, **res, "restarts": len(restarts),
                    "cause": restarts[0].get("cause") if restarts else None,
                    "resumed_at": restarts[0].get("step") if restarts else None,
                    "finished": res["rc"] == 0 and finite is not None, "final_weights_finite": finite,
-                   "time_lost_s": round(res["wall_s"] - base[side], 2), "time_lost_is_lower_bound": res["timed_out"]}
+                   "skipped_steps": skips, "time_lost_s": round(lost, 2), "time_lost_is_lower_bound": bound,
+                   "wall_minus_healthy_wall_s": round(res["wall_s"] - base[side], 2)}
             if fault == "nan" and finite is False:
                 # The run ran to the end, but every step after the last finite checkpoint has to be redone
                 # (at the healthy step time: --no_vidstab logs no per-step metrics to time it by).
                 good = last_finite_checkpoint(out)
                 row["steps_lost"] = steps - good
                 row["finished"] = False
-                row["time_lost_s"] = round(row["time_lost_s"] + (steps - good) * statistics.median(
-                    steps_s["vidstab"]), 2)
+                row["time_lost_s"] = round(row["time_lost_s"] + (steps - good) * step_s, 2)
                 row["note"] = f"weights non-finite from step {fault_step}; last finite checkpoint step {good}"
             if res["timed_out"]:
                 row["note"] = (f"still hung after {hang_cap_s:g} s when we stopped waiting; the backend's collective "
@@ -213,7 +246,7 @@ def run(work: Path, steps: int = 30, ckpt: int = 5, fault_step: int = 17, watchd
     beat = beat_cost_s()
     ab = in_process_ab()
     return {
-        "bench": "chaos_resilience", "steps": steps, "checkpointing_steps": ckpt, "fault_step": fault_step,
+        "bench": "chaos_resilience", "steps": steps, "checkpointing_steps": ckpt, "fault_step": fault_step, "slowdown": slowdown,
         "watchdog_floor_s": watchdog_floor_s,
         "healthy_wall_s": {"vidstab": base["vidstab"], "plain": base["plain"],
                            "runs": {k: [r["wall_s"] for r in v] for k, v in healthy.items()}},
@@ -231,7 +264,8 @@ def run(work: Path, steps: int = 30, ckpt: int = 5, fault_step: int = 17, watchd
 
 def print_table(summary: dict) -> None:
     print(f"== Time lost per fault (2 processes, {summary['steps']} steps, checkpoint every "
-          f"{summary['checkpointing_steps']}, fault on rank 1 at step {summary['fault_step']}, watchdog floor "
+          f"{summary['checkpointing_steps']}, steps slowed {summary['slowdown']:g}x, fault on rank 1 at step "
+          f"{summary['fault_step']}, watchdog floor "
           f"{summary['watchdog_floor_s']:g} s); healthy wall: vidstab {summary['healthy_wall_s']['vidstab']} s, "
           f"plain {summary['healthy_wall_s']['plain']} s ==")
     print(f"{'fault':6s} {'side':8s} {'finished':>8s} {'restarts':>8s} {'cause':>7s} {'resumed':>7s} {'wall s':>7s} {'lost s':>8s}  note")

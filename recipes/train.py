@@ -5,7 +5,8 @@
     accelerate launch recipes/train.py --config recipes/configs/small.yaml --output_dir runs/small
     accelerate launch recipes/train.py --resume_from_checkpoint latest
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
-    accelerate launch --max_restarts 3 recipes/train.py --resume_from_checkpoint latest  # survives hangs and dead ranks
+    accelerate launch --multi_gpu --rdzv_backend c10d --max_restarts 3 recipes/train.py --resume_from_checkpoint latest
+                                       # survives hung and dead ranks: README, "Launching a run that survives faults"
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
 micro-batches: latents -> timesteps + noise (seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
@@ -352,6 +353,17 @@ def auto_resume_after_restart(run: Run) -> dict | None:
 
 
 @contextlib.contextmanager
+def watching(run: Run):
+    """The hang watchdog over the training loop (``--watchdog_timeout 0``: none); stopped however the loop ends."""
+    if not run.args.watchdog_timeout:
+        yield None
+        return
+    with Watchdog(run.args.output_dir, run.accelerator.process_index, watchdog_config(run.args)) as run.watchdog:
+        yield run.watchdog
+    run.watchdog = None
+
+
+@contextlib.contextmanager
 def logged_crash(guard: vidstab.Guard):
     """An exception that ends the run leaves a ``crash`` event: the next attempt's restart event names it."""
     try:
@@ -401,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = tqdm(total=args.max_train_steps, initial=step, desc="steps", disable=not acc.is_local_main_process)
     first_loss, last_loss, started = None, None, time.time()
     exit_code = 0
-    run.watchdog = Watchdog(args.output_dir, acc.process_index, watchdog_config(args)).start() if args.watchdog_timeout else None
-    with logged_crash(guard), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
+    with watching(run), logged_crash(guard), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
@@ -439,8 +450,6 @@ def main(argv: list[str] | None = None) -> int:
         run.checkpoints.wait()
     progress.close()
     acc.wait_for_everyone()
-    if run.watchdog is not None:
-        run.watchdog.stop()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
     if acc.is_main_process:

@@ -90,7 +90,7 @@ def test_the_launch_these_tests_use_is_the_one_readme_documents():
 def reference(tmp_path_factory):
     """Uninterrupted, with rank 1 five times slower from step 2 and a tight watchdog: healthy, so never killed."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    launch(out, "--inject_fault", "slow@2:1=5", "--watchdog_timeout", "2")
+    launch(out, "--inject_fault", "slow@2:1=5", "--watchdog_timeout", "3")
     for rank in (0, 1):
         kinds = {e["kind"] for e in events(out, rank)}
         assert "hang" not in kinds and "restart" not in kinds and "crash" not in kinds
@@ -105,7 +105,7 @@ def test_a_slow_but_healthy_rank_is_never_killed_by_the_watchdog(reference):
 def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equal(tmp_path, reference):
     step = random.Random().randrange(1, STEPS - 1)
     out = tmp_path / "run"
-    proc = launch(out, "--inject_fault", f"kill@{step}:1", "--watchdog_timeout", "2", resume=False)
+    proc = launch(out, "--inject_fault", f"kill@{step}:1", "--watchdog_timeout", "3", resume=False)
     restarts = events(out, 0, "restart")
     assert len(restarts) == 1, f"kill at step {step}: {restarts}\n{proc.stderr[-3000:]}"
     r = restarts[0]
@@ -117,7 +117,7 @@ def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equ
 def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bitwise_equal(tmp_path, reference):
     step = random.Random().randrange(1, STEPS - 1)
     out = tmp_path / "run"
-    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "2", resume=False)
+    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "3", resume=False)
     assert "exitcode: 75" in proc.stderr  # the launcher saw the watchdog's exit status
     stacks = (out / "vidstab" / f"hang-rank1-step{step:06d}.txt").read_text()
     assert "in maybe_hang" in stacks and "in train_step" in stacks  # where the hung rank was stuck

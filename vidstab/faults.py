@@ -27,7 +27,8 @@ chosen optimizer step, the failures the seeds describe:
 
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
 does not recur after a rollback, and an injected one should not turn every retry into the same failure.
-For the same reason no fault fires again in a torch-elastic restart of the job (``restart_count > 0``).
+For the same reason no fault but ``slow`` (a slow device stays slow) fires again in a torch-elastic restart
+of the job (``restart_count > 0``).
 :func:`validate_faults` refuses faults that can never fire (a rank the run does not have, a step past its
 end) with an error that names the flag.
 """
@@ -105,7 +106,7 @@ class FaultInjector:
         self._slow = 1.0  # compute-time factor of an active slow fault
         if restart_count > 0:  # the job was restarted: the drill has been done, do not repeat it forever
             for fault in self.faults:
-                fault.fired = True
+                fault.fired = fault.kind != "slow"  # a slow device stays slow after a restart
 
     def __bool__(self) -> bool:
         return bool(self.faults)

@@ -22,7 +22,8 @@ chosen optimizer step, the failures the seeds describe:
 ``kill``        the rank SIGKILLs itself after the step's backward, before the guard's gather (a lost
                 process or node: no last words, its peers see the connection close)
 ``slow``        from that step on the rank's forward/backward takes ``=FACTOR`` (default 3) times as long
-                (a throttled or faulty GPU, a straggler): it sleeps ``FACTOR - 1`` times its measured compute
+                (a throttled or faulty GPU, a straggler): it sleeps ``FACTOR - 1`` times its fastest measured
+                compute (the fastest: a measurement that includes waiting for a slow peer would compound)
 ==============  ==========================================================================================
 
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
@@ -104,6 +105,7 @@ class FaultInjector:
         self.rank = rank
         self._ramp = 1.0  # per-step LR factor of an active lr_ramp
         self._slow = 1.0  # compute-time factor of an active slow fault
+        self._fastest = float("inf")  # fastest compute seen, the base of the slow fault's pause
         if restart_count > 0:  # the job was restarted: the drill has been done, do not repeat it forever
             for fault in self.faults:
                 fault.fired = fault.kind != "slow"  # a slow device stays slow after a restart
@@ -176,13 +178,18 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_down(self, step: int, compute_s: float) -> float:
-        """The ``slow`` fault: from its step on, sleep ``(FACTOR - 1) x compute_s``; return the seconds slept."""
+        """The ``slow`` fault: from its step on, sleep ``(FACTOR - 1) x`` the fastest ``compute_s`` seen; return the pause.
+
+        The fastest, not this one: under DDP ``compute_s`` includes waiting for peers in the gradient all-reduce,
+        and two slow ranks each sleeping a multiple of the other's sleep would slow down without bound.
+        """
+        self._fastest = min(self._fastest, max(compute_s, 0.0))
         fault = self._take("slow", step)
         if fault is not None:
             self._slow = float(fault.arg) if fault.arg else 3.0
         if self._slow == 1.0:
             return 0.0
-        pause = (self._slow - 1.0) * max(compute_s, 0.0)
+        pause = (self._slow - 1.0) * self._fastest
         time.sleep(pause)
         return pause
 

@@ -4,6 +4,7 @@
     python benchmarks/bench_chaos.py                       # 3 runs x 3 faults each
     python benchmarks/bench_chaos.py --runs 5 --kills 4
     python benchmarks/bench_chaos.py --quick               # 1 run x 2 faults, smoke test
+    python benchmarks/bench_chaos.py --resilience          # time lost per hang / kill / NaN, vidstab vs none (chaos_resilience.py)
 
 Each chaos run trains the reference trainer (``recipes/train.py``, tiny settings, async checkpoints) in
 segments. Before each resumed segment one fault is applied, drawn from:
@@ -401,7 +402,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="1 run x 2 faults, 24 steps (smoke test).")
     ap.add_argument("--workdir", type=str, default=str(CACHE))
+    ap.add_argument("--resilience", action="store_true",
+                    help="Instead: time lost per hang, kill and NaN on 2 processes, with vidstab and without (chaos_resilience.py).")
     args = ap.parse_args(argv)
+    if args.resilience:
+        return resilience_rows(Path(args.workdir) / "resilience")
     cfg = ChaosConfig(runs=args.runs, kills=args.kills, steps=args.steps, checkpointing_steps=args.checkpointing_steps, seed=args.seed)
     if args.quick:
         # a kill after two checkpoints exist, then a bit flip in the newest: the resume must reject it,
@@ -462,6 +467,19 @@ def main(argv: list[str] | None = None) -> dict:
         "details": [asdict(r) for r in reports],
         "drills": drills,
     }
+    print(json.dumps(summary, default=str))
+    return summary
+
+
+def resilience_rows(work: Path) -> dict:
+    """The hang / kill / NaN rows (benchmarks/chaos_resilience.py); the last line printed is their JSON."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import chaos_resilience
+
+    started = time.time()
+    summary = chaos_resilience.run(work)
+    summary["seconds"] = round(time.time() - started, 1)
+    chaos_resilience.print_table(summary)
     print(json.dumps(summary, default=str))
     return summary
 

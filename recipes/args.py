@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import yaml
@@ -24,6 +25,7 @@ RUN_CONTROL_FLAGS = {
     "checkpoints_total_limit", "no_async_save", "report_to", "logging_steps", "logging_dir", "tracker_name",
     "dataloader_num_workers", "inject_fault", "audit", "max_retries", "validation_steps", "num_validation_videos",
     "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
+    "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -119,9 +121,45 @@ def build_parser() -> argparse.ArgumentParser:
     stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
     stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
     stab.add_argument("--reset_recovery", action="store_true", help="Forget the rollback state (LR back-off, open incident) carried over in vidstab/recovery.json.")
-    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module.")
+    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module, hang, kill, slow (vidstab.faults).")
     stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
+    add_resilience_flags(p)
     return p
+
+
+def add_resilience_flags(p: argparse.ArgumentParser) -> None:
+    """Hang watchdog and in-job restart (vidstab.watchdog, vidstab.elastic); see README "Launching a run that survives faults"."""
+    res = p.add_argument_group("resilience")
+    res.add_argument("--watchdog_timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="A rank that makes no progress for max(SECONDS, multiple x its slowest step) dumps its stacks and "
+                          "exits 75 so the launcher restarts the job; 0 turns the watchdog off.")
+    res.add_argument("--watchdog_multiple", type=float, default=10.0, help="Multiple of the slowest step/checkpoint seen.")
+    res.add_argument("--watchdog_first_step", type=float, default=900.0, metavar="SECONDS",
+                     help="Allowance until the first step and the first checkpoint have completed.")
+    res.add_argument("--no_auto_resume", action="store_true",
+                     help="After a torch-elastic restart, start over instead of resuming from the latest checkpoint.")
+
+
+def watchdog_config(args: argparse.Namespace):
+    """The ``vidstab.watchdog.WatchdogConfig`` of the resilience flags."""
+    from vidstab.watchdog import WatchdogConfig
+
+    return WatchdogConfig(timeout_s=args.watchdog_timeout, multiple=args.watchdog_multiple, first_step_s=args.watchdog_first_step)
+
+
+def check_resilience_flags(args: argparse.Namespace) -> None:
+    """Faults that can never fire and impossible watchdog settings are flag errors (ValueError naming the flag)."""
+    from vidstab.faults import validate_faults
+
+    if args.max_train_steps is not None:
+        validate_faults(args.inject_fault, world_size=int(os.environ.get("WORLD_SIZE", "1")), max_steps=args.max_train_steps)
+    if args.watchdog_timeout:
+        try:
+            watchdog_config(args)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("WatchdogConfig.timeout_s", "--watchdog_timeout")
+                             .replace("WatchdogConfig.multiple", "--watchdog_multiple")
+                             .replace("WatchdogConfig.first_step_s", "--watchdog_first_step")) from None
 
 
 def _config_value(action: argparse.Action, value: object, where: str) -> object:
@@ -192,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         check_ranges(args)
+        check_resilience_flags(args)
     except ValueError as exc:
         parser.error(str(exc))
     args.height = args.height or args.resolution

@@ -5,6 +5,8 @@
     accelerate launch recipes/train.py --config recipes/configs/small.yaml --output_dir runs/small
     accelerate launch recipes/train.py --resume_from_checkpoint latest
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
+    accelerate launch --multi_gpu --rdzv_backend c10d --max_restarts 3 recipes/train.py --resume_from_checkpoint latest
+                                       # survives hung and dead ranks: README, "Launching a run that survives faults"
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
 micro-batches: latents -> timesteps + noise (drawn on the device, seeded per step, micro-step and rank) -> DiT -> fp32 per-sample
@@ -15,6 +17,7 @@ steps or skips the optimizer. Everything else here is building those pieces and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -30,12 +33,13 @@ from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 import vidstab
-from args import (RUN_CONTROL_FLAGS, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
+from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
@@ -43,6 +47,7 @@ from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
+from vidstab.watchdog import Watchdog
 
 logger = get_logger("vidstab.train")
 
@@ -118,8 +123,12 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
     acc, model, guard, faults = ctx.accelerator, ctx.model, ctx.guard, ctx.faults
     for micro_step in range(acc.gradient_accumulation_steps):
+        ctx.beat(step, "data")
+        faults.maybe_hang(step)
         batch = next(ctx.data)
         ctx.batches_consumed += 1
+        ctx.beat(step, "forward_backward")
+        compute_started = time.perf_counter()
         with acc.accumulate(model):
             latents, _ = faults.corrupt_batch(step, batch["latents"])
             draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index, latents.device))
@@ -138,6 +147,9 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
                                timesteps=draws["timesteps"], error=error)
+                faults.slow_down(step, time.perf_counter() - compute_started)
+                faults.maybe_kill(step)
+                ctx.beat(step, "guard")
                 result = guard.step(ctx.args.max_grad_norm)
     if result.applied and ctx.ema is not None:
         ctx.ema.step(acc.unwrap_model(model).parameters())
@@ -156,7 +168,9 @@ class Run:
         vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
-        self.faults = FaultInjector(args.inject_fault, acc.process_index)
+        self.launch = LaunchInfo.from_env()
+        self.faults = FaultInjector(args.inject_fault, acc.process_index, restart_count=self.launch.restart_count)
+        self.watchdog: Watchdog | None = None
 
         cache, self.vae = build_latents(args, acc)
         self.cache = cache
@@ -215,6 +229,11 @@ class Run:
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
+
+    def beat(self, step: int, phase: str) -> None:
+        """Progress for the hang watchdog (a clock read; nothing crosses processes)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(step, phase)
 
     def trainer_state(self, step: int) -> dict:
         epoch, index = divmod(self.batches_consumed, len(self.dataloader))
@@ -313,6 +332,43 @@ def validate(run: Run, step: int) -> None:
         run_validation(run, step, plain)
 
 
+# --------------------------------------------------------------------------------------------------------
+# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
+# --------------------------------------------------------------------------------------------------------
+def auto_resume_after_restart(run: Run) -> dict | None:
+    """On a torch-elastic restart, resume from the latest valid checkpoint unless told otherwise; why it restarted."""
+    store_warning = shared_store_warning()
+    if store_warning and run.accelerator.is_main_process:
+        logger.warning(store_warning)
+    if not run.launch.is_restart:
+        return None
+    if run.args.resume_from_checkpoint is None and not run.args.no_auto_resume:
+        run.args.resume_from_checkpoint = "latest"
+    return {"restart_count": run.launch.restart_count, "max_restarts": run.launch.max_restarts,
+            **previous_attempt(run.args.output_dir)}
+
+
+@contextlib.contextmanager
+def watching(run: Run):
+    """The hang watchdog over the training loop (``--watchdog_timeout 0``: none); stopped however the loop ends."""
+    if not run.args.watchdog_timeout:
+        yield None
+        return
+    with Watchdog(run.args.output_dir, run.accelerator.process_index, watchdog_config(run.args)) as run.watchdog:
+        yield run.watchdog
+    run.watchdog = None
+
+
+@contextlib.contextmanager
+def logged_crash(guard: vidstab.Guard):
+    """An exception that ends the run leaves a ``crash`` event: the next attempt's restart event names it."""
+    try:
+        yield
+    except Exception as exc:
+        guard.events.log("crash", guard.global_step, error=f"{type(exc).__name__}: {exc}"[:1000])
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args)
@@ -333,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     step = 0
+    restart = auto_resume_after_restart(run)
     if args.resume_from_checkpoint:
         try:
             state = run.checkpoints.load(args.resume_from_checkpoint)
@@ -344,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
+    if restart is not None:
+        guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
+        acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
+                  f"(ranks {restart['culprit_ranks']}): resuming at step {step}")
     if run.data is None:
         run.data = batch_stream(acc, run.dataloader, 0)
     guard.global_step = step
@@ -351,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = tqdm(total=args.max_train_steps, initial=step, desc="steps", disable=not acc.is_local_main_process)
     first_loss, last_loss, started = None, None, time.time()
     exit_code = 0
-    with PreemptionHandler(on_signal=guard.request_stop):
+    with watching(run), logged_crash(guard), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
@@ -363,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix(loss=f"{result.loss:.4f}", gnorm=f"{result.grad_norm:.3g}", lr=f"{run.lr_scheduler.get_last_lr()[0]:.2e}", skipped=guard.skipped_total)
 
             if result.rollback is not None:
+                run.beat(step, "checkpoint")
                 try:
                     state = run.recovery.rollback(result.rollback, step, incident=result.incident,
                                                   cause=rollback_cause(result.rollback, result.findings))
@@ -379,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
             if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
+                run.beat(step, "checkpoint")
                 save_checkpoint(run, step)
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
                 validate(run, step)
@@ -386,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
         # Still under the handler: a SIGTERM now must not kill the final (async) checkpoint write.
+        run.beat(step, "checkpoint")
         if not finish_checkpoints(run, step, retry=exit_code == 0) and exit_code == 0:
             exit_code = 4  # trained to the end, but the final state is not on disk
     progress.close()

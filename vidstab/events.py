@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 SCHEMA = 1
-KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow")
+KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
+         "hang", "crash", "restart")
 
 
 def events_dir(run_dir: str | Path) -> Path:

@@ -17,22 +17,37 @@ chosen optimizer step, the failures the seeds describe:
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
                 stays in the model from that step on (as a real overflowing layer would), and incident
                 bundles record it in their model spec, so ``vidstab replay`` rebuilds the faulty model
+``hang``        the rank blocks forever before it fetches the step's data (a data loader or file system that
+                never returns); its peers then wait in their next collective. The watchdog ends it
+``kill``        the rank SIGKILLs itself after the step's backward, before the guard's gather (a lost
+                process or node: no last words, its peers see the connection close)
+``slow``        from that step on the rank's forward/backward takes ``=FACTOR`` (default 3) times as long
+                (a throttled or faulty GPU, a straggler): it sleeps ``FACTOR - 1`` times its fastest measured
+                compute (the fastest: a measurement that includes waiting for a slow peer would compound)
 ==============  ==========================================================================================
 
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
 does not recur after a rollback, and an injected one should not turn every retry into the same failure.
+For the same reason no fault but ``slow`` (a slow device stays slow) fires again in a torch-elastic restart
+of the job (``restart_count > 0``).
+:func:`validate_faults` refuses faults that can never fire (a rank the run does not have, a step past its
+end) with an error that names the flag.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module")
+FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
+               "hang", "kill", "slow")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -65,11 +80,15 @@ class Fault:
         if kind not in FAULT_KINDS:
             raise ValueError(f"--inject_fault {spec!r}: unknown kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
         arg = match["arg"]
-        if kind in ("lr_spike", "lr_ramp", "big_latent") and arg is not None:
+        if kind in ("lr_spike", "lr_ramp", "big_latent", "slow") and arg is not None:
             try:
-                float(arg)
+                factor = float(arg)
             except ValueError:
                 raise ValueError(f"--inject_fault {spec!r}: {kind} takes a numeric factor, got {arg!r}") from None
+            if kind == "slow" and not factor >= 1.0:
+                raise ValueError(f"--inject_fault {spec!r}: slow takes a factor >= 1 (how many times slower), got {arg!r}")
+        if kind in ("hang", "kill") and arg is not None:
+            raise ValueError(f"--inject_fault {spec!r}: {kind} takes no =ARG; write {kind}@STEP[:RANK]")
         if kind == "inf_module" and not arg:
             raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
         return cls(kind=kind, step=int(match["step"]), rank=None if match["rank"] is None else int(match["rank"]), arg=arg)
@@ -81,10 +100,15 @@ class Fault:
 class FaultInjector:
     """Holds the faults of a run and applies them at the right step and rank."""
 
-    def __init__(self, specs: list[str] | None, rank: int) -> None:
+    def __init__(self, specs: list[str] | None, rank: int, restart_count: int = 0) -> None:
         self.faults = [Fault.parse(s) for s in (specs or [])]
         self.rank = rank
         self._ramp = 1.0  # per-step LR factor of an active lr_ramp
+        self._slow = 1.0  # compute-time factor of an active slow fault
+        self._fastest = float("inf")  # fastest compute seen, the base of the slow fault's pause
+        if restart_count > 0:  # the job was restarted: the drill has been done, do not repeat it forever
+            for fault in self.faults:
+                fault.fired = fault.kind != "slow"  # a slow device stays slow after a restart
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -142,6 +166,33 @@ class FaultInjector:
             inner.base_lrs = [lr * factor for lr in inner.base_lrs]
         return factor
 
+    def maybe_hang(self, step: int) -> None:
+        """The ``hang`` fault: block this thread forever (only the watchdog or a signal ends the process)."""
+        if self._take("hang", step):
+            while True:
+                time.sleep(3600)
+
+    def maybe_kill(self, step: int) -> None:
+        """The ``kill`` fault: SIGKILL this process, as a lost node or the out-of-memory killer would."""
+        if self._take("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def slow_down(self, step: int, compute_s: float) -> float:
+        """The ``slow`` fault: from its step on, sleep ``(FACTOR - 1) x`` the fastest ``compute_s`` seen; return the pause.
+
+        The fastest, not this one: under DDP ``compute_s`` includes waiting for peers in the gradient all-reduce,
+        and two slow ranks each sleeping a multiple of the other's sleep would slow down without bound.
+        """
+        self._fastest = min(self._fastest, max(compute_s, 0.0))
+        fault = self._take("slow", step)
+        if fault is not None:
+            self._slow = float(fault.arg) if fault.arg else 3.0
+        if self._slow == 1.0:
+            return 0.0
+        pause = (self._slow - 1.0) * self._fastest
+        time.sleep(pause)
+        return pause
+
     def on_rollback(self) -> None:
         """A rollback reloads the LR state; an ``lr_ramp`` stops like a fixed schedule bug would."""
         self._ramp = 1.0
@@ -167,6 +218,21 @@ class FaultInjector:
         inner = {k: v for k, v in spec.items() if k in ("class", "config", "factory", "kwargs")}
         outer = {k: v for k, v in spec.items() if k not in inner}
         return {"factory": "vidstab.faults:model_with_module_fault", "kwargs": {"model": inner, "module": names[0]}, **outer}
+
+
+def validate_faults(specs: list[str] | None, world_size: int, max_steps: int, flag: str = "--inject_fault") -> None:
+    """Refuse faults that can never fire in this run: a rank outside ``0..world_size-1``, a step ``>= max_steps``.
+
+    Raises ``ValueError`` naming the flag and the spec (a drill that silently does nothing proves nothing).
+    """
+    for spec in specs or []:
+        fault = Fault.parse(spec)
+        if fault.rank is not None and not 0 <= fault.rank < world_size:
+            raise ValueError(f"{flag} {spec!r}: rank {fault.rank} does not exist in a run of {world_size} process"
+                             f"{'es' if world_size != 1 else ''} (ranks 0..{world_size - 1}); it would never fire")
+        if fault.step >= max_steps:
+            raise ValueError(f"{flag} {spec!r}: step {fault.step} is past the end of the run (steps 0..{max_steps - 1} "
+                             f"with --max_train_steps {max_steps}); it would never fire")
 
 
 def _make_inf(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,19 @@ per-step reduction); the loop then saves a checkpoint and exits 0.
 
 A second SIGINT restores the default behaviour and re-raises it, so Ctrl-C twice still kills a run
 that is stuck.
+
+Schedulers signal the *launcher*, not the trainer. Measured with torch 2.13 / accelerate 1.15 (README,
+"Launching a run that survives faults"): torch elastic (``torchrun``, ``accelerate launch`` with 2 or more
+processes) forwards SIGTERM to every worker and SIGKILLs them 30 s later; a 1-process ``accelerate launch``
+dies at once and leaves the trainer running as an orphan that no one signals. With ``watch_parent=True`` a
+daemon thread notices that the parent process is gone (``os.getppid()`` changed: the orphan was re-parented)
+and sends this process SIGTERM, so the orphan stops at the next step boundary the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -39,8 +47,14 @@ class PreemptionHandler:
     """
 
     def __init__(self, on_signal: Callable[[], None] | None = None,
-                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), watch_parent: bool = False,
+                 parent_poll_s: float = 0.5) -> None:
         self.on_signal = on_signal
+        self.watch_parent = watch_parent
+        self.parent_poll_s = parent_poll_s
+        self.parent_lost = False
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.signals = tuple(signals)
         self.stop_requested = False
         self.received: int | None = None
@@ -70,9 +84,23 @@ class PreemptionHandler:
             return self
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handle)
+        if self.watch_parent and signal.SIGTERM in self.signals:
+            parent = os.getppid()
+            self._watcher = threading.Thread(target=self._watch, args=(parent,), name="vidstab-parent-watch", daemon=True)
+            self._watcher.start()
         return self
 
+    def _watch(self, parent: int) -> None:
+        while not self._watch_stop.wait(self.parent_poll_s):
+            if os.getppid() != parent:
+                self.parent_lost = True
+                logger.warning("the launcher (pid %d) is gone: stopping as if it had sent SIGTERM", parent)
+                # Process-directed, so the handler runs in the main thread between two bytecodes, as for a real signal.
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
     def __exit__(self, *exc: object) -> None:
+        self._watch_stop.set()
         for s, prev in self._previous.items():
             signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()

@@ -13,6 +13,19 @@ from .markup import _short_list
 from .series import _merge, _nonfinite_loss_steps
 
 
+def _restarts_text(log: RunLog) -> str:
+    """Torch-elastic restarts of the job (vidstab.elastic): how many, and the cause and resume step of each."""
+    seen = {}
+    for e in log.events:
+        if e.get("kind") == "restart":
+            seen.setdefault(e.get("restart_count"), e)
+    if not seen:
+        return "0"
+    parts = [f"{e.get('cause')} (ranks {_short_list(e.get('culprit_ranks') or [])}), resumed at step {e.get('step')}"
+             for _, e in sorted(seen.items(), key=lambda kv: kv[0] if isinstance(kv[0], int) else 0)]
+    return html.escape(f"{len(seen)}: " + "; ".join(parts))
+
+
 def _summary(log: RunLog) -> str:
     loss = _merge(log, "loss")
     finite = np.isfinite(loss.values)
@@ -62,6 +75,7 @@ def _summary(log: RunLog) -> str:
         ("rollbacks", f"{len(rollback_steps)}" + (f" (at steps {_short_list([s for _, s in rollback_steps])})" if rollbacks else "")),
         ("resumes", f"{len(resume_steps)}" + (f" (at steps {_short_list([s for _, s in resume_steps])})" if resumes else "")),
         ("incidents", str(len(log.incidents))),
+        ("job restarts", _restarts_text(log)),
         ("warnings", str(len(warns))),
         ("fp16 overflow steps", str(len(overflows))),
         ("non-finite losses", f"{len(nonfinite)}" + (f" (steps {_short_list(nonfinite.tolist())})" if len(nonfinite) else "")),

@@ -17,7 +17,8 @@ from .markup import _nodata, _short_list
 MAX_EVENT_ROWS = 500
 
 #: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
-TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow")
+TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow",
+               "restart", "hang", "crash")
 
 
 def _rank_table(log: RunLog) -> str:

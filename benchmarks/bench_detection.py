@@ -424,7 +424,8 @@ def _step_record(rec, i: int):
     g = row[S.GRAD_NORM]
     loss = rec.loss[i]
     return StepRecord(i, loss, g, rec.lr[i], bool(math.isfinite(g) and g > 1.0), math.nan, math.nan,
-                      not math.isfinite(loss), False, row[S.IN_ABSMAX], int(row[S.IN_NONFINITE]), None)
+                      not math.isfinite(loss), False, max(row[S.IN_ABSMAX_HI], row[S.IN_ABSMAX_LO]) if row[S.IN_NUMEL] > 0 else 0.0,
+                      int(row[S.NONFINITE_ALL] - row[S.LOSS_NONFINITE]), None)
 
 
 def judge_heldout(rec, vidstab_config=None) -> dict:

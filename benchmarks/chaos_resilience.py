@@ -124,7 +124,7 @@ def median_step_s(out: Path) -> float:
 
 
 def final_finite(out: Path, steps: int) -> bool | None:
-    path = out / "checkpoints" / f"step_{steps:06d}" / "model.safetensors"
+    path = out / "vidstab" / "checkpoints" / f"step_{steps:06d}" / "model.safetensors"
     if not path.is_file():
         return None
     return all(bool(torch.isfinite(t).all()) for t in load_file(str(path)).values())
@@ -132,7 +132,7 @@ def final_finite(out: Path, steps: int) -> bool | None:
 
 def last_finite_checkpoint(out: Path) -> int:
     best = 0
-    for folder in sorted((out / "checkpoints").glob("step_*")):
+    for folder in sorted((out / "vidstab" / "checkpoints").glob("step_*")):
         path = folder / "model.safetensors"
         if path.is_file() and all(bool(torch.isfinite(t).all()) for t in load_file(str(path)).values()):
             best = max(best, int(folder.name.split("_")[1]))

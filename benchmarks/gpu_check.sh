@@ -35,13 +35,13 @@ piece() {  # piece NAME TIME_LIMIT_S COMMAND...: run it, keep its output, exit s
 
 if [[ $DRY_RUN == 1 ]]; then
   piece sync_debug 240 python benchmarks/gpu_check_pieces.py sync_debug --dry-run
-  piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --rounds 3 --warmup 1 --hidden 32 --layers 1
+  piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --quick --models mlp --warmup 1
   piece model 240 python benchmarks/bench_model.py --quick --no_factorized
   piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run
   piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
-  piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda
+  piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda --seconds 25
   piece model 180 python benchmarks/bench_model.py --device cuda
   piece fp16_overflow 60 python benchmarks/gpu_check_pieces.py fp16_overflow
   piece async_stall 60 python benchmarks/gpu_check_pieces.py async_stall

@@ -151,8 +151,9 @@ def check_resilience_flags(args: argparse.Namespace) -> None:
     """Faults that can never fire and impossible watchdog settings are flag errors (ValueError naming the flag)."""
     from vidstab.faults import validate_faults
 
-    if args.max_train_steps is not None:
-        validate_faults(args.inject_fault, world_size=int(os.environ.get("WORLD_SIZE", "1")), max_steps=args.max_train_steps)
+    # --num_train_epochs alone: the length is known only once the data set is; a step past it cannot be judged yet.
+    max_steps = args.max_train_steps or (DEFAULT_MAX_TRAIN_STEPS if args.num_train_epochs is None else 2**62)
+    validate_faults(args.inject_fault, world_size=int(os.environ.get("WORLD_SIZE", "1")), max_steps=max_steps)
     if args.watchdog_timeout:
         try:
             watchdog_config(args)

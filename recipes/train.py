@@ -165,10 +165,12 @@ class Run:
         self.accelerator = build_accelerator(args)
         acc = self.accelerator
         # One run per folder: another live trainer, or the same command again without resuming, is refused.
+        self.launch = LaunchInfo.from_env()
+        if self.launch.is_restart and args.resume_from_checkpoint is None and not args.no_auto_resume:
+            args.resume_from_checkpoint = "latest"  # a torch-elastic restart resumes (auto_resume_after_restart)
         vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
-        self.launch = LaunchInfo.from_env()
         self.faults = FaultInjector(args.inject_fault, acc.process_index, restart_count=self.launch.restart_count)
         self.watchdog: Watchdog | None = None
 
@@ -455,12 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     acc.wait_for_everyone()
     exported = None
-    if exit_code == 0 and step >= args.max_train_steps:
-        plain = sharding.full_model(acc, run.model, VideoDiT)  # every rank: a collective under --fsdp
-        if acc.is_main_process:
-            exported = export_run(run, plain)
-            run_validation(run, step, plain)
-    acc.wait_for_everyone()
+    # The final checkpoint is on disk; a SIGTERM now lets the export finish and the run end normally (exit 0).
+    with PreemptionHandler():
+        if exit_code == 0 and step >= args.max_train_steps:
+            plain = sharding.full_model(acc, run.model, VideoDiT)  # every rank: a collective under --fsdp
+            if acc.is_main_process:
+                exported = export_run(run, plain)
+                run_validation(run, step, plain)
+        acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
     if acc.is_main_process:

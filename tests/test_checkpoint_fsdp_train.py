@@ -13,7 +13,7 @@ from trainer_utils import events, losses_by_step, run_trainer
 
 def _shards(output_dir, step) -> dict[str, torch.Tensor]:
     """Every rank's shards of the checkpoint of ``step`` (model and optimizer), by file and key."""
-    folder = output_dir / "checkpoints" / f"step_{step:06d}" / "dcp"
+    folder = output_dir / "vidstab" / "checkpoints" / f"step_{step:06d}" / "dcp"
     files = sorted(folder.glob("*.safetensors"))
     assert len(files) == 2, files  # one file per rank: each wrote its own shards
     return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
@@ -24,7 +24,7 @@ def test_fsdp_nan_on_rank1_skipped_in_lockstep_resume_is_bitwise_and_resumes_in_
     full, split = tmp_path / "full", tmp_path / "split"
     fault = ["--inject_fault", "nan_batch@4:1", "--fsdp", "--checkpointing_steps", "3"]
     run_trainer(full, "--max_train_steps", "6", *fault, nproc=2)
-    run_trainer(split, "--max_train_steps", "3", *fault, nproc=2)
+    run_trainer(split, "--max_train_steps", "3", "--fsdp", "--checkpointing_steps", "3", nproc=2)  # the fault is past its end
     run_trainer(split, "--max_train_steps", "6", *fault, "--resume_from_checkpoint", "latest", nproc=2)
     for rank in (0, 1):
         assert [e["step"] for e in events(full, rank, "skip")] == [4], rank  # lockstep: both ranks skip

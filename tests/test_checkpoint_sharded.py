@@ -58,7 +58,7 @@ def test_fsdp2_sharded_checkpoints_round_trip_and_reshard_2_to_1_and_back(tmp_pa
     r = run_procs(2, "fsdp_ckpt.py", "load2", str(tmp_path))
     assert "OK load2 rank 0" in r.stdout and "OK load2 rank 1" in r.stdout, r.stdout + r.stderr[-4000:]
     for run in ("two", "one"):
-        files = assert_no_pickle_or_zip(tmp_path / run / "checkpoints")
+        files = assert_no_pickle_or_zip(tmp_path / run / "vidstab" / "checkpoints")
         names = {p.name for p in files}
         assert not any(n.endswith((".metadata", ".pt", ".bin", ".pkl")) for n in names), names
         assert any(p.parent.name == "dcp" for p in files)
@@ -78,9 +78,9 @@ def test_no_checkpoint_or_incident_file_is_a_pickle_or_a_zip(tmp_path):
     write_incident(tmp_path, step=1, micro_step=0, rank=0, world_size=1, batch={"latents": torch.randn(2, 3)},
                    sample_ids=["a", "b"], finding={"detector": "nonfinite", "verdict": "SKIP", "message": "x",
                                                    "figures": {}},
-                   lr=1e-3, precision="no", seed=0, checkpoint=tmp_path / "checkpoints" / "step_000001",
+                   lr=1e-3, precision="no", seed=0, checkpoint=tmp_path / "vidstab" / "checkpoints" / "step_000001",
                    model_spec=None)
-    assert len(assert_no_pickle_or_zip(tmp_path / "checkpoints")) >= 5
+    assert len(assert_no_pickle_or_zip(tmp_path / "vidstab" / "checkpoints")) >= 5
     assert len(assert_no_pickle_or_zip(tmp_path / INCIDENTS_DIR)) >= 2
     # The check itself catches torch.save output under an innocent name.
     torch.save({"x": torch.zeros(1)}, tmp_path / INCIDENTS_DIR / "sneaky.safetensors")
@@ -128,11 +128,12 @@ def test_a_rank_killed_during_a_save_never_leaves_the_others_waiting(tmp_path, m
                 p.kill()
     assert rank0.returncode == 3, out0[-3000:]
     assert "SURVIVOR rank 0: checkpoint step_000002 could not be written: lost contact with another rank" in out0
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "vidstab" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000001"
     assert not (root / "step_000002").exists()
     acc = Accelerator(cpu=True)
-    ckpt = CheckpointManager(acc, str(tmp_path), CheckpointConfig(sharded=kind == "fsdp"))
+    # This process alone reads the 2-process checkpoint back, only to see that it is the intact previous one.
+    ckpt = CheckpointManager(acc, str(tmp_path), CheckpointConfig(sharded=kind == "fsdp", allow_world_size_change=True))
     ckpt.register("model", torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
     assert ckpt.load("latest")["step"] == 1
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]  # the remains were removed on start

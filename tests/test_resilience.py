@@ -62,7 +62,7 @@ def launch(out, *args, timeout: float = 300, **kw) -> subprocess.CompletedProces
 
 
 def final_weights(out):
-    return load_file(str(out / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
+    return load_file(str(out / "vidstab" / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors"))
 
 
 def assert_same_weights(a, b):
@@ -170,14 +170,14 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_and_stops_the_tr
         proc.kill()
     stop = events(out, 0, "stop")
     assert stop and stop[-1]["exit_code"] == 0
-    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    stopped_at = int((out / "vidstab" / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert stopped_at >= 3 and stop[-1]["step"] == stopped_at
 
 
 def test_sigterm_to_a_two_process_launch_saves_and_the_requeued_job_ends_bitwise_equal(tmp_path, reference):
     out = tmp_path / "run"
-    # Every step 8x slower (time only, the numbers are the same), so the signal lands mid-run.
-    requeue = ["--checkpointing_steps", "100", "--inject_fault", "slow@0=8"]
+    # Every step 50x slower (time only, the numbers are the same), so the signal lands mid-run.
+    requeue = ["--checkpointing_steps", "100", "--inject_fault", "slow@0=50"]
     cmd = launch_cmd(out, *requeue)
     proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -189,7 +189,7 @@ def test_sigterm_to_a_two_process_launch_saves_and_the_requeued_job_ends_bitwise
     # torch elastic forwards SIGTERM to the workers, which save and exit 0; the launcher itself exits 1.
     assert proc.returncode == 1, stderr[-3000:]
     assert all(events(out, rank, "stop")[-1]["exit_code"] == 0 for rank in (0, 1))
-    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    stopped_at = int((out / "vidstab" / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert stopped_at < STEPS, "the run finished before the signal: nothing was tested"
     # The scheduler requeues the same command; --resume_from_checkpoint latest picks up where it stopped.
     launch(out, *requeue)

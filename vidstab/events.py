@@ -66,7 +66,7 @@ class EventLog:
     """Append-only JSONL log of one rank; healthy metrics lines are buffered (module docstring)."""
 
     def __init__(self, run_dir: str | Path, rank: int = 0, *, flush_lines: int = 100,
-                 flush_seconds: float = 5.0) -> None:
+                 flush_seconds: float = 1.0) -> None:
         self.rank = int(rank)
         self.path = events_dir(run_dir) / f"events-rank{self.rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -646,7 +646,14 @@ def main(args):
                 result = guard.step(max_grad_norm=1.0)
 
             # Checks if the accelerator has performed an optimization step behind the scenes
-            if accelerator.sync_gradients and (state := recovery.after_step(result, global_step + 1)) is not None:
+            try:
+                state = recovery.after_step(result, global_step + 1) if accelerator.sync_gradients else None
+            except vidstab.RunAborted:  # on an abort too, the script's own `latest` is vidstab's last good state
+                good = ckpt.load("last_good", resume_event=False)
+                if good is not None and accelerator.is_main_process:
+                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{good['step']}"))
+                raise
+            if state is not None:
                 global_step = state["step"]  # rolled back to vidstab's last good checkpoint; the data goes on
                 if accelerator.is_main_process:  # the script's own `latest` is that state too (newer ones are gone)
                     accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))

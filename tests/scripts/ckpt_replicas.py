@@ -22,7 +22,9 @@ model = acc.prepare(torch.nn.Linear(4, 4))
 for mode in ("repair", "refuse"):
     guard = GuardStandIn()
     ckpt = CheckpointManager(acc, os.path.join(out, f"node{acc.process_index}"),
-                             CheckpointConfig(on_replica_mismatch=mode, remove_stale=False))
+                             CheckpointConfig(on_replica_mismatch=mode, remove_stale=False,
+                                              # the folders were written by 1 process each (the node-local copies)
+                                              allow_world_size_change=True))
     ckpt.register("model", model)
     ckpt.register("vidstab", guard)
     if mode == "repair":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,9 @@ def test_nan_on_rank1_skips_in_lockstep_and_a_slow_rank_is_named_not_jitter(tmp_
     metrics = read_events(tmp_path, "metrics")
     late = {e["rank"]: e["local_seconds"] for e in metrics if e["step"] == 20}
     assert late[1] > late[0] + 0.1  # 2 micro-steps x 60 ms on rank 1, not counted as waiting on rank 0
+    # The report's rank table shows each rank's own step time and how much slower it is than the others.
+    from vidstab.tools.report import write_report
+
+    page = Path(write_report(tmp_path)).read_text()
+    cells = re.findall(r"<td>([0-9.]+) ms \(x([0-9.]+)\)</td>", page)
+    assert len(cells) == 2 and float(cells[1][1]) > 1.5 > float(cells[0][1])

@@ -21,6 +21,10 @@ TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "re
                "restart", "hang", "crash")
 
 
+#: Steps in the per-rank own step time of the rank table (the straggler detector's default window).
+OWN_TIME_STEPS = 20
+
+
 def _rank_table(log: RunLog) -> str:
     """One row per rank: how often it was the bad one. A rank that stands out is a data or hardware lead."""
     ranks = sorted(set(log.metrics) | {e["rank"] for e in log.events})
@@ -32,6 +36,15 @@ def _rank_table(log: RunLog) -> str:
             if isinstance(r, int) and r in blamed:
                 # Every rank logs the same verdict: count each (kind, step, attempt, detector) once.
                 blamed[r].add((e.get("kind"), e.get("step"), e["_attempt"], e.get("detector")))
+    # Each rank's own compute time per step (``local_seconds``: the straggler detector's input), as the median
+    # of its last OWN_TIME_STEPS steps: the straggler detector's window (StragglerConfig.window), so a rank that
+    # became slow late in a long run still shows.
+    own_ms = {}
+    for r in ranks:
+        m = log.metrics.get(r)
+        t = m.columns.get("local_seconds", np.array([])) if m is not None else np.array([])
+        t = t[np.isfinite(t) & (t >= 0)][-OWN_TIME_STEPS:]
+        own_ms[r] = float(np.median(t)) * 1e3 if len(t) else None
     rows = []
     for r in ranks:
         m = log.metrics.get(r)
@@ -44,13 +57,24 @@ def _rank_table(log: RunLog) -> str:
         flagged = bool(blamed[r] or nonfinite_inputs or nonfinite_loss or incidents)
         cells = [str(r), str(len(m.steps) if m is not None else 0), str(len(blamed[r])), str(incidents),
                  str(nonfinite_loss), str(nonfinite_inputs),
-                 f"{np.median(finite):.4g}" if len(finite) else "n/a", f"{finite.max():.4g}" if len(finite) else "n/a"]
+                 f"{np.median(finite):.4g}" if len(finite) else "n/a", f"{finite.max():.4g}" if len(finite) else "n/a",
+                 _own_time_cell(r, own_ms)]
         style = ' class="flag"' if flagged else ""
         rows.append(f"<tr{style}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     head = ("<tr><th>rank</th><th>steps logged</th><th>named as bad rank</th><th>incidents</th>"
             "<th>non-finite loss steps</th><th>steps with non-finite inputs</th><th>median input |max|</th>"
-            "<th>largest input |max|</th></tr>")
+            "<th>largest input |max|</th><th>own step time, median of the last 20 steps (x the other ranks')</th></tr>")
     return f'<table class="grid">{head}{"".join(rows)}</table>'
+
+
+def _own_time_cell(rank: int, own_ms: dict) -> str:
+    """``12.3 ms (x1.02)``: the rank's median own compute time and its ratio to the median of the others'."""
+    mine = own_ms.get(rank)
+    if mine is None:
+        return "n/a"
+    others = [v for r, v in own_ms.items() if r != rank and v is not None]
+    ratio = f" (x{mine / float(np.median(others)):.2f})" if others and np.median(others) > 0 else ""
+    return f"{mine:.3g} ms{ratio}"
 
 
 def _events_section(log: RunLog) -> str:

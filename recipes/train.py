@@ -167,7 +167,7 @@ class Run:
         # One run per folder: another live trainer, or the same command again without resuming, is refused.
         self.launch = LaunchInfo.from_env()
         if self.launch.is_restart and args.resume_from_checkpoint is None and not args.no_auto_resume:
-            args.resume_from_checkpoint = "latest"  # a torch-elastic restart resumes (auto_resume_after_restart)
+            args.resume_from_checkpoint = "latest"  # a torch-elastic restart resumes (--no_auto_resume: not)
         vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
@@ -337,15 +337,14 @@ def validate(run: Run, step: int) -> None:
 # --------------------------------------------------------------------------------------------------------
 # Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
 # --------------------------------------------------------------------------------------------------------
-def auto_resume_after_restart(run: Run) -> dict | None:
-    """On a torch-elastic restart, resume from the latest valid checkpoint unless told otherwise; why it restarted."""
+def restart_record(run: Run) -> dict | None:
+    """Why a torch-elastic restart happened (None on a first attempt). Resuming from the latest valid checkpoint
+    is decided in ``Run.__init__``, before the run folder is claimed."""
     store_warning = shared_store_warning()
     if store_warning and run.accelerator.is_main_process:
         logger.warning(store_warning)
     if not run.launch.is_restart:
         return None
-    if run.args.resume_from_checkpoint is None and not run.args.no_auto_resume:
-        run.args.resume_from_checkpoint = "latest"
     return {"restart_count": run.launch.restart_count, "max_restarts": run.launch.max_restarts,
             **previous_attempt(run.args.output_dir)}
 
@@ -391,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     step = 0
-    restart = auto_resume_after_restart(run)
+    restart = restart_record(run)
     if args.resume_from_checkpoint:
         try:
             state = run.checkpoints.load(args.resume_from_checkpoint)

@@ -1,0 +1,196 @@
+"""Where the guard's per-step time goes: each piece of one attached optimizer step, timed on the host.
+
+The small MLP of ``bench_guard_overhead.py`` (the ~3 ms case) runs the user's plain Accelerate loop and the
+same loop after ``vidstab.attach``, interleaved one step each per round. Every piece of the guarded step is
+wrapped with a ``time.perf_counter_ns`` timer (the wrappers themselves cost ~0.2 us each, included): the
+attach wrappers (minus the originals they call), ``Window.record``, ``Window.pack``, the gather + host read,
+``_build_stats``, every detector's ``observe`` (judge) and ``update`` (absorb), ``_apply`` minus the
+optimizer step, ``_report`` (events included). Printed: per-piece median microseconds per step next to the
+paired added time of the whole step; last line one JSON object.
+
+    python benchmarks/profile_guard_step.py                # ~30 s
+    python benchmarks/profile_guard_step.py --steps 300    # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from accelerate import Accelerator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_guard_overhead as bench  # noqa: E402  (same model, same batches)
+
+import vidstab  # noqa: E402
+from vidstab import signals  # noqa: E402
+
+
+class Timers:
+    """Inclusive nanoseconds per piece for the current step; one list entry per step."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, int] = defaultdict(int)
+        self.steps: dict[str, list[int]] = defaultdict(list)
+
+    def wrap(self, name: str, fn):
+        now = self.now
+
+        def timed(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                now[name] += time.perf_counter_ns() - t0
+        return timed
+
+    def end_step(self) -> None:
+        for k, v in self.now.items():
+            self.steps[k].append(v)
+        self.now.clear()
+
+
+def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
+    """Wrap the pieces of ``guard``'s step (instance attributes, and ``signals.gather_and_read``, which the
+    guard looks up at call time). Returns parent -> children, to turn inclusive times into exclusive ones."""
+    w = timers.wrap
+    guard._backward = w("original backward", guard._backward)
+    guard._clip = w("original clip_grad_norm_", guard._clip)
+    guard._optimizer_step = w("original optimizer.step", guard._optimizer_step)
+    guard._scheduler_step = w("original scheduler.step", guard._scheduler_step)
+    guard.window.record = w("Window.record", guard.window.record)
+    guard.window.pack = w("Window.pack", guard.window.pack)
+    judges, absorbs = [], []
+    for det in guard.detectors:
+        det.observe = w(f"judge {det.name}", det.observe)
+        judges.append(f"judge {det.name}")
+        if type(det).update is not vidstab.detectors.Detector.update:
+            det.update = w(f"absorb {det.name}", det.update)
+            absorbs.append(f"absorb {det.name}")
+    guard._build_stats = w("_build_stats", guard._build_stats)
+    guard._report = w("_report (+events)", guard._report)
+    guard._apply = w("_apply", guard._apply)
+    signals.gather_and_read = w("gather + host read", signals.gather_and_read)
+    acc = guard.accelerator
+    acc.backward = w("attach wrapper backward", acc.backward)
+    acc.clip_grad_norm_ = w("attach wrapper clip_grad_norm_", acc.clip_grad_norm_)
+    guard.optimizer.step = w("guarded optimizer.step (rest)", guard.optimizer.step)
+    guard.lr_scheduler.step = w("attach wrapper scheduler.step", guard.lr_scheduler.step)
+    return {
+        "attach wrapper backward": ("original backward", "Window.record"),
+        "attach wrapper clip_grad_norm_": ("original clip_grad_norm_",),
+        "attach wrapper scheduler.step": ("original scheduler.step",),
+        "_apply": ("original optimizer.step",),
+        "guarded optimizer.step (rest)": ("Window.pack", "gather + host read", "_build_stats", "_apply",
+                                          "_report (+events)", *judges, *absorbs),
+    }
+
+
+def timer_cost_us(timers_cls=Timers, n: int = 20000) -> float:
+    """What one timed call costs on top of the call itself (charged to the piece's parent)."""
+    t = timers_cls()
+    f = t.wrap("x", lambda: None)
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        f()
+    timed = time.perf_counter_ns() - t0
+    g = lambda: None  # noqa: E731
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        g()
+    return (timed - (time.perf_counter_ns() - t0)) / n / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--warmup", type=int, default=60)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    factory, shape, description = bench.build("mlp", quick=True)
+    run_dir = tempfile.mkdtemp(prefix="vidstab-profile-")
+    variants = {}
+    for name in ("plain", "attached"):
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = factory()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        guard = vidstab.attach(accelerator, model, opt, sched, run_dir=run_dir) if name == "attached" else None
+        variants[name] = (accelerator, model, opt, sched, guard)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g),
+                torch.randint(0, 1000, (shape[0],), generator=g)) for _ in range(8)]
+
+    def one_step(name: str, i: int) -> None:
+        accelerator, model, opt, sched, _ = variants[name]
+        x, noise, t = batches[i % len(batches)]
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+
+    for i in range(args.warmup):
+        one_step("plain", i)
+        one_step("attached", i)
+    timers = Timers()
+    children = instrument(variants["attached"][4], timers)
+    for i in range(args.warmup):
+        one_step("attached", i)
+        timers.end_step()
+    timers.steps.clear()
+    added, plain_ms = [], []
+    for i in range(args.steps):
+        order = ("plain", "attached") if i % 2 else ("attached", "plain")
+        cpu = {}
+        for name in order:
+            c0 = time.thread_time_ns()
+            one_step(name, i)
+            cpu[name] = time.thread_time_ns() - c0
+        timers.end_step()
+        added.append((cpu["attached"] - cpu["plain"]) / 1e3)
+        plain_ms.append(cpu["plain"] / 1e6)
+    variants["attached"][4].close()
+    inclusive = timers.steps
+    exclusive = {k: list(v) for k, v in inclusive.items()}
+    for parent, kids in children.items():  # per step: inclusive -> exclusive
+        kids = [inclusive[k] for k in kids if k in inclusive]
+        exclusive[parent] = [t - sum(kid[i] for kid in kids) for i, t in enumerate(inclusive[parent])]
+    # Medians per piece (a loaded machine's preemptions land in means); they need not add up exactly.
+    means = {k: statistics.median(v) / 1e3 for k, v in exclusive.items() if not k.startswith("original")}
+    wrapped = sum(1 for k in timers.steps if k.startswith(("judge ", "absorb "))) + 6
+    per_timer = timer_cost_us()
+    load = os.getloadavg()[0]
+    print(f"{description}, {args.steps} paired steps, load average {load:.1f}; plain step (thread CPU) "
+          f"{statistics.median(plain_ms):.2f} ms")
+    print(f"{'piece (exclusive, median over steps)':<40}{'us/step':>10}")
+    judge_total = sum(v for k, v in means.items() if k.startswith("judge "))
+    absorb_total = sum(v for k, v in means.items() if k.startswith("absorb "))
+    for k in sorted(means, key=lambda k: -means[k]):
+        print(f"{k:<40}{means[k]:>10.1f}")
+    print(f"{'= all detectors judge':<40}{judge_total:>10.1f}")
+    print(f"{'= all detectors absorb':<40}{absorb_total:>10.1f}")
+    print(f"{'= sum of pieces':<40}{sum(means.values()):>10.1f}")
+    print(f"{'  of which timers (~{0} x {1:.2f} us)'.format(wrapped, per_timer):<40}{wrapped * per_timer:>10.1f}")
+    print(f"{'paired added step time, thread CPU (median)':<40}{statistics.median(added):>10.1f}")
+    print(json.dumps({"benchmark": "guard_step_profile", "model": description, "steps": args.steps,
+                      "load_average": round(load, 2), "plain_step_cpu_ms": round(statistics.median(plain_ms), 3),
+                      "added_us_median": round(statistics.median(added), 1),
+                      "pieces_us_median": {k: round(v, 2) for k, v in means.items()},
+                      "judge_us": round(judge_total, 1), "absorb_us": round(absorb_total, 1),
+                      "timer_us_per_call": round(per_timer, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,11 +11,10 @@ with a windowed median of at most 1.71x, which the rate alone reported 2.1 times
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 
 from .base import Detector, DetectorConfig, Finding, StepStats, check
+from .windows import SortedWindow
 
 
 @dataclass
@@ -39,20 +38,22 @@ class ClipRateConfig(DetectorConfig):
 
 
 class ClipRateDetector(Detector):
-    """Judges once the window is full; warns once, re-armed when the condition has cleared."""
+    """Judges once the window is full; warns once, re-armed when the condition has cleared.
+
+    The window is a :class:`~vidstab.detectors.windows.SortedWindow`: the clipped count and the median of
+    "the window with this step's norm in it" cost O(log window) per step, not a pass over it.
+    """
 
     name = "clip_rate"
 
     def __init__(self, config: ClipRateConfig) -> None:
         super().__init__(config)
-        self.norms: deque[float] = deque(maxlen=config.window)  # pre-clip norms of applied steps
+        self.norms = SortedWindow(config.window)  # pre-clip norms of applied steps
         self.armed = True
         self.warmed_up = False  # the LR has reached the schedule's peak once (or the peak is unknown)
 
-    def _judge(self, norms: list[float], max_norm: float) -> tuple[float, float, bool]:
-        rate = sum(n > max_norm for n in norms) / len(norms)
-        factor = statistics.median(norms) / max_norm if max_norm > 0 else math.inf
-        return rate, factor, rate > self.config.max_rate and factor >= self.config.min_clip_factor
+    def _heavy(self, rate: float, factor: float) -> bool:
+        return rate > self.config.max_rate and factor >= self.config.min_clip_factor
 
     def _warm(self, s: StepStats) -> bool:
         # "Lower the LR" is wrong advice while the LR is still warming up (the fresh model clips hard and the
@@ -60,34 +61,40 @@ class ClipRateDetector(Detector):
         return self.warmed_up or s.lr_peak is None or s.lr is None or s.lr >= 0.95 * s.lr_peak
 
     def observe(self, s: StepStats) -> Finding | None:
-        if s.max_grad_norm is None or not self.armed or not math.isfinite(s.grad_norm) or not self._warm(s):
+        max_norm, x = s.max_grad_norm, s.grad_norm
+        if max_norm is None or not self.armed or not math.isfinite(x) or not self._warm(s):
             return None
-        norms = list(self.norms)[1 - self.config.window:] + [s.grad_norm] if self.config.window > 1 else [s.grad_norm]
-        if len(norms) < self.config.window:
+        n = self.norms.pushed_len()  # the window as it would be with this step's norm
+        if n < self.config.window:
             return None
-        rate, factor, heavy = self._judge(norms, s.max_grad_norm)
-        if not heavy:
+        rate = self.norms.count_above_pushed(x, max_norm) / n
+        factor = self.norms.median_pushed(x) / max_norm if max_norm > 0 else math.inf
+        if not self._heavy(rate, factor):
             return None
         return self.finding(
-            f"gradients were clipped on {rate:.0%} of the last {len(norms)} steps, median pre-clip norm "
+            f"gradients were clipped on {rate:.0%} of the last {n} steps, median pre-clip norm "
             f"{factor:.1f}x max_grad_norm: lower the LR or fix the model/data; clipping should be a seat belt, "
             "not the engine",
-            {"clip_rate": rate, "clip_factor": factor, "window": float(len(norms))},
+            {"clip_rate": rate, "clip_factor": factor, "window": float(n)},
         )
 
     def update(self, s: StepStats) -> None:
         self.warmed_up = self._warm(s)
-        if any(f.detector == self.name for f in s.findings):
+        if s.findings and any(f.detector == self.name for f in s.findings):
             self.armed = False
-        if s.applied and s.max_grad_norm is not None and math.isfinite(s.grad_norm):
-            self.norms.append(s.grad_norm)
-            if not self.armed and len(self.norms) == self.config.window:
-                self.armed = not self._judge(list(self.norms), s.max_grad_norm)[2]
+        max_norm = s.max_grad_norm
+        if not (s.applied and max_norm is not None and math.isfinite(s.grad_norm)):
+            return
+        self.norms.push(s.grad_norm)
+        if not self.armed and self.norms.full:  # re-armed once the condition has cleared
+            w = self.norms
+            factor = w.median() / max_norm if max_norm > 0 else math.inf
+            self.armed = not self._heavy(w.count_above(max_norm) / len(w), factor)
 
     def state_dict(self) -> dict:
-        return {"norms": list(self.norms), "armed": self.armed, "warmed_up": self.warmed_up}
+        return {"norms": list(self.norms.values), "armed": self.armed, "warmed_up": self.warmed_up}
 
     def load_state_dict(self, d: dict) -> None:
-        self.norms = deque((float(n) for n in d.get("norms", [])), maxlen=self.config.window)
+        self.norms = SortedWindow(self.config.window, (float(n) for n in d.get("norms", [])))
         self.armed = bool(d.get("armed", True))
         self.warmed_up = bool(d.get("warmed_up", True))

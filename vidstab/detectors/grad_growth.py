@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from .base import Detector, DetectorConfig, Finding, StepStats, check
+from .windows import SlopeWindow, slope
 
 
 @dataclass
@@ -41,46 +41,44 @@ class GradGrowthConfig(DetectorConfig):
 
 
 class GradGrowthDetector(Detector):
-    """Rises-count AND fitted-slope test over the last ``window`` applied steps; warns once per window."""
+    """Rises-count AND fitted-slope test over the last ``window`` applied steps; warns once per window.
+
+    The log norms live in a :class:`~vidstab.detectors.windows.SlopeWindow`: the rises and the slope of
+    "the window with this step's norm in it" cost O(1) per step, not a refit of the line.
+    """
 
     name = "grad_growth"
 
     def __init__(self, config: GradGrowthConfig) -> None:
         super().__init__(config)
-        self.logs: deque[float] = deque(maxlen=config.window + 1)
+        self.logs = SlopeWindow(config.window + 1)
         self.seen = 0
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.grad_norm
-        if not (math.isfinite(x) and x > 0) or self.seen < self.config.warmup_steps:
+        if not (math.isfinite(x) and x > 0) or self.seen < self.config.warmup_steps or len(self.logs) < self.config.window:
             return None
-        ys = list(self.logs) + [math.log(x)]
-        if len(ys) < self.config.window + 1:
-            return None
-        ys = ys[-(self.config.window + 1):]
-        rises = sum(b > a for a, b in zip(ys, ys[1:]))
-        n = len(ys)
-        xm, ym = (n - 1) / 2, sum(ys) / n
-        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
-        growth = math.exp(slope * self.config.window)
+        n, sum_y, sum_iy, rises = self.logs.pushed(math.log(x))  # n = window + 1 norms
+        per_step = slope(n, sum_y, sum_iy)
+        growth = math.exp(per_step * self.config.window)
         if rises < self.config.min_rises or growth < self.config.min_growth:
             return None
         return self.finding(
             f"gradient norm rose on {rises}/{self.config.window} steps, x{growth:.2f} over the window "
-            f"(x{math.exp(slope):.3f} per step): likely heading for an explosion",
-            {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(slope)},
+            f"(x{math.exp(per_step):.3f} per step): likely heading for an explosion",
+            {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(per_step)},
         )
 
     def update(self, s: StepStats) -> None:
-        if any(f.detector == self.name for f in s.findings):
+        if s.findings and any(f.detector == self.name for f in s.findings):
             self.logs.clear()  # warn once per window: the next warning needs a fresh window
         if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
-            self.logs.append(math.log(s.grad_norm))
+            self.logs.push(math.log(s.grad_norm))
             self.seen += 1
 
     def state_dict(self) -> dict:
-        return {"logs": list(self.logs), "seen": self.seen}
+        return {"logs": list(self.logs.values), "seen": self.seen}
 
     def load_state_dict(self, d: dict) -> None:
-        self.logs = deque((float(v) for v in d["logs"]), maxlen=self.config.window + 1)
+        self.logs = SlopeWindow(self.config.window + 1, (float(v) for v in d["logs"]))
         self.seen = int(d["seen"])

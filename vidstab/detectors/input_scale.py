@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
+from .windows import SortedWindow
 
 
 @dataclass(frozen=True)
@@ -121,30 +121,32 @@ class InputScaleDetector(Detector):
         super().__init__(config)
         self.early: list[float] = []
         self.reference: float | None = config.reference_rms
-        self.recent: deque[float] = deque(maxlen=config.smooth_steps)
+        self.recent = SortedWindow(config.smooth_steps)  # RMS of the last steps, skipped ones included
         self.quiet_until = -1
         self._warned_step: int | None = None
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.input_rms
-        if x is None or not math.isfinite(x) or x <= 0 or self.reference is None:
+        ref = self.reference
+        if x is None or not math.isfinite(x) or x <= 0 or ref is None:
             return None
-        window = list(self.recent)[1 - self.config.smooth_steps:] + [x] if self.config.smooth_steps > 1 else [x]
-        judged = statistics.median_low(window)  # a majority of the recent steps must be off, even early on
-        if max(x / self.reference, self.reference / x) >= self.config.instant_ratio:
-            judged, window = x, [x]  # too far to wait for the median
-        ratio = judged / self.reference
+        if max(x / ref, ref / x) >= self.config.instant_ratio:
+            judged, n = x, 1  # too far to wait for the median
+        else:  # a majority of the recent steps must be off, even early on
+            judged, n = self.recent.median_low_pushed(x), self.recent.pushed_len()
+        ratio = judged / ref
         far = max(ratio, 1.0 / ratio)
-        figures = {"input_rms": x, "judged_rms": judged, "reference_rms": self.reference, "ratio": ratio}
+        act = far >= self.config.act_ratio
+        if not act and not (far >= self.config.warn_ratio and s.step >= self.quiet_until):
+            return None
+        figures = {"input_rms": x, "judged_rms": judged, "reference_rms": ref, "ratio": ratio}
         source = "given" if self.config.reference_rms is not None else f"first {self.config.reference_steps} steps"
-        msg = (f"input RMS {judged:.4g} ({'this step' if len(window) == 1 else f'median of the last {len(window)} steps'}) is x{ratio:.3g} the reference "
-               f"{self.reference:.4g} ({source}): check the data pipeline / VAE scaling factor")
-        if far >= self.config.act_ratio:
+        msg = (f"input RMS {judged:.4g} ({'this step' if n == 1 else f'median of the last {n} steps'}) is x{ratio:.3g} the reference "
+               f"{ref:.4g} ({source}): check the data pipeline / VAE scaling factor")
+        if act:
             return self.finding(msg, figures)
-        if far >= self.config.warn_ratio and s.step >= self.quiet_until:
-            self._warned_step = s.step
-            return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
-        return None
+        self._warned_step = s.step
+        return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
 
     def update(self, s: StepStats) -> None:
         if self._warned_step == s.step:
@@ -152,7 +154,7 @@ class InputScaleDetector(Detector):
         x = s.input_rms
         if x is None or not math.isfinite(x) or x <= 0:
             return
-        self.recent.append(x)  # every step: a skipped batch is still what the data pipeline produces
+        self.recent.push(x)  # every step: a skipped batch is still what the data pipeline produces
         if self.reference is None and s.applied:
             self.early.append(x)
             if len(self.early) >= self.config.reference_steps:
@@ -160,12 +162,12 @@ class InputScaleDetector(Detector):
                 self.early = []
 
     def state_dict(self) -> dict:
-        return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent),
+        return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent.values),
                 "quiet_until": self.quiet_until}
 
     def load_state_dict(self, d: dict) -> None:
         self.early = [float(x) for x in d.get("early", [])]
         ref = d.get("reference")
         self.reference = float(ref) if ref is not None else self.config.reference_rms
-        self.recent = deque((float(x) for x in d.get("recent", [])), maxlen=self.config.smooth_steps)
+        self.recent = SortedWindow(self.config.smooth_steps, (float(x) for x in d.get("recent", [])))
         self.quiet_until = int(d.get("quiet_until", -1))

@@ -36,8 +36,16 @@ class ParamGrowthDetector(Detector):
         self.quiet_until = -1
 
     def _reference(self, step: int) -> tuple[int, float] | None:
-        old = [(st, v) for st, v in self.samples if st <= step - self.config.window]
-        return old[-1] if old else None
+        """The newest sample at least ``window`` steps old. ``update`` keeps only the one that was the
+        reference and the newer ones, so this scans just the samples that aged past the window since."""
+        limit = step - self.config.window
+        samples = self.samples
+        if not samples or samples[0][0] > limit:
+            return None
+        j = 0
+        while j + 1 < len(samples) and samples[j + 1][0] <= limit:
+            j += 1
+        return samples[j]
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.param_norm is None or not math.isfinite(s.param_norm) or s.step < self.quiet_until:
@@ -54,7 +62,7 @@ class ParamGrowthDetector(Detector):
         )
 
     def update(self, s: StepStats) -> None:
-        if any(f.detector == self.name for f in s.findings):
+        if s.findings and any(f.detector == self.name for f in s.findings):
             self.quiet_until = s.step + self.config.window
         if s.param_norm is None or not math.isfinite(s.param_norm):
             return

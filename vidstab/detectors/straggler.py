@@ -15,11 +15,11 @@ per-rank performance scores, https://github.com/NVIDIA/nvidia-resiliency-ext), w
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from .base import Detector, DetectorConfig, Finding, StepStats, check
+from .windows import SortedWindow, median_without
 
 
 @dataclass
@@ -57,7 +57,7 @@ class StragglerDetector(Detector):
 
     def __init__(self, config: StragglerConfig) -> None:
         super().__init__(config)
-        self.times: list[deque[float]] = []
+        self.times: list[SortedWindow] = []  # per rank: its own compute times of the last ``window`` steps
         self.streak: list[int] = []
         self.quiet_until: list[int] = []
         self.seen = 0
@@ -65,19 +65,30 @@ class StragglerDetector(Detector):
 
     def _resize(self, world: int) -> None:
         if len(self.times) != world:
-            self.times = [deque(maxlen=self.config.window) for _ in range(world)]
+            self.times = [SortedWindow(self.config.window) for _ in range(world)]
             self.streak, self.quiet_until = [0] * world, [-1] * world
 
     def _medians(self, s: StepStats) -> list[float] | None:
+        """Per rank: the median of its window with this step's time in it (``None`` until every window is full)."""
         medians = []
+        size = self.config.window
         for r, t in enumerate(s.rank_seconds):
-            window = list(self.times[r])
+            window = self.times[r]
             if t >= 0:
-                window = window[1:] + [t] if len(window) == self.config.window else window + [t]
-            if len(window) < self.config.window:
-                return None
-            medians.append(statistics.median(window))
+                if window.pushed_len() < size:
+                    return None
+                medians.append(window.median_pushed(t))
+            else:
+                if len(window) < size:
+                    return None
+                medians.append(window.median())
         return medians
+
+    @staticmethod
+    def _others(medians: list[float]) -> list[float]:
+        """Per rank: the median of the other ranks' medians."""
+        ranked = sorted(medians)
+        return [median_without(ranked, bisect_left(ranked, m)) for m in medians]
 
     def observe(self, s: StepStats) -> Finding | None:
         world = len(s.rank_seconds)
@@ -89,8 +100,7 @@ class StragglerDetector(Detector):
         if medians is None:
             return None
         slow, worst = [], None
-        for r, m in enumerate(medians):
-            others = statistics.median(medians[:r] + medians[r + 1:])
+        for r, (m, others) in enumerate(zip(medians, self._others(medians))):
             factor = m / others if others > 0 else float("inf")
             is_slow = factor >= self.config.ratio and m - others >= self.config.min_seconds
             slow.append(is_slow)
@@ -121,17 +131,17 @@ class StragglerDetector(Detector):
         reported = {r for f in s.findings if f.detector == self.name for r in f.ranks}
         for r, t in enumerate(s.rank_seconds):
             if t >= 0:
-                self.times[r].append(t)
+                self.times[r].push(t)
             self.streak[r] = self.streak[r] + 1 if slow[r] else 0
             if r in reported:
                 self.quiet_until[r] = s.step + self.config.quiet_steps
 
     def state_dict(self) -> dict:
-        return {"times": [list(t) for t in self.times], "streak": list(self.streak),
+        return {"times": [list(t.values) for t in self.times], "streak": list(self.streak),
                 "quiet_until": list(self.quiet_until), "seen": self.seen}
 
     def load_state_dict(self, d: dict) -> None:
-        self.times = [deque((float(x) for x in t), maxlen=self.config.window) for t in d.get("times", [])]
+        self.times = [SortedWindow(self.config.window, (float(x) for x in t)) for t in d.get("times", [])]
         self.streak = [int(x) for x in d.get("streak", [0] * len(self.times))]
         self.quiet_until = [int(x) for x in d.get("quiet_until", [-1] * len(self.times))]
         self.seen = int(d.get("seen", 0))

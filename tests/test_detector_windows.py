@@ -1,0 +1,324 @@
+"""The windowed detectors judge in O(1)/O(log n) per step and reach what their batch definitions reach.
+
+Each windowed detector (``clip_rate``, ``grad_growth``, ``input_scale``, ``straggler``, ``param_growth``) is
+run side by side with its batch definition (the window re-read in full every step: the previous
+implementation, kept here verbatim as the reference) on a long random sequence that wraps its window many
+times and produces findings, skips and re-arms. Findings (step, message, figures) and saved state must
+match; midway, the incremental detector is saved to JSON and a fresh one continues from it (also from the
+batch definition's state: the saved format is unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections import deque
+
+import pytest
+
+from vidstab import StepStats, Verdict
+from vidstab.detectors import (ClipRateConfig, ClipRateDetector, Finding, GradGrowthConfig, GradGrowthDetector,
+                               InputScaleConfig, InputScaleDetector, ParamGrowthConfig, ParamGrowthDetector,
+                               StragglerConfig, StragglerDetector)
+from vidstab.detectors.windows import SlopeWindow, SortedWindow, median_without, slope
+
+
+# ---------------------------------------------------------------- the batch definitions (previous code)
+class BatchClipRate(ClipRateDetector):
+    def __init__(self, config):
+        super().__init__(config)
+        self.norms = deque(maxlen=config.window)
+
+    def _judge(self, norms, max_norm):
+        rate = sum(n > max_norm for n in norms) / len(norms)
+        factor = statistics.median(norms) / max_norm if max_norm > 0 else math.inf
+        return rate, factor, rate > self.config.max_rate and factor >= self.config.min_clip_factor
+
+    def observe(self, s):
+        if s.max_grad_norm is None or not self.armed or not math.isfinite(s.grad_norm) or not self._warm(s):
+            return None
+        norms = list(self.norms)[1 - self.config.window:] + [s.grad_norm] if self.config.window > 1 else [s.grad_norm]
+        if len(norms) < self.config.window:
+            return None
+        rate, factor, heavy = self._judge(norms, s.max_grad_norm)
+        if not heavy:
+            return None
+        return self.finding(
+            f"gradients were clipped on {rate:.0%} of the last {len(norms)} steps, median pre-clip norm "
+            f"{factor:.1f}x max_grad_norm: lower the LR or fix the model/data; clipping should be a seat belt, "
+            "not the engine",
+            {"clip_rate": rate, "clip_factor": factor, "window": float(len(norms))},
+        )
+
+    def update(self, s):
+        self.warmed_up = self._warm(s)
+        if any(f.detector == self.name for f in s.findings):
+            self.armed = False
+        if s.applied and s.max_grad_norm is not None and math.isfinite(s.grad_norm):
+            self.norms.append(s.grad_norm)
+            if not self.armed and len(self.norms) == self.config.window:
+                self.armed = not self._judge(list(self.norms), s.max_grad_norm)[2]
+
+    def state_dict(self):
+        return {"norms": list(self.norms), "armed": self.armed, "warmed_up": self.warmed_up}
+
+
+class BatchGradGrowth(GradGrowthDetector):
+    def __init__(self, config):
+        super().__init__(config)
+        self.logs = deque(maxlen=config.window + 1)
+
+    def observe(self, s):
+        x = s.grad_norm
+        if not (math.isfinite(x) and x > 0) or self.seen < self.config.warmup_steps:
+            return None
+        ys = list(self.logs) + [math.log(x)]
+        if len(ys) < self.config.window + 1:
+            return None
+        ys = ys[-(self.config.window + 1):]
+        rises = sum(b > a for a, b in zip(ys, ys[1:]))
+        n = len(ys)
+        xm, ym = (n - 1) / 2, sum(ys) / n
+        slope_ = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
+        growth = math.exp(slope_ * self.config.window)
+        if rises < self.config.min_rises or growth < self.config.min_growth:
+            return None
+        return self.finding(
+            f"gradient norm rose on {rises}/{self.config.window} steps, x{growth:.2f} over the window "
+            f"(x{math.exp(slope_):.3f} per step): likely heading for an explosion",
+            {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(slope_)},
+        )
+
+    def update(self, s):
+        if any(f.detector == self.name for f in s.findings):
+            self.logs.clear()
+        if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
+            self.logs.append(math.log(s.grad_norm))
+            self.seen += 1
+
+    def state_dict(self):
+        return {"logs": list(self.logs), "seen": self.seen}
+
+
+class BatchInputScale(InputScaleDetector):
+    def __init__(self, config):
+        super().__init__(config)
+        self.recent = deque(maxlen=config.smooth_steps)
+
+    def observe(self, s):
+        x = s.input_rms
+        if x is None or not math.isfinite(x) or x <= 0 or self.reference is None:
+            return None
+        window = list(self.recent)[1 - self.config.smooth_steps:] + [x] if self.config.smooth_steps > 1 else [x]
+        judged = statistics.median_low(window)
+        if max(x / self.reference, self.reference / x) >= self.config.instant_ratio:
+            judged, window = x, [x]
+        ratio = judged / self.reference
+        far = max(ratio, 1.0 / ratio)
+        figures = {"input_rms": x, "judged_rms": judged, "reference_rms": self.reference, "ratio": ratio}
+        source = "given" if self.config.reference_rms is not None else f"first {self.config.reference_steps} steps"
+        msg = (f"input RMS {judged:.4g} ({'this step' if len(window) == 1 else f'median of the last {len(window)} steps'}) is x{ratio:.3g} the reference "
+               f"{self.reference:.4g} ({source}): check the data pipeline / VAE scaling factor")
+        if far >= self.config.act_ratio:
+            return self.finding(msg, figures)
+        if far >= self.config.warn_ratio and s.step >= self.quiet_until:
+            self._warned_step = s.step
+            return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
+        return None
+
+    def update(self, s):
+        if self._warned_step == s.step:
+            self.quiet_until = s.step + self.config.quiet_steps
+        x = s.input_rms
+        if x is None or not math.isfinite(x) or x <= 0:
+            return
+        self.recent.append(x)
+        if self.reference is None and s.applied:
+            self.early.append(x)
+            if len(self.early) >= self.config.reference_steps:
+                self.reference = statistics.median(self.early)
+                self.early = []
+
+    def state_dict(self):
+        return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent),
+                "quiet_until": self.quiet_until}
+
+
+class PlainWindow(deque):
+    """A deque under the names of SortedWindow (the batch definitions re-read it in full)."""
+
+    push = deque.append
+
+    @property
+    def values(self):
+        return self
+
+
+class BatchStraggler(StragglerDetector):
+    def _resize(self, world):
+        if len(self.times) != world:
+            self.times = [PlainWindow(maxlen=self.config.window) for _ in range(world)]
+            self.streak, self.quiet_until = [0] * world, [-1] * world
+
+    def _medians(self, s):
+        medians = []
+        for r, t in enumerate(s.rank_seconds):
+            window = list(self.times[r])
+            if t >= 0:
+                window = window[1:] + [t] if len(window) == self.config.window else window + [t]
+            if len(window) < self.config.window:
+                return None
+            medians.append(statistics.median(window))
+        return medians
+
+    @staticmethod
+    def _others(medians):
+        return [statistics.median(medians[:r] + medians[r + 1:]) for r in range(len(medians))]
+
+
+class BatchParamGrowth(ParamGrowthDetector):
+    def _reference(self, step):
+        old = [(st, v) for st, v in self.samples if st <= step - self.config.window]
+        return old[-1] if old else None
+
+
+# ---------------------------------------------------------------- random runs
+def clip_run(n, rng):
+    out, level = [], 1.0
+    for i in range(n):
+        if i % 97 == 0:
+            level = rng.choice([0.5, 1.2, 3.0, 4.0])  # regimes: no clipping, mild, heavy
+        max_norm = 1.0 if rng.random() > 0.02 else rng.choice([0.5, 2.0])  # a threshold that moves now and then
+        norm = round(level * math.exp(rng.gauss(0, 0.4)), 2)  # rounded: ties in the window
+        lr_peak = 1e-3 if i < n // 2 else None
+        out.append(dict(step=i, grad_norm=norm if rng.random() > 0.01 else math.nan, loss=1.0,
+                        max_grad_norm=max_norm, lr=min(1e-3, 1e-5 * (i + 1)), lr_peak=lr_peak))
+    return out
+
+
+def growth_run(n, rng):
+    out, y = [], 0.0
+    for i in range(n):
+        trend = 0.2 if (i // 40) % 3 == 2 else 0.0  # run-ups between stationary stretches
+        y += trend + rng.gauss(0, 0.15)
+        if rng.random() < 0.05:
+            y -= 2.0
+        out.append(dict(step=i, grad_norm=math.exp(y) if rng.random() > 0.01 else math.inf, loss=1.0))
+    return out
+
+
+def scale_run(n, rng):
+    out = []
+    for i in range(n):
+        level = [1.0, 1.7, 2.5, 0.4, 6.0, 1.0][(i // 60) % 6]
+        rms = round(level * math.exp(rng.gauss(0, 0.1)), 3)
+        out.append(dict(step=i, grad_norm=1.0, loss=1.0, input_rms=rms if rng.random() > 0.02 else None))
+    return out
+
+
+def straggler_seq(n, rng):
+    out = []
+    for i in range(n):
+        slow = (i // 150) % 3  # which rank is slow in this stretch (rank 0: nobody)
+        times = [round(0.01 * math.exp(rng.gauss(0, 0.2)) * (2.0 if r == slow and slow else 1.0), 4) for r in range(4)]
+        if rng.random() < 0.03:
+            times[rng.randrange(4)] = -1.0  # unknown time
+        out.append(dict(step=i, grad_norm=1.0, loss=1.0, rank_seconds=times, world_size=4))
+    return out
+
+
+def param_run(n, rng):
+    out, p = [], 10.0
+    for i in range(n):
+        p *= math.exp(rng.gauss(0.003 if (i // 300) % 2 else 0.0, 0.002))
+        out.append(dict(step=i, grad_norm=1.0, loss=1.0, param_norm=p if i % 10 == 0 else None))
+    return out
+
+
+CASES = {
+    "clip_rate": (ClipRateDetector, BatchClipRate, ClipRateConfig(window=30), clip_run),
+    "clip_rate_window_1": (ClipRateDetector, BatchClipRate, ClipRateConfig(window=1, max_rate=0.5), clip_run),
+    "grad_growth": (GradGrowthDetector, BatchGradGrowth, GradGrowthConfig(warmup_steps=10), growth_run),
+    "input_scale": (InputScaleDetector, BatchInputScale, InputScaleConfig(smooth_steps=6, quiet_steps=20), scale_run),
+    "input_scale_given": (InputScaleDetector, BatchInputScale, InputScaleConfig(reference_rms=1.0), scale_run),
+    "straggler": (StragglerDetector, BatchStraggler, StragglerConfig(window=7, patience=3, quiet_steps=60), straggler_seq),
+    "param_growth": (ParamGrowthDetector, BatchParamGrowth, ParamGrowthConfig(window=100, max_growth=1.2), param_run),
+}
+
+
+def figures_close(a: Finding, b: Finding) -> bool:
+    return a.figures.keys() == b.figures.keys() and all(
+        math.isclose(a.figures[k], b.figures[k], rel_tol=1e-9, abs_tol=1e-12) for k in a.figures)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_incremental_detector_equals_its_batch_definition_through_wraps_and_a_reload(case):
+    new_cls, batch_cls, config, make = CASES[case]
+    rng = random.Random(case)
+    seq = make(3000, rng)
+    applied_draws = [rng.random() > 0.1 for _ in seq]
+    new, ref = new_cls(config), batch_cls(config)
+    findings = 0
+    for i, kw in enumerate(seq):
+        if i in (1234, 2222):  # mid-window: save, reload into a fresh detector, go on with that one
+            saved = json.loads(json.dumps(new.state_dict()))
+            assert saved == json.loads(json.dumps(ref.state_dict()))  # same state, same format
+            new = new_cls(config)
+            new.load_state_dict(saved if i == 1234 else json.loads(json.dumps(ref.state_dict())))
+        a, b = StepStats(**kw), StepStats(**kw)
+        fa, fb = new.observe(a), ref.observe(b)
+        assert (fa is None) == (fb is None), f"step {i}: {fa} vs {fb}"
+        for s, f in ((a, fa), (b, fb)):
+            if f is not None:
+                s.findings.append(f)
+                s.verdict = f.verdict
+            s.applied = applied_draws[i] and s.verdict < Verdict.SKIP
+        if fa is not None:
+            findings += 1
+            assert fa.message == fb.message and fa.ranks == fb.ranks and figures_close(fa, fb), f"step {i}"
+        new.update(a)
+        ref.update(b)
+    assert new.published() == ref.published()
+    final_new, final_ref = new.state_dict(), ref.state_dict()
+    if case == "grad_growth":  # floats compared within rounding; the rest is identical
+        assert final_new["seen"] == final_ref["seen"] and final_new["logs"] == pytest.approx(final_ref["logs"])
+    else:
+        assert final_new == final_ref
+    assert findings >= 3, f"the run should exercise findings, got {findings}"
+
+
+def test_sorted_window_answers_what_statistics_would_on_the_pushed_window():
+    rng = random.Random(0)
+    for size in (1, 2, 3, 8):
+        w, plain = SortedWindow(size), deque(maxlen=size)
+        for _ in range(300):
+            x = float(rng.randint(0, 6))  # many ties
+            after = list(plain)[1 - size:] + [x] if size > 1 else [x]
+            assert w.pushed_len() == len(after)
+            assert w.median_pushed(x) == statistics.median(after)
+            assert w.median_low_pushed(x) == statistics.median_low(after)
+            assert [w.kth_pushed(x, k) for k in range(len(after))] == sorted(after)
+            assert w.count_above_pushed(x, 2.5) == sum(v > 2.5 for v in after)
+            w.push(x)
+            plain.append(x)
+            assert w.median() == statistics.median(plain) and w.count_above(3.0) == sum(v > 3.0 for v in plain)
+    values = sorted(rng.random() for _ in range(9))
+    assert all(median_without(values, i) == statistics.median(values[:i] + values[i + 1:]) for i in range(9))
+
+
+def test_slope_window_matches_the_two_pass_fit_and_does_not_drift():
+    rng = random.Random(1)
+    w, plain = SlopeWindow(9), deque(maxlen=9)
+    for step in range(5000):
+        y = rng.gauss(50.0, 10.0) + 0.01 * step
+        n, sy, siy, rises = w.pushed(y)
+        after = (list(plain) + [y])[-9:]
+        xm, ym = (n - 1) / 2, sum(after) / n
+        if n >= 2:
+            exact = sum((i - xm) * (v - ym) for i, v in enumerate(after)) / sum((i - xm) ** 2 for i in range(n))
+            assert slope(n, sy, siy) == pytest.approx(exact, rel=1e-9, abs=1e-9)
+        assert rises == sum(b > a for a, b in zip(after, after[1:]))
+        w.push(y)
+        plain.append(y)

@@ -118,10 +118,19 @@ def build_detectors(config: Any) -> list[Detector]:
     return out
 
 
+_ABSENT = (None, [])  # what a field a detector ``needs`` holds on a step without it
+
+
 def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
-    """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``."""
+    """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``.
+
+    A detector whose :attr:`Detector.needs` field is absent on this step is not called: it has nothing to
+    judge (the escalations that need ``findings`` see those of the detectors before them)."""
     findings = stats.findings
     for det in detectors:
+        need = det.needs
+        if need is not None and getattr(stats, need) in _ABSENT:
+            continue
         finding = det.observe(stats)
         if finding is not None:
             findings.append(finding)

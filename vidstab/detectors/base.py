@@ -175,6 +175,10 @@ class Detector:
     """Base class of the detectors; see the module docstring for the two phases."""
 
     name: ClassVar[str] = "detector"
+    needs: ClassVar[str | None] = None
+    """The :class:`StepStats` field without which :meth:`observe` has nothing to judge (``None``, or an empty
+    list, on the steps that lack it, e.g. ``param_norm`` between measurements): on such a step
+    :func:`vidstab.detectors.judge` does not call :meth:`observe` at all. :meth:`update` is always called."""
 
     def __init__(self, config: Any) -> None:
         self.config = config

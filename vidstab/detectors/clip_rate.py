@@ -45,6 +45,7 @@ class ClipRateDetector(Detector):
     """
 
     name = "clip_rate"
+    needs = "max_grad_norm"
 
     def __init__(self, config: ClipRateConfig) -> None:
         super().__init__(config)

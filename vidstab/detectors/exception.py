@@ -20,6 +20,7 @@ class ExceptionDetector(Detector):
     """Every rank learns which ranks failed, through the gathered table, at the same step."""
 
     name = "exception"
+    needs = "exception_ranks"
 
     def observe(self, s: StepStats) -> Finding | None:
         if not s.exception_ranks:

@@ -116,6 +116,7 @@ class InputScaleDetector(Detector):
     """Median RMS of the recent steps against a frozen (or user-given) reference RMS."""
 
     name = "input_scale"
+    needs = "input_rms"
 
     def __init__(self, config: InputScaleConfig) -> None:
         super().__init__(config)

@@ -32,6 +32,7 @@ class LossScaleDetector(Detector):
     """Counts steps where the scale went down; every step counts (overflow steps are the point)."""
 
     name = "loss_scale"
+    needs = "loss_scale"
 
     def __init__(self, config: LossScaleConfig) -> None:
         super().__init__(config)

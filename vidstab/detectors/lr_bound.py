@@ -53,6 +53,7 @@ class LRBoundDetector(Detector):
     """Compares the step's LR with the schedule's peak and with the LR the scheduler set; no warm-up."""
 
     name = "lr_bound"
+    needs = "lr"
 
     def __init__(self, config: LRBoundConfig) -> None:
         super().__init__(config)

@@ -43,6 +43,7 @@ class LRJumpDetector(EMAJumpDetector):
     """Ratio of the LR to its EMA after warm-up; the flagged step is not absorbed, the quiet period is."""
 
     name = "lr_jump"
+    needs = "lr"
     reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:

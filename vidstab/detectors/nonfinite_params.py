@@ -21,6 +21,7 @@ class NonFiniteParamsDetector(Detector):
     """Fires when the global parameter norm is NaN/Inf."""
 
     name = "nonfinite_params"
+    needs = "param_norm"
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.param_norm is None or math.isfinite(s.param_norm):

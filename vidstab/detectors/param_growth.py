@@ -29,6 +29,7 @@ class ParamGrowthDetector(Detector):
     """Compares the current norm with the newest sample at least ``window`` steps old."""
 
     name = "param_growth"
+    needs = "param_norm"
 
     def __init__(self, config: ParamGrowthConfig) -> None:
         super().__init__(config)

@@ -33,6 +33,7 @@ class RepeatedSpikesDetector(Detector):
     """Counts steps with a spike finding; the history is cleared after a rollback."""
 
     name = "repeated_spikes"
+    needs = "findings"
 
     def __init__(self, config: RepeatedSpikesConfig) -> None:
         super().__init__(config)

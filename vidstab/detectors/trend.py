@@ -51,6 +51,7 @@ class TrendDetector(Detector):
     """Counts distinct warning detectors in a sliding window; cleared after any rollback."""
 
     name = "trend"
+    needs = "findings"
 
     def __init__(self, config: TrendConfig) -> None:
         super().__init__(config)

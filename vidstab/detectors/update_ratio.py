@@ -39,6 +39,7 @@ class UpdateRatioDetector(EMAJumpDetector):
     """Ratio of the measured update ratio to its EMA; only applied steps are absorbed."""
 
     name = "update_ratio"
+    needs = "update_ratio"
     absorb_skipped = False
 
     @property

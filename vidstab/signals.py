@@ -252,7 +252,8 @@ class Window:
         self.exceptions += bool(error)
         self.exception_flags.append(bool(error))
         for x in floating_inputs(batch, self.input_keys):
-            x = x.detach()
+            if x.requires_grad:  # inputs rarely do; a detach is a dispatched op
+                x = x.detach()
             lo, hi = torch.aminmax(x)
             if hi.dtype != f32:
                 lo, hi = lo.to(f32), hi.to(f32)

@@ -42,6 +42,7 @@ class Timers:
 
     def wrap(self, name: str, fn):
         now = self.now
+        self.steps[name]  # every piece gets an entry per step (0 on steps it is not called)
 
         def timed(*a, **k):
             t0 = time.perf_counter_ns()
@@ -52,8 +53,8 @@ class Timers:
         return timed
 
     def end_step(self) -> None:
-        for k, v in self.now.items():
-            self.steps[k].append(v)
+        for k, v in self.steps.items():
+            v.append(self.now.get(k, 0))
         self.now.clear()
 
 
@@ -149,7 +150,8 @@ def main() -> None:
     for i in range(args.warmup):
         one_step("attached", i)
         timers.end_step()
-    timers.steps.clear()
+    for v in timers.steps.values():
+        v.clear()
     added, plain_ms = [], []
     for i in range(args.steps):
         order = ("plain", "attached") if i % 2 else ("attached", "plain")

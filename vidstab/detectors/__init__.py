@@ -128,7 +128,7 @@ def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
     judge (the escalations that need ``findings`` see those of the detectors before them)."""
     findings = stats.findings
     for det in detectors:
-        need = det.needs
+        need = getattr(det, "needs", None)
         if need is not None and getattr(stats, need) in _ABSENT:
             continue
         finding = det.observe(stats)
@@ -143,7 +143,7 @@ def absorb(detectors: list[Detector], stats: StepStats) -> None:
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
     that keep no statistics, i.e. do not override ``update``, cost nothing here)."""
     for det in detectors:
-        if type(det).update is not Detector.update:
+        if getattr(det, "absorbs", True):  # duck-typed detectors (no Detector base) are always called
             det.update(stats)
 
 
@@ -151,7 +151,8 @@ def published(detectors: list[Detector]) -> dict[str, float]:
     """What the detectors publish about their next judgement (thresholds), merged; logged with the metrics."""
     out: dict[str, float] = {}
     for det in detectors:
-        out.update(det.published())
+        if getattr(det, "publishes", True):
+            out.update(det.published())
     return out
 
 

@@ -180,6 +180,16 @@ class Detector:
     list, on the steps that lack it, e.g. ``param_norm`` between measurements): on such a step
     :func:`vidstab.detectors.judge` does not call :meth:`observe` at all. :meth:`update` is always called."""
 
+    absorbs: ClassVar[bool] = False
+    """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""
+    publishes: ClassVar[bool] = False
+    """Whether this class overrides :meth:`published` (set for every subclass)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.absorbs = cls.update is not Detector.update
+        cls.publishes = cls.published is not Detector.published
+
     def __init__(self, config: Any) -> None:
         self.config = config
         self.verdict = Verdict.from_action(config.action) if hasattr(config, "action") else Verdict.WARN

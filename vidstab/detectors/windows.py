@@ -164,3 +164,28 @@ def slope(n: int, sum_y: float, sum_iy: float) -> float:
     """Least-squares slope of ``y`` over ``i = 0 .. n-1`` from ``sum(y)`` and ``sum(i * y)`` (``n >= 2``):
     ``sum((i - m) * y) / sum((i - m)^2)`` with ``m = (n - 1) / 2`` and ``sum((i - m)^2) = n (n^2 - 1) / 12``."""
     return (sum_iy - (n - 1) / 2 * sum_y) / (n * (n * n - 1) / 12)
+
+
+class CountWindow:
+    """The last ``size`` booleans and how many of them are true (e.g. clipped steps): the rate in O(1)."""
+
+    def __init__(self, size: int, values: Iterable[bool] = ()) -> None:
+        self.values: deque[bool] = deque(maxlen=max(int(size), 1))
+        self.count = 0
+        for v in values:
+            self.push(v)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def push(self, flag: bool) -> None:
+        """Add ``flag``; the oldest leaves a full window."""
+        flag = bool(flag)
+        if len(self.values) == self.values.maxlen:
+            self.count -= self.values[0]
+        self.values.append(flag)
+        self.count += flag
+
+    def rate(self) -> float:
+        """The fraction of true values (0.0 for an empty window)."""
+        return self.count / len(self.values) if self.values else 0.0

@@ -113,9 +113,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--model", default="mlp", choices=["mlp", "transformer", "dit"], help="bench_guard_overhead's size classes")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    factory, shape, description = bench.build("mlp", quick=True)
+    factory, shape, description = bench.build(args.model, quick=False)
     run_dir = tempfile.mkdtemp(prefix="vidstab-profile-")
     variants = {}
     for name in ("plain", "attached"):

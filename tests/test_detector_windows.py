@@ -324,7 +324,7 @@ def test_slope_window_matches_the_two_pass_fit_and_does_not_drift():
         plain.append(y)
 
 
-def test_judge_skips_only_detectors_with_nothing_to_judge_and_reaches_the_same_verdicts():
+def test_judge_and_absorb_skip_only_detectors_with_nothing_to_do_and_reach_the_same_verdicts_and_state():
     from vidstab import GuardConfig
     from vidstab.detectors import absorb, build_detectors, judge
 
@@ -335,16 +335,20 @@ def test_judge_skips_only_detectors_with_nothing_to_judge_and_reaches_the_same_v
                 s.findings.append(f)
                 s.verdict = max(s.verdict, f.verdict)
 
+    def everyone_absorbs(detectors, s):  # absorb without the ``update_needs`` gate
+        for det in detectors:
+            det.update(s)
+
     rng = random.Random(7)
     gated, plain = build_detectors(GuardConfig()), build_detectors(GuardConfig())
     calls = {d.name: 0 for d in gated}
     for det in gated:
         det.observe = (lambda fn, name: lambda s: calls.__setitem__(name, calls[name] + 1) or fn(s))(det.observe, det.name)
-    verdicts = set()
+    verdicts, lr_bound_findings = set(), 0
     for i in range(1500):
         spike = 30.0 if rng.random() < 0.03 else 1.0
         kw = dict(step=i, grad_norm=spike * math.exp(rng.gauss(0, 0.2)), loss=math.exp(rng.gauss(0, 0.2)),
-                  lr=1e-3, lr_peak=1e-3, max_grad_norm=1.0 if i < 800 else None,
+                  lr=1e-3 * (1.5 if 300 <= i < 310 else 5.0 if i == 700 else 1.0), lr_peak=1e-3, max_grad_norm=1.0 if i < 800 else None,
                   param_norm=10.0 * (1 + i / 300) if i % 10 == 0 else None,
                   update_ratio=1e-3 * (5 if 600 < i < 650 else 1) if i % 10 == 0 else None,
                   input_rms=math.exp(rng.gauss(0, 0.05)) * (3.0 if 1000 < i < 1010 else 1.0), input_absmax=4.0)
@@ -353,10 +357,13 @@ def test_judge_skips_only_detectors_with_nothing_to_judge_and_reaches_the_same_v
         everyone(plain, b)
         assert a.verdict == b.verdict and [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings]
         verdicts.add(a.verdict)
+        lr_bound_findings += any(f.detector == "lr_bound" for f in a.findings)
         a.applied = b.applied = a.verdict < Verdict.SKIP
         absorb(gated, a)
-        absorb(plain, b)
-    assert {Verdict.WARN, Verdict.SKIP, Verdict.ROLLBACK} <= verdicts
+        everyone_absorbs(plain, b)
+        if i % 100 == 99:
+            assert [d.state_dict() for d in gated] == [d.state_dict() for d in plain]
+    assert {Verdict.WARN, Verdict.SKIP, Verdict.ROLLBACK} <= verdicts and lr_bound_findings >= 2
     assert calls["param_growth"] == calls["nonfinite_params"] == calls["update_ratio"] == 150  # measured steps only
     assert calls["loss_scale"] == calls["exception"] == 0  # no fp16 scaler, no exception in this run
     assert calls["clip_rate"] == 800 and calls["grad_spike"] == 1500

@@ -141,10 +141,13 @@ def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
 
 def absorb(detectors: list[Detector], stats: StepStats) -> None:
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
-    that keep no statistics, i.e. do not override ``update``, cost nothing here)."""
+    that keep no statistics, i.e. do not override ``update``, or whose :attr:`Detector.update_needs` field
+    is absent this step, cost nothing here)."""
     for det in detectors:
         if getattr(det, "absorbs", True):  # duck-typed detectors (no Detector base) are always called
-            det.update(stats)
+            need = getattr(det, "update_needs", None)
+            if need is None or getattr(stats, need) not in _ABSENT:
+                det.update(stats)
 
 
 def published(detectors: list[Detector]) -> dict[str, float]:

@@ -178,7 +178,10 @@ class Detector:
     needs: ClassVar[str | None] = None
     """The :class:`StepStats` field without which :meth:`observe` has nothing to judge (``None``, or an empty
     list, on the steps that lack it, e.g. ``param_norm`` between measurements): on such a step
-    :func:`vidstab.detectors.judge` does not call :meth:`observe` at all. :meth:`update` is always called."""
+    :func:`vidstab.detectors.judge` does not call :meth:`observe` at all."""
+    update_needs: ClassVar[str | None] = None
+    """The same for :meth:`update`: the field without which it has nothing to absorb, so
+    :func:`vidstab.detectors.absorb` does not call it (``None``: called every step)."""
 
     absorbs: ClassVar[bool] = False
     """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""

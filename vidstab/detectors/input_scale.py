@@ -117,6 +117,7 @@ class InputScaleDetector(Detector):
 
     name = "input_scale"
     needs = "input_rms"
+    update_needs = "input_rms"
 
     def __init__(self, config: InputScaleConfig) -> None:
         super().__init__(config)

@@ -54,6 +54,7 @@ class LRBoundDetector(Detector):
 
     name = "lr_bound"
     needs = "lr"
+    update_needs = "findings"  # its update acts only on a step it warned on
 
     def __init__(self, config: LRBoundConfig) -> None:
         super().__init__(config)

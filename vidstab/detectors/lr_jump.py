@@ -44,6 +44,7 @@ class LRJumpDetector(EMAJumpDetector):
 
     name = "lr_jump"
     needs = "lr"
+    update_needs = "lr"
     reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:

@@ -30,6 +30,7 @@ class ParamGrowthDetector(Detector):
 
     name = "param_growth"
     needs = "param_norm"
+    update_needs = "param_norm"
 
     def __init__(self, config: ParamGrowthConfig) -> None:
         super().__init__(config)

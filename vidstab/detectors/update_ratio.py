@@ -40,6 +40,7 @@ class UpdateRatioDetector(EMAJumpDetector):
 
     name = "update_ratio"
     needs = "update_ratio"
+    update_needs = "update_ratio"
     absorb_skipped = False
 
     @property

@@ -3,6 +3,10 @@
 A file is written to a temporary name in the same folder, flushed and fsync'd, renamed over the target
 (``os.replace`` is atomic on POSIX and Windows), and the folder is fsync'd so the rename itself survives a
 power cut. Checkpoints, incident bundles, latent caches, reports and state files all go through here.
+
+This module owns fsync by path: :func:`fsync_dir` (one folder) and :func:`fsync_paths` (many files and
+folders at once). A writer that holds the open descriptor of the file it is writing calls ``os.fsync`` on
+that descriptor itself; anything that opens a path just to make it durable uses these.
 """
 
 from __future__ import annotations
@@ -78,7 +82,10 @@ def fsync_paths(paths: list[str | os.PathLike]) -> None:
     """fsync files (and folders) concurrently: the file system can commit them in one journal transaction
     instead of one per file (small files dominate the count)."""
     def one(p: str | os.PathLike) -> None:
-        fd = os.open(p, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(p) else 0))
+        if os.path.isdir(p):
+            fsync_dir(p)
+            return
+        fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

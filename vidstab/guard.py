@@ -41,6 +41,7 @@ from .config import GuardConfig
 from .detectors import Finding, StepStats, Verdict, absorb, build_detectors, judge, published
 from .events import EventLog, log_to_trackers
 from .localize import locate_nonfinite
+from .lr import scale_lrs
 
 GUARD_STATE_FILE = "vidstab_guard.json"
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
@@ -614,17 +615,8 @@ class Guard:
     def scale_lr(self, factor: float) -> None:
         """Multiply the LR persistently: param-group lrs now, and the scheduler's ``base_lrs`` so the
         factor survives ``lr_scheduler.step()`` (LambdaLR & co. recompute ``base_lr * f(step)``)."""
-        factor = float(factor)
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["lr"] * factor if not isinstance(g["lr"], torch.Tensor) else g["lr"].mul_(factor)
-            if "initial_lr" in g:
-                g["initial_lr"] = g["initial_lr"] * factor
-        sch = self._scheduler()
-        if sch is not None and hasattr(sch, "base_lrs"):
-            sch.base_lrs = [b * factor for b in sch.base_lrs]
-            if hasattr(sch, "_last_lr"):
-                sch._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        self.lr_multiplier *= factor
+        scale_lrs(self.optimizer, factor, self.lr_scheduler)
+        self.lr_multiplier *= float(factor)
 
     def reapply_lr_multiplier(self) -> None:
         """Make the optimizer/scheduler reflect ``lr_multiplier`` after they were (re)loaded.

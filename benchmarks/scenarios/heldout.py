@@ -296,6 +296,7 @@ def record(run: HeldoutRun, cache_dir: Path = CACHE_DIR, healthy: HeldoutRecordi
 
 def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     from vidstab import signals
+    from vidstab.lr import scale_lrs
     from vidstab.reference.objective import step_generator
 
     started = time.time()
@@ -322,9 +323,9 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
         x = data[torch.randint(0, n, (bs,), generator=g)].clone()
         on = kind is not None and step >= run.onset
         if on and kind == "lr_spike" and step == run.onset:
-            _scale_lr(optimizer, scheduler, arg)
+            scale_lrs(optimizer, arg, scheduler, as_scheduled=False)  # a wrong schedule, as vidstab.faults
         if on and kind == "lr_ramp":
-            _scale_lr(optimizer, scheduler, arg)
+            scale_lrs(optimizer, arg, scheduler, as_scheduled=False)  # a wrong schedule, as vidstab.faults
         if on and kind == "lr_bug":  # a user's loop writing param_groups after the scheduler, every step
             optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0] * arg
         if on and kind == "input_drift":
@@ -376,11 +377,6 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     return rec
 
 
-def _scale_lr(optimizer, scheduler, factor: float) -> None:
-    """A wrong schedule: the param groups and the scheduler's base LRs scaled alike (as vidstab.faults)."""
-    for grp in optimizer.param_groups:
-        grp["lr"] *= factor
-    scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
 
 
 def _failure(step: int, loss: float, healthy: HeldoutRecording | None) -> str | None:

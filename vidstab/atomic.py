@@ -11,7 +11,6 @@ that descriptor itself; anything that opens a path just to make it durable uses 
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
+
+from .strict_json import dumps_strict
 
 __all__ = ["AtomicFolder", "TMP_PREFIX", "atomic_folder", "fsync_dir", "fsync_paths", "publish_folder", "temp_folder",
            "write_atomic", "write_json_atomic"]
@@ -73,9 +74,10 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fsync: bool = True)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> Path:
-    """:func:`write_atomic` of ``json.dumps(obj, indent=1, **dumps_kwargs)``."""
+    """:func:`write_atomic` of strict JSON: :func:`vidstab.strict_json.dumps_strict` (``obj``, indent=1,
+    ``**dumps_kwargs``), so a non-finite number is written as ``"nan"``/``"inf"``/``"-inf"``."""
     dumps_kwargs.setdefault("indent", 1)
-    return write_atomic(path, json.dumps(obj, **dumps_kwargs) + "\n")
+    return write_atomic(path, dumps_strict(obj, **dumps_kwargs) + "\n")
 
 
 def fsync_paths(paths: list[str | os.PathLike]) -> None:

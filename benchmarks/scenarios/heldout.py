@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from vidstab.strict_json import from_json_safe, to_json_safe
+
 from .recorder import CACHE_DIR, FAILURE_FACTOR, HEALTHY_WINDOW
 
 HELDOUT_VERSION = 1
@@ -235,31 +237,11 @@ class HeldoutRecording:
         return len(self.rows)
 
     def to_json(self) -> str:
-        return json.dumps(_enc(dataclasses.asdict(self)), allow_nan=False)
+        return json.dumps(to_json_safe(dataclasses.asdict(self)), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> "HeldoutRecording":
-        return cls(**_dec(json.loads(text)))
-
-
-def _enc(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _enc(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_enc(v) for v in x]
-    return x
-
-
-def _dec(x):
-    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
-        return float(x)
-    if isinstance(x, dict):
-        return {k: _dec(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_dec(v) for v in x]
-    return x
+        return cls(**from_json_safe(json.loads(text)))
 
 
 #: Files whose content determines a recording besides this one (bump HELDOUT_VERSION when the loop or a

@@ -5,8 +5,9 @@ stretch: docs/ARCHITECTURE.md, "Recovery"); the guard holds it with its state (`
 ``lr_multiplier`` and the un-multiplied ``base_lrs``) so it survives checkpoints and reloads. Everything
 that changes an optimizer's LR for either of them is here:
 
-* :func:`scale_param_group_lrs` -- the one primitive: multiply every param group's LR now and the
-  scheduler's ``base_lrs`` so the factor survives ``lr_scheduler.step()``;
+* :func:`scale_lrs` -- the one primitive: multiply every param group's LR now and the
+  scheduler's ``base_lrs`` so the factor survives ``lr_scheduler.step()`` (also used by the LR faults of
+  :mod:`vidstab.faults`);
 * :class:`LRMultiplier` -- the guard's multiplier over the base LRs seen at attach, re-applied after the
   optimizer/scheduler were (re)loaded, and the LR figures the detectors read (``lr``, ``lr_peak``,
   ``lr_scheduled`` of :class:`~vidstab.detectors.StepStats`);
@@ -20,24 +21,31 @@ from typing import Any
 import torch
 
 
-def scheduler_of(lr_scheduler: Any) -> Any:
+def torch_scheduler(lr_scheduler: Any) -> Any:
     """The torch scheduler behind ``lr_scheduler`` (Accelerate's ``AcceleratedScheduler`` wraps one)."""
     return getattr(lr_scheduler, "scheduler", lr_scheduler)
 
 
-def scale_param_group_lrs(optimizer: Any, factor: float, lr_scheduler: Any = None) -> None:
-    """Multiply the LR by ``factor`` persistently: each param group's ``lr`` (a tensor LR in place) and
-    ``initial_lr``, and the scheduler's ``base_lrs`` (LambdaLR & co. recompute ``base_lr * f(step)`` at
-    each ``step()``); the scheduler's ``get_last_lr()`` then reads the scaled LRs."""
+def scale_lrs(optimizer: Any, factor: float, lr_scheduler: Any = None, *, as_scheduled: bool = True) -> None:
+    """Multiply every param group's LR by ``factor`` so that the change survives ``lr_scheduler.step()``.
+
+    Scales each group's ``lr`` (a tensor LR in place, so a compiled optimizer keeps seeing it) and
+    ``initial_lr`` (what a scheduler rebuilt on this optimizer starts from), and the scheduler's
+    ``base_lrs`` (LambdaLR & co. recompute ``base_lr * f(step)``). ``as_scheduled``: also set the
+    scheduler's last LR (``get_last_lr()``) to the new LRs, so the change counts as the schedule's own --
+    what a deliberate change (the guard's back-off) wants. A fault that imitates a bug writing the LR
+    (:mod:`vidstab.faults`) passes False: until the scheduler's next step, ``get_last_lr()`` still says what
+    the schedule set, and the ``lr_bound`` detector compares the step's LR with it.
+    """
     factor = float(factor)
     for g in optimizer.param_groups:
-        g["lr"] = g["lr"] * factor if not isinstance(g["lr"], torch.Tensor) else g["lr"].mul_(factor)
+        g["lr"] = g["lr"].mul_(factor) if isinstance(g["lr"], torch.Tensor) else g["lr"] * factor
         if "initial_lr" in g:
             g["initial_lr"] = g["initial_lr"] * factor
-    sch = scheduler_of(lr_scheduler)
+    sch = torch_scheduler(lr_scheduler)
     if sch is not None and hasattr(sch, "base_lrs"):
         sch.base_lrs = [b * factor for b in sch.base_lrs]
-        if hasattr(sch, "_last_lr"):
+        if as_scheduled and hasattr(sch, "_last_lr"):
             sch._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
@@ -54,7 +62,7 @@ class LRMultiplier:
 
     def current_base_lrs(self) -> list[float]:
         """The base LRs in effect now: the scheduler's ``base_lrs``, else each group's ``initial_lr``/``lr``."""
-        sch = scheduler_of(self.lr_scheduler)
+        sch = torch_scheduler(self.lr_scheduler)
         if sch is not None and hasattr(sch, "base_lrs"):
             return [float(b) for b in sch.base_lrs]
         return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
@@ -75,13 +83,13 @@ class LRMultiplier:
 
     def scheduled(self) -> float | None:
         """The LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
-        sch = scheduler_of(self.lr_scheduler)
+        sch = torch_scheduler(self.lr_scheduler)
         last = getattr(sch, "_last_lr", None) if sch is not None else None
         return float(last[0]) if last and isinstance(last[0], (int, float)) else None
 
     def scale(self, factor: float) -> None:
-        """Multiply the LR persistently (:func:`scale_param_group_lrs`) and the multiplier with it."""
-        scale_param_group_lrs(self.optimizer, factor, self.lr_scheduler)
+        """Multiply the LR persistently (:func:`scale_lrs`) and the multiplier with it."""
+        scale_lrs(self.optimizer, factor, self.lr_scheduler)
         self.multiplier *= float(factor)
 
     def reapply(self) -> None:
@@ -91,7 +99,7 @@ class LRMultiplier:
         Idempotent: a scheduler restored from a checkpoint saved with the multiplier in effect already
         matches (no change); a freshly built one gets the multiplier applied.
         """
-        sch = scheduler_of(self.lr_scheduler)
+        sch = torch_scheduler(self.lr_scheduler)
         target = [b * self.multiplier for b in self.base_lrs]
         current = self.current_base_lrs()
         groups = self.optimizer.param_groups

@@ -274,7 +274,7 @@ class VidstabReplay:
         g = self.guard
         if lr is not None:
             g.optimizer.param_groups[0]["lr"] = lr
-        g._orig_lrs = [lr_peak] if lr_peak is not None else []
+        g._lr.base_lrs = [lr_peak] if lr_peak is not None else []
         g.lr_multiplier = 1.0
         self._scheduler._last_lr = [lr_scheduled] if lr_scheduled is not None else []
         return g._build_stats(step, [list(row)], self.max_grad_norm, True)

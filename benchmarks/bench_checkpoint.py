@@ -55,6 +55,7 @@ from accelerate import Accelerator
 from safetensors.torch import save_file
 
 from vidstab import statedict_io as sio
+from vidstab.atomic import fsync_paths
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 
 
@@ -104,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, t in (("model.safetensors", msd), ("optimizer.safetensors", tensors)):
             path = os.path.join(out, name)
             save_file(t, path)
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            fsync_paths([path])
 
     def checksum_only(algo: str) -> None:
         # The floor for any save that checksums every byte: one core over the state.

@@ -126,7 +126,7 @@ def main() -> None:
 
     finite, digest = weights_digest(accelerator.unwrap_model(model))
     print(f"rank {accelerator.process_index}: done at step {global_step}/{args.max_train_steps}, last loss {loss.item():.4f}, "
-          f"weights finite: {finite}, sha256 {digest}", flush=True)
+          f"weights finite: {finite}, sha256 {digest}\n", end="", flush=True)  # one write: ranks share the pipe
 
 
 if __name__ == "__main__":

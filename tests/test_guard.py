@@ -415,3 +415,27 @@ def test_a_warning_makes_checkpoints_unhealthy_for_the_health_window(tmp_path):
     # the gate survives a save/load of the guard state
     state = json.loads(json.dumps(guard.state_dict()))
     assert state["last_anomaly_step"] == 6
+
+
+def test_clip_rate_metric_counts_the_clip_rate_detectors_window(tmp_path):
+    """One window for the clip rate: the metric and the saved flags follow ``clip_rate.window``."""
+    cfg = GuardConfig.from_dict({"clip_rate": {"window": 3}})
+    acc, model, opt, sched, guard = make(tmp_path, config=cfg)
+    train(acc, model, guard, micro_steps=6, loss_mult=100.0)  # norms well above max_grad_norm=1: clipped
+    metrics = read_events(tmp_path, "metrics")
+    clipped = [m["clipped"] for m in metrics]
+    assert len(clipped) == 6 and any(clipped)
+    assert guard.state_dict()["clip_flags"] == [int(c) for c in clipped[-3:]]
+    assert [m["clip_rate"] for m in metrics[2:]] == [pytest.approx(sum(clipped[i - 2:i + 1]) / 3) for i in range(2, 6)]
+
+
+def test_micro_step_flags_have_named_fields():
+    """What an incident reads about each micro-step of the window (``signals.MicroFlags``)."""
+    from vidstab import signals
+
+    w = signals.Window("cpu", 0, 1000)
+    w.record(torch.tensor(1.0), {"x": torch.tensor([1.0, -3.0])})
+    w.record(torch.tensor(float("nan")), {"x": torch.tensor([float("nan"), 2.0])}, error=True)
+    first, second = w.micro_flags()
+    assert (first.loss_nonfinite, first.input_nonfinite, first.input_absmax, first.exception) == (False, 0, 3.0, False)
+    assert second.loss_nonfinite and second.input_nonfinite == 1 and math.isnan(second.input_absmax) and second.exception

@@ -5,6 +5,7 @@ Real Accelerate, one CPU process (the 2-process lockstep run is in test_guard_at
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -197,3 +198,25 @@ def test_nothing_but_the_verdict_runs_between_the_read_and_the_optimizer_step(tm
     inner.step = original
     # at step k: the metrics of step k-1 are the newest, and grad_spike has absorbed k steps, not k+1
     assert seen == [(0, None, 0), (1, 0, 1), (2, 1, 2), (3, 2, 3)]
+
+
+def test_attach_forwards_every_guard_option_register_hooks_included(tmp_path):
+    """``attach`` has Guard's own signature (declared once, on Guard) and every option reaches the guard."""
+    assert inspect.signature(vidstab.attach).parameters == inspect.signature(vidstab.Guard).parameters
+    acc, model, opt, sched, _ = build()
+    checkpoint_fn = lambda: "checkpoint-7"  # noqa: E731
+    options = dict(config=GuardConfig(log_every=3), run_dir=tmp_path / "guard", model_spec={"factory": "m:f"}, seed=11,
+                   checkpoint_fn=checkpoint_fn, register_hooks=False)
+    # A new Guard option must be added here, so that this test covers it too.
+    assert set(options) == set(inspect.signature(vidstab.Guard).parameters) - {"accelerator", "model", "optimizer",
+                                                                               "lr_scheduler"}
+    guard = vidstab.attach(acc, model, opt, sched, **options)
+    assert (guard.config, guard.run_dir, guard.model_spec, guard.seed, guard.checkpoint_fn) == (
+        options["config"], tmp_path / "guard", {"factory": "m:f"}, 11, checkpoint_fn)
+    acc.save_state(str(tmp_path / "no_hooks"))
+    assert (tmp_path / "no_hooks").is_dir() and not (tmp_path / "no_hooks" / "vidstab_guard.json").exists()
+    guard.detach()
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=tmp_path / "guard")  # default: the hooks are registered
+    acc.save_state(str(tmp_path / "hooks"))
+    assert json.loads((tmp_path / "hooks" / "vidstab_guard.json").read_text())["step_count"] == 0
+    guard.close()

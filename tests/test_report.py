@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -12,6 +13,7 @@ import torch
 
 from vidstab.capture import write_incident
 from vidstab.events import EventLog
+from vidstab.strict_json import json_float
 from vidstab.tools.report import SECTIONS, load_run, write_report
 from vidstab.tools.report.series import _bin
 
@@ -244,3 +246,51 @@ def test_skips_after_a_rollback_count_in_total_and_resumes_are_shown(tmp_path):
     summary = _section(write_report(tmp_path).read_text(encoding="utf-8"), "Summary")
     assert "skipped steps</th><td>2 (steps 5); 1 of them a step skipped again" in summary
     assert "resumes</th><td>1 (at steps 6)" in summary
+
+
+def _strict(text: str):
+    """json.loads that refuses NaN/Infinity tokens: what any standard JSON reader accepts."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_loss_is_strict_json_in_every_file_and_the_report_reads_it_and_old_null_logs(tmp_path):
+    """vidstab.strict_json's one convention: a NaN loss is logged as "nan" (not a NaN token, not null), the
+    report shows it as non-finite, and an event log from before the convention (null) still reads the same."""
+    run = _user_loop(tmp_path / "run", accum=1, nan_micro=3)  # no accumulation: step 3's logged loss is NaN
+    files = sorted(p for p in run.rglob("*") if p.suffix in (".json", ".jsonl"))
+    assert any(p.name == "incident.json" for p in files)
+    for path in files:  # every JSON file of the run folder: events, incident bundle
+        for line in (path.read_text(encoding="utf-8").splitlines() if path.suffix == ".jsonl" else [path.read_text()]):
+            _strict(line)
+    log_path = run / "vidstab" / "events-rank0.jsonl"
+    records = [_strict(line) for line in log_path.read_text().splitlines()]
+    step3 = next(r for r in records if r["kind"] == "metrics" and r["step"] == 3)
+    assert step3["loss"] == "nan" and step3["loss_rank"] == "nan"
+    assert json_float(step3["loss"]) != json_float(step3["loss"])  # reads back as NaN
+
+    def report(run_dir: Path) -> tuple:
+        m = load_run(run_dir).metrics[0]
+        page = write_report(run_dir).read_text(encoding="utf-8")
+        rank_row = re.search(r"<tr[^>]*><td>0</td>(.*?)</tr>", _section(page, "Input statistics per rank")).group(1)
+        return (m.steps[m.nonfinite["loss"]].tolist(), m.steps[m.nonfinite["loss_rank"]].tolist(),
+                bool(np.isnan(m.columns["loss"][m.steps == 3]).all()), rank_row.split("</td><td>")[3],
+                "non-finite losses</th><td>1 (steps 3)" in _section(page, "Summary"))
+
+    assert report(run) == ([3], [3], True, "1", True)
+
+    # The same run as the writer before the convention logged it: every non-finite number as null.
+    def old_style(v):
+        if isinstance(v, dict):
+            return {k: old_style(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [old_style(x) for x in v]
+        return None if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+
+    old = tmp_path / "old"
+    (old / "vidstab").mkdir(parents=True)
+    (old / "vidstab" / "events-rank0.jsonl").write_text(
+        "".join(json.dumps(old_style(r), allow_nan=False) + "\n" for r in records))
+    assert '"loss":null' in (old / "vidstab" / "events-rank0.jsonl").read_text().replace(" ", "")
+    assert report(old) == ([3], [3], True, "1", True)

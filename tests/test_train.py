@@ -13,12 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vidstab.strict_json import json_float
+
 from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer
 
 
 def _finite(x):
-    """Event logs are strict JSON: a non-finite number is written as null."""
-    return x is not None and math.isfinite(x)
+    """A logged number that is finite. Event logs are strict JSON (vidstab.strict_json): a non-finite number is
+    "nan"/"inf"/"-inf" (null in logs from before that convention, and for a value not measured)."""
+    f = json_float(x)
+    return f is not None and math.isfinite(f)
 
 
 def _weights(output_dir, step):

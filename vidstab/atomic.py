@@ -3,11 +3,14 @@
 A file is written to a temporary name in the same folder, flushed and fsync'd, renamed over the target
 (``os.replace`` is atomic on POSIX and Windows), and the folder is fsync'd so the rename itself survives a
 power cut. Checkpoints, incident bundles, latent caches, reports and state files all go through here.
+
+This module owns fsync by path: :func:`fsync_dir` (one folder) and :func:`fsync_paths` (many files and
+folders at once). A writer that holds the open descriptor of the file it is writing calls ``os.fsync`` on
+that descriptor itself; anything that opens a path just to make it durable uses these.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -17,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
+
+from .strict_json import dumps_strict
 
 __all__ = ["AtomicFolder", "TMP_PREFIX", "atomic_folder", "fsync_dir", "fsync_paths", "publish_folder", "temp_folder",
            "write_atomic", "write_json_atomic"]
@@ -69,16 +74,20 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fsync: bool = True)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> Path:
-    """:func:`write_atomic` of ``json.dumps(obj, indent=1, **dumps_kwargs)``."""
+    """:func:`write_atomic` of strict JSON: :func:`vidstab.strict_json.dumps_strict` (``obj``, indent=1,
+    ``**dumps_kwargs``), so a non-finite number is written as ``"nan"``/``"inf"``/``"-inf"``."""
     dumps_kwargs.setdefault("indent", 1)
-    return write_atomic(path, json.dumps(obj, **dumps_kwargs) + "\n")
+    return write_atomic(path, dumps_strict(obj, **dumps_kwargs) + "\n")
 
 
 def fsync_paths(paths: list[str | os.PathLike]) -> None:
     """fsync files (and folders) concurrently: the file system can commit them in one journal transaction
     instead of one per file (small files dominate the count)."""
     def one(p: str | os.PathLike) -> None:
-        fd = os.open(p, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(p) else 0))
+        if os.path.isdir(p):
+            fsync_dir(p)
+            return
+        fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:

@@ -12,7 +12,10 @@ another writer (``log_event``) appends next to it. In-process readers (:func:`it
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
 with ``kind`` in ``metrics | warn | skip | rollback | checkpoint | incident | resume | stop | start |
-fault | overflow``. Non-finite floats are written as ``null`` (strict JSON, readable by any dashboard).
+fault | overflow``. Strict JSON, with vidstab's one convention (:mod:`vidstab.strict_json`): a non-finite
+float is the string ``"nan"``, ``"inf"`` or ``"-inf"``, and ``null`` means "no value" (not measured this
+step). Logs written before this convention spelled a non-finite float ``null``; readers take both
+(``strict_json.json_float`` reads a value; the report counts a ``null`` loss as non-finite).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from .strict_json import to_json_safe
+
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
          "hang", "crash", "restart")
@@ -37,26 +42,8 @@ def events_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "vidstab"
 
 
-def _clean(x: Any) -> Any:
-    """Make a value strict-JSON: non-finite floats -> None, tuples -> lists, paths -> str."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, Mapping):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:  # numpy / torch scalars (cold path only)
-        return _clean(x.item())
-    return str(x)
-
-
-# One encoder each, built once: json.dumps with options builds a new JSONEncoder on every call.
+# Built once: json.dumps with options builds a new JSONEncoder on every call.
 _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 
 #: Buffered logs open in this process, by file: readers and ``log_event`` go through them.
 _OPEN: "weakref.WeakValueDictionary[str, EventLog]" = weakref.WeakValueDictionary()
@@ -83,9 +70,9 @@ class EventLog:
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
             line = _STRICT(rec)
-        except (TypeError, ValueError):
-            rec = _clean(rec)
-            line = _COMPACT(rec)
+        except (TypeError, ValueError):  # a non-finite float or a non-JSON type: vidstab's one spelling
+            rec = to_json_safe(rec)
+            line = _STRICT(rec)
         self._pending.append(line)
         if (kind != "metrics" or len(self._pending) >= self.flush_lines
                 or time.monotonic() - self._last_flush >= self.flush_seconds):

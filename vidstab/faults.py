@@ -46,6 +46,8 @@ from typing import Iterator
 
 import torch
 
+from .lr import scale_lrs
+
 FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
                "hang", "kill", "slow")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
@@ -146,8 +148,9 @@ class FaultInjector:
     def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
         """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.
 
-        The scheduler's base LRs are scaled too, so the change survives ``lr_scheduler.step()`` the way a
-        wrong schedule would, until a rollback reloads the optimizer and scheduler state.
+        The scheduler's base LRs are scaled too (:func:`vidstab.lr.scale_lrs`), so the change survives
+        ``lr_scheduler.step()`` the way a wrong schedule would, until a rollback reloads the optimizer and
+        scheduler state.
         """
         factor = 1.0
         spike = self._take("lr_spike", step)
@@ -159,11 +162,8 @@ class FaultInjector:
         factor *= self._ramp
         if factor == 1.0:
             return None
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-        inner = getattr(lr_scheduler, "scheduler", lr_scheduler)
-        if inner is not None and hasattr(inner, "base_lrs"):
-            inner.base_lrs = [lr * factor for lr in inner.base_lrs]
+        # as_scheduled=False: like a bug writing the LR, the scheduler's last LR still says what it set.
+        scale_lrs(optimizer, factor, lr_scheduler, as_scheduled=False)
         return factor
 
     def maybe_hang(self, step: int) -> None:

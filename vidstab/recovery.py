@@ -39,6 +39,7 @@ from typing import Any
 from .atomic import write_json_atomic
 from .checkpoint import CheckpointError, CheckpointManager
 from .events import log_event
+from .lr import match_multiplier
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
@@ -424,14 +425,7 @@ class Recovery:
 
     def _sync_guard_lr(self) -> None:
         """Make the guard's (and so the optimizer's) LR multiplier equal to the recovery state's."""
-        g = self.guard
-        if g is None or not hasattr(g, "scale_lr"):
-            return
-        if hasattr(g, "reapply_lr_multiplier"):
-            g.reapply_lr_multiplier()  # optimizer consistent with the guard's own multiplier first
-        current = float(getattr(g, "lr_multiplier", 1.0) or 1.0)
-        if current != self.lr_multiplier:
-            g.scale_lr(self.lr_multiplier / current)
+        match_multiplier(self.guard, self.lr_multiplier)
 
     def _announce(self, action: str, message: str, step: int | None = None, **fields: Any) -> None:
         if self.accelerator.is_main_process:

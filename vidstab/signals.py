@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,19 @@ NONFINITE_ALL, LOSS_NONFINITE = 17, 18  # non-finite values in inputs + losses; 
 DEVICE_COLS = 19
 NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(19, 26)
 FIXED = 26
+
+
+class MicroFlags(NamedTuple):
+    """What one micro-step of the window looked like (:meth:`Window.micro_flags`, the cold path)."""
+
+    loss_nonfinite: bool
+    """The micro-step's loss was NaN/inf."""
+    input_nonfinite: int
+    """Non-finite values in its floating inputs."""
+    input_absmax: float
+    """Largest absolute input value (NaN when an input held a NaN)."""
+    exception: bool
+    """The caller reported an exception for this micro-step (``guard.backward(..., error=e)``)."""
 
 
 @dataclass(frozen=True)
@@ -320,8 +333,8 @@ class Window:
         values = torch.cat([torch.where(fin, psl, self._zero), fin.to(dt)])
         return torch.zeros(2 * nb, device=dev, dtype=dt).index_add_(0, torch.cat([idx, idx + nb]), values)
 
-    def micro_flags(self) -> list[tuple[bool, int, float, bool]]:
-        """Per micro-step ``(loss non-finite, input non-finite count, input absmax, exception)``.
+    def micro_flags(self) -> list[MicroFlags]:
+        """One :class:`MicroFlags` per micro-step of the window.
 
         Cold path (an incident is being captured): this is an extra host read.
         """
@@ -339,7 +352,7 @@ class Window:
                 counts[m] += int(per_tensor[i])
                 a = per_tensor[k + i]
                 absmax[m] = a if (math.isnan(a) or a > absmax[m]) else absmax[m]
-        return [(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
+        return [MicroFlags(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
 
 
 def gather_and_read(accelerator: Any, row: torch.Tensor) -> list[list[float]]:

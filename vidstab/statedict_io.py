@@ -26,8 +26,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .atomic import fsync_dir, fsync_paths
-
 __all__ = [
     "flatten",
     "unflatten",
@@ -39,8 +37,6 @@ __all__ = [
     "checksum_bytes",
     "write_safetensors",
     "write_bytes",
-    "fsync_dir",
-    "fsync_files",
     "sha256_bytes",
 ]
 
@@ -306,7 +302,3 @@ def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
-
-def fsync_files(paths: list[str]) -> None:
-    """fsync several files concurrently (:func:`vidstab.atomic.fsync_paths`)."""
-    fsync_paths(paths)

@@ -1,13 +1,18 @@
 """Strict JSON for every file vidstab writes: ONE convention for non-finite numbers.
 
-JSON has no NaN or Infinity. vidstab spells a non-finite float as the string ``"nan"``, ``"inf"`` or
-``"-inf"`` (lossless: :func:`json_float` reads it back as the float) and always dumps with
-``allow_nan=False``, so every file is standard JSON any tool can read. This is the convention of
-``incident.json``, ``replay_report.json`` and the audit's ``--json`` report (docs/ARCHITECTURE.md,
-"Strict JSON").
+JSON has no NaN or Infinity. Everywhere vidstab writes JSON -- the event log
+(``vidstab/events-rank{R}.jsonl``), incident bundles (``incident.json``), checkpoint manifests and state
+files, ``replay_report.json``, the audit's ``--json`` report -- a non-finite float is the string ``"nan"``,
+``"inf"`` or ``"-inf"``, and ``null`` means "no value". It is lossless (NaN and +-inf stay apart, which is
+what tells a 0/0 from an overflow; :func:`json_float` reads the string back as the float) and every file is
+dumped with ``allow_nan=False``, so it is standard JSON any tool can read. docs/ARCHITECTURE.md,
+"Strict JSON". The checkpoint state codec (``optimizer.json``, ``scheduler.json``, ... in
+:mod:`vidstab.statedict_io`) round-trips exact Python values, where a string must stay a string, so it wraps
+the same spelling in a tag: ``{"__float__": "nan"}``.
 
-The one exception is the event log (``vidstab/events-rank{R}.jsonl``): its documented contract writes
-``null`` for a non-finite metric (``vidstab.events``), and the report reads ``null`` and the strings alike.
+Old files: event logs written before this convention spelled a non-finite float ``null``. Readers take
+both: :func:`json_float` gives ``None`` for ``null``, and the report counts a ``null`` where a number is
+always logged (``loss``, ``loss_rank``) as non-finite, as it did then.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["json_float", "to_json_safe", "dumps_strict"]
+__all__ = ["json_float", "to_json_safe", "from_json_safe", "dumps_strict"]
 
 
 def json_float(v: Any) -> float | None:
@@ -66,6 +71,18 @@ def to_json_safe(obj: Any) -> Any:
         except (TypeError, ValueError):
             pass
     return str(obj)
+
+
+def from_json_safe(obj: Any) -> Any:
+    """Read back what :func:`to_json_safe` spelled: ``"nan"``/``"inf"``/``"-inf"`` anywhere in ``obj``
+    (nested lists and dicts) -> floats. For data whose strings are never those words (numeric tables)."""
+    if isinstance(obj, str):
+        return float(obj) if obj in ("nan", "inf", "-inf") else obj
+    if isinstance(obj, dict):
+        return {k: from_json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_json_safe(v) for v in obj]
+    return obj
 
 
 def dumps_strict(obj: Any, **dumps_kwargs: Any) -> str:

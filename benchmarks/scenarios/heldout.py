@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from vidstab.strict_json import from_json_safe, to_json_safe
+
 from .recorder import CACHE_DIR, FAILURE_FACTOR, HEALTHY_WINDOW
 
 HELDOUT_VERSION = 1
@@ -235,31 +237,11 @@ class HeldoutRecording:
         return len(self.rows)
 
     def to_json(self) -> str:
-        return json.dumps(_enc(dataclasses.asdict(self)), allow_nan=False)
+        return json.dumps(to_json_safe(dataclasses.asdict(self)), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> "HeldoutRecording":
-        return cls(**_dec(json.loads(text)))
-
-
-def _enc(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _enc(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_enc(v) for v in x]
-    return x
-
-
-def _dec(x):
-    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
-        return float(x)
-    if isinstance(x, dict):
-        return {k: _dec(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_dec(v) for v in x]
-    return x
+        return cls(**from_json_safe(json.loads(text)))
 
 
 #: Files whose content determines a recording besides this one (bump HELDOUT_VERSION when the loop or a
@@ -296,6 +278,7 @@ def record(run: HeldoutRun, cache_dir: Path = CACHE_DIR, healthy: HeldoutRecordi
 
 def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     from vidstab import signals
+    from vidstab.lr import scale_lrs
     from vidstab.reference.objective import step_generator
 
     started = time.time()
@@ -322,9 +305,9 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
         x = data[torch.randint(0, n, (bs,), generator=g)].clone()
         on = kind is not None and step >= run.onset
         if on and kind == "lr_spike" and step == run.onset:
-            _scale_lr(optimizer, scheduler, arg)
+            scale_lrs(optimizer, arg, scheduler, as_scheduled=False)  # a wrong schedule, as vidstab.faults
         if on and kind == "lr_ramp":
-            _scale_lr(optimizer, scheduler, arg)
+            scale_lrs(optimizer, arg, scheduler, as_scheduled=False)  # a wrong schedule, as vidstab.faults
         if on and kind == "lr_bug":  # a user's loop writing param_groups after the scheduler, every step
             optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0] * arg
         if on and kind == "input_drift":
@@ -376,11 +359,6 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     return rec
 
 
-def _scale_lr(optimizer, scheduler, factor: float) -> None:
-    """A wrong schedule: the param groups and the scheduler's base LRs scaled alike (as vidstab.faults)."""
-    for grp in optimizer.param_groups:
-        grp["lr"] *= factor
-    scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
 
 
 def _failure(step: int, loss: float, healthy: HeldoutRecording | None) -> str | None:

@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 
+from vidstab.strict_json import from_json_safe, to_json_safe
+
 from .catalogue import Scenario
 
 #: Bump when the recorder's loop changes what is recorded (invalidates the cache).
@@ -150,24 +152,14 @@ class Recording:
     def to_json(self) -> str:
         """Strict JSON: non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
         d = dataclasses.asdict(self)
-        d["columns"] = {k: [_enc(v) for v in vs] for k, vs in self.columns.items()}
+        d["columns"] = to_json_safe(self.columns)
         return json.dumps(d, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> "Recording":
         d = json.loads(text)
-        d["columns"] = {k: [_dec(v) for v in vs] for k, vs in d["columns"].items()}
+        d["columns"] = from_json_safe(d["columns"])
         return cls(**d)
-
-
-def _enc(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
-def _dec(v):
-    return float(v) if isinstance(v, str) else v
 
 
 # ------------------------------------------------------------------------------------------------------

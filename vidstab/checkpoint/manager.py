@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import statedict_io as sio
+from ..atomic import fsync_paths
 from ..events import log_event
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
@@ -221,7 +222,7 @@ class CheckpointManager:
             write_files(job, self.config.checksum, self.config.fsync)
             job.digests.update(sharded)
             if not self.is_main and self.config.fsync:
-                sio.fsync_files(job.unsynced)
+                fsync_paths(job.unsynced)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below
             error = e
         try:

@@ -16,7 +16,6 @@ the manifest describes on disk.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -30,7 +29,8 @@ from typing import Callable
 import torch
 
 from .. import statedict_io as sio
-from ..atomic import TMP_PREFIX, fsync_dir, publish_folder
+from ..atomic import TMP_PREFIX, fsync_dir, fsync_paths, publish_folder
+from ..strict_json import dumps_strict
 from .layout import MANIFEST, SCHEMA, pointer_tmp, read_pointer, replace_pointer, rotation_order
 
 __all__ = ["FileSpec", "SaveJob", "write_files", "write_manifest", "publish", "rotate"]
@@ -109,7 +109,7 @@ def write_manifest(job: SaveJob, digests: dict[str, dict], **fields) -> dict:
         **fields,
         "time": time.time(),
     }
-    sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode(), fsync=False)
+    sio.write_bytes(os.path.join(job.tmp_dir, MANIFEST), dumps_strict(manifest, indent=1).encode(), fsync=False)
     return manifest
 
 
@@ -130,7 +130,7 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
         for ptr in ("latest", "last_good") if healthy else ("latest",):
             pointers[ptr] = pointer_tmp(root, ptr, job.name, fsync=False)
         if fsync:
-            sio.fsync_files(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
+            fsync_paths(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
         # Same step saved again (e.g. after a rollback): the old folder is moved aside and deleted.
         try:
             final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))

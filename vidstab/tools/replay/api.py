@@ -112,7 +112,7 @@ def replay(
     out = Path(json_path) if json_path is not None else inc.path / REPORT_FILE
     try:
         report.json_path = str(out)
-        write_json_atomic(out, report.to_dict(), allow_nan=False)  # a reader never sees half a report
+        write_json_atomic(out, report.to_dict())  # strict JSON; a reader never sees half a report
     except OSError as e:
         report.json_path = None
         report.notes.append(f"could not write the JSON report to {out}: {e}")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...events import iter_event_file
+from ...strict_json import json_float
 
 
 # An events-rank{R}.jsonl file is named by its rank.
@@ -32,9 +33,10 @@ class RankMetrics:
     attempts: np.ndarray
     """0 for the first pass over a step, +1 after every rollback/resume that rewound the step counter."""
     columns: dict[str, np.ndarray]
-    """Field -> float values (``nan`` when absent or logged as null)."""
-    nulls: dict[str, np.ndarray]
-    """Field -> True where the field was present but null (a non-finite number in the log)."""
+    """Field -> float values (``nan`` when absent, null or non-finite: the plots leave a gap)."""
+    nonfinite: dict[str, np.ndarray]
+    """Field -> True where the logged value is a non-finite number: ``"nan"``/``"inf"``/``"-inf"``
+    (:mod:`vidstab.strict_json`), or ``null`` -- how logs written before that convention spelled it."""
     loss_by_t: np.ndarray
     """``[records, buckets]`` bucket losses (``nan`` for an empty bucket or a record without them)."""
 
@@ -60,8 +62,17 @@ _NUMERIC = frozenset((int, float, bool))
 
 
 def _num(x: Any) -> float:
-    """A logged value as a float; ``nan`` for null, missing or non-numeric (JSON gives exact types only)."""
+    """A logged value as a float; ``nan`` for null, missing, non-finite or non-numeric (JSON gives exact
+    types only)."""
     return float(x) if type(x) in _NUMERIC else math.nan
+
+
+def _is_nonfinite(x: Any) -> bool:
+    """A logged value that stands for a non-finite number (see :attr:`RankMetrics.nonfinite`)."""
+    if x is None:
+        return True
+    f = json_float(x) if isinstance(x, str) else None
+    return f is not None and not math.isfinite(f)
 
 
 def load_run(run_dir: str | Path) -> RunLog:
@@ -104,9 +115,9 @@ def load_run(run_dir: str | Path) -> RunLog:
             width = max(map(len, by_t))
             lbt = np.array([[_num(x) for x in row] + [math.nan] * (width - len(row)) for row in by_t]).reshape(len(by_t), width)
             columns["time"] = np.array([_num(r.get("time")) for r in records])
-            nulls = {k: np.array([k in r and r[k] is None for r in records]) for k in fields}
+            nonfinite = {k: np.array([k in r and _is_nonfinite(r[k]) for r in records]) for k in fields}
             log.metrics[file_rank if file_rank is not None else int(_num(records[0].get("rank")) or 0)] = RankMetrics(
-                np.array(steps), np.array(attempts), columns, nulls, lbt
+                np.array(steps), np.array(attempts), columns, nonfinite, lbt
             )
     log.events.sort(key=lambda e: (_num(e.get("step")), _num(e.get("time")), e["_order"]))
 

@@ -87,11 +87,12 @@ def _merge(log: RunLog, name: str, ranks: Iterable[int] | None = None, how: str 
 
 
 def _nonfinite_loss_steps(log: RunLog) -> np.ndarray:
-    """Steps with a non-finite loss on any rank, in the final attempt or not: the loss logged as null, or a
+    """Steps with a non-finite loss on any rank, in the final attempt or not: the loss logged non-finite
+    (``"nan"``/``"inf"``, or ``null`` in an old log), or a
     ``nonfinite`` finding about the loss. The second matters under gradient accumulation: the step's loss
     is the mean of its finite micro-batch losses, so one NaN micro-batch leaves the logged loss finite
     (vidstab/detectors/nonfinite.py says "non-finite loss on rank(s) ...")."""
-    out = [m.steps[m.nulls["loss"]] for m in log.metrics.values() if "loss" in m.nulls]
+    out = [m.steps[m.nonfinite["loss"]] for m in log.metrics.values() if "loss" in m.nonfinite]
     out.append(np.array([int(_num(e.get("step"))) for e in log.events
                          if e.get("detector") == "nonfinite" and "non-finite loss" in str(e.get("message"))],
                         dtype=np.int64))

@@ -52,7 +52,7 @@ def _rank_table(log: RunLog) -> str:
         absmax = col("input_absmax")
         finite = absmax[np.isfinite(absmax)]
         nonfinite_inputs = int((np.nan_to_num(col("input_nonfinite")) > 0).sum())
-        nonfinite_loss = int(m.nulls["loss_rank"].sum()) if m is not None and "loss_rank" in m.nulls else 0
+        nonfinite_loss = int(m.nonfinite["loss_rank"].sum()) if m is not None and "loss_rank" in m.nonfinite else 0
         incidents = sum(1 for i in log.incidents if i.get("rank") == r)
         flagged = bool(blamed[r] or nonfinite_inputs or nonfinite_loss or incidents)
         cells = [str(r), str(len(m.steps) if m is not None else 0), str(len(blamed[r])), str(incidents),

@@ -1,0 +1,36 @@
+"""vidstab.lr.scale_lrs: the one LR multiplier behind the guard's back-off and the LR faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidstab.lr import scale_lrs
+
+
+def _sgd(lr=0.1):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+
+
+@pytest.mark.parametrize("as_scheduled", [True, False])
+def test_scale_lrs_survives_scheduler_steps(as_scheduled):
+    optimizer, scheduler = _sgd()
+    scale_lrs(optimizer, 0.5, scheduler, as_scheduled=as_scheduled)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(0.05) and group["initial_lr"] == pytest.approx(0.05)
+    assert scheduler.base_lrs == pytest.approx([0.05])
+    # A deliberate change is the schedule's own LR; a fault leaves the scheduler's word for lr_bound to compare.
+    assert scheduler.get_last_lr() == pytest.approx([0.05] if as_scheduled else [0.1])
+    optimizer.step()
+    scheduler.step()
+    assert group["lr"] == pytest.approx(0.05 / 2) and scheduler.get_last_lr() == pytest.approx([0.05 / 2])
+
+
+def test_scale_lrs_keeps_a_tensor_lr_object_and_works_without_scheduler():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([param], lr=torch.tensor(0.01))
+    lr = optimizer.param_groups[0]["lr"]
+    scale_lrs(optimizer, 2.0)
+    assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.02)

@@ -1,0 +1,99 @@
+"""Step 3's input: the gathered ``[world, k]`` table (:mod:`vidstab.signals`) read into one
+:class:`~vidstab.detectors.StepStats`, the same on every rank. Pure host arithmetic on the table."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .. import signals as S
+from ..detectors import StepStats, Verdict
+
+
+def build_stats(
+    step: int,
+    table: list[list[float]],
+    layout: S.Layout,
+    *,
+    max_grad_norm: float | None,
+    norm_known: bool,
+    sharded: bool,
+    scale_known: bool,
+    has_scaler: bool,
+    lr: float | None,
+    lr_peak: float | None,
+    lr_scheduled: float | None,
+) -> StepStats:
+    """The statistics of one step from every rank's row.
+
+    ``sharded``: FSDP, each rank holds a shard, so parameter/update sums of squares add up over ranks
+    (under DDP every rank holds all parameters: rank 0's row is taken). ``scale_known``: the rows carry a
+    GradScaler scale. ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow.
+    ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`).
+    """
+    norms = [r[S.GRAD_NORM] for r in table]
+    bad = [n for n in norms if not math.isfinite(n)]
+    grad_norm = bad[0] if bad else max(norms)
+    counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
+    loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
+    rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
+    buckets = []
+    if layout.buckets:
+        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
+        cnts = [sum(col) for col in zip(*(r[layout.bucket_count] for r in table))]
+        buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
+    param_norm = update_ratio = None
+    if table[0][S.PARAM_PENDING] > 0:
+        psq = sum(r[S.PARAM_SQ] for r in table) if sharded else table[0][S.PARAM_SQ]
+        usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
+        param_norm = math.sqrt(psq) if psq >= 0 else math.nan
+        update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
+    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
+    absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
+    absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
+    s = StepStats(
+        step=step,
+        grad_norm=grad_norm if norm_known else math.nan,
+        grad_norm_known=norm_known,
+        loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan,
+        world_size=len(table),
+        max_grad_norm=max_grad_norm,
+        clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
+        lr=lr,
+        loss_scale=table[0][S.LOSS_SCALE] if scale_known else None,
+        lr_peak=lr_peak,
+        lr_scheduled=lr_scheduled,
+        param_norm=param_norm,
+        update_ratio=update_ratio,
+        nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
+        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
+        exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
+        rank_loss=rank_loss,
+        rank_input_absmax=absmax,
+        rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
+        timestep_bucket_loss=buckets,
+        # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
+        input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
+        input_nonfinite=int(sum(in_nonfinite)),
+        input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
+    )
+    s.overflow = bool(
+        has_scaler
+        and norm_known
+        and not math.isfinite(grad_norm)
+        and not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks or s.exception_ranks)
+    )
+    return s
+
+
+def bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
+    """True when the step's only finding is ``nonfinite`` and every rank with a non-finite loss also had
+    non-finite inputs: bad data, skipped before it reached the weights, not a sick model (a ``nonfinite``
+    SKIP on bad inputs still never applies the step; this only keeps checkpoints healthy)."""
+    loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
+    return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
+            and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
+
+
+def _rms(sum_sq: float, count: float) -> float | None:
+    return math.sqrt(sum_sq / count) if count > 0 else None

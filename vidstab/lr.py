@@ -1,0 +1,132 @@
+"""The learning-rate multiplier: what recovery backs off and restores, held by the guard.
+
+:class:`~vidstab.recovery.Recovery` decides the multiplier (back-off on a rollback, return after a stable
+stretch: docs/ARCHITECTURE.md, "Recovery"); the guard holds it with its state (``vidstab_guard.json``:
+``lr_multiplier`` and the un-multiplied ``base_lrs``) so it survives checkpoints and reloads. Everything
+that changes an optimizer's LR for either of them is here:
+
+* :func:`scale_lrs` -- the one primitive: multiply every param group's LR now and the
+  scheduler's ``base_lrs`` so the factor survives ``lr_scheduler.step()`` (also used by the LR faults of
+  :mod:`vidstab.faults`);
+* :class:`LRMultiplier` -- the guard's multiplier over the base LRs seen at attach, re-applied after the
+  optimizer/scheduler were (re)loaded, and the LR figures the detectors read (``lr``, ``lr_peak``,
+  ``lr_scheduled`` of :class:`~vidstab.detectors.StepStats`);
+* :func:`match_multiplier` -- bring a guard's multiplier to the one recovery decided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def torch_scheduler(lr_scheduler: Any) -> Any:
+    """The torch scheduler behind ``lr_scheduler`` (Accelerate's ``AcceleratedScheduler`` wraps one)."""
+    return getattr(lr_scheduler, "scheduler", lr_scheduler)
+
+
+def scale_lrs(optimizer: Any, factor: float, lr_scheduler: Any = None, *, as_scheduled: bool = True) -> None:
+    """Multiply every param group's LR by ``factor`` so that the change survives ``lr_scheduler.step()``.
+
+    Scales each group's ``lr`` (a tensor LR in place, so a compiled optimizer keeps seeing it) and
+    ``initial_lr`` (what a scheduler rebuilt on this optimizer starts from), and the scheduler's
+    ``base_lrs`` (LambdaLR & co. recompute ``base_lr * f(step)``). ``as_scheduled``: also set the
+    scheduler's last LR (``get_last_lr()``) to the new LRs, so the change counts as the schedule's own --
+    what a deliberate change (the guard's back-off) wants. A fault that imitates a bug writing the LR
+    (:mod:`vidstab.faults`) passes False: until the scheduler's next step, ``get_last_lr()`` still says what
+    the schedule set, and the ``lr_bound`` detector compares the step's LR with it.
+    """
+    factor = float(factor)
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"].mul_(factor) if isinstance(g["lr"], torch.Tensor) else g["lr"] * factor
+        if "initial_lr" in g:
+            g["initial_lr"] = g["initial_lr"] * factor
+    sch = torch_scheduler(lr_scheduler)
+    if sch is not None and hasattr(sch, "base_lrs"):
+        sch.base_lrs = [b * factor for b in sch.base_lrs]
+        if as_scheduled and hasattr(sch, "_last_lr"):
+            sch._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+class LRMultiplier:
+    """A persistent multiplier over the base LRs an optimizer/scheduler had when the guard was attached."""
+
+    def __init__(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.multiplier = 1.0
+        """The factor in effect over :attr:`base_lrs` (1.0: the schedule as configured)."""
+        self.base_lrs: list[float] = self.current_base_lrs()
+        """The un-multiplied base LR of each param group (saved with the guard's state)."""
+
+    def current_base_lrs(self) -> list[float]:
+        """The base LRs in effect now: the scheduler's ``base_lrs``, else each group's ``initial_lr``/``lr``."""
+        sch = torch_scheduler(self.lr_scheduler)
+        if sch is not None and hasattr(sch, "base_lrs"):
+            return [float(b) for b in sch.base_lrs]
+        return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
+
+    def lr(self) -> float | None:
+        """Group 0's LR now, or None when it is a tensor (reading it would need a device sync)."""
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    def peak(self) -> float | None:
+        """The largest LR the schedule can produce for group 0: base LR at attach x multiplier, or the
+        group's ``max_lr`` (OneCycleLR/CyclicLR) x multiplier when larger."""
+        if not self.optimizer.param_groups or not self.base_lrs:
+            return None
+        peak = self.base_lrs[0] * self.multiplier
+        max_lr = self.optimizer.param_groups[0].get("max_lr")
+        return max(peak, float(max_lr) * self.multiplier) if isinstance(max_lr, (int, float)) else peak
+
+    def scheduled(self) -> float | None:
+        """The LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
+        sch = torch_scheduler(self.lr_scheduler)
+        last = getattr(sch, "_last_lr", None) if sch is not None else None
+        return float(last[0]) if last and isinstance(last[0], (int, float)) else None
+
+    def scale(self, factor: float) -> None:
+        """Multiply the LR persistently (:func:`scale_lrs`) and the multiplier with it."""
+        scale_lrs(self.optimizer, factor, self.lr_scheduler)
+        self.multiplier *= float(factor)
+
+    def reapply(self) -> None:
+        """Make the optimizer/scheduler reflect the multiplier after they were (re)loaded.
+
+        Targets are ``base * multiplier``; each param group's lr is rescaled by ``target / current base``.
+        Idempotent: a scheduler restored from a checkpoint saved with the multiplier in effect already
+        matches (no change); a freshly built one gets the multiplier applied.
+        """
+        sch = torch_scheduler(self.lr_scheduler)
+        target = [b * self.multiplier for b in self.base_lrs]
+        current = self.current_base_lrs()
+        groups = self.optimizer.param_groups
+        for i, g in enumerate(groups):
+            if i >= len(target) or current[i] == 0:
+                continue
+            r = target[i] / current[i]
+            if r != 1.0:
+                g["lr"] = g["lr"] * r
+                if "initial_lr" in g:
+                    g["initial_lr"] = g["initial_lr"] * r
+        if sch is not None and hasattr(sch, "base_lrs"):
+            sch.base_lrs = list(target[: len(sch.base_lrs)])
+            if hasattr(sch, "_last_lr"):
+                sch._last_lr = [g["lr"] for g in groups]
+
+
+def match_multiplier(guard: Any, multiplier: float) -> None:
+    """Make ``guard``'s (and so the optimizer's) LR multiplier equal to ``multiplier``.
+
+    ``guard``: any object with ``scale_lr(factor)``, ``lr_multiplier`` and optionally
+    ``reapply_lr_multiplier()`` (the vidstab ``Guard``); without ``scale_lr`` nothing happens.
+    """
+    if guard is None or not hasattr(guard, "scale_lr"):
+        return
+    if hasattr(guard, "reapply_lr_multiplier"):
+        guard.reapply_lr_multiplier()  # optimizer consistent with the guard's own multiplier first
+    current = float(getattr(guard, "lr_multiplier", 1.0) or 1.0)
+    if current != multiplier:
+        guard.scale_lr(multiplier / current)

@@ -38,6 +38,7 @@ from .. import signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import StepStats, Verdict, absorb, build_detectors, judge
+from ..detectors.windows import CountWindow
 from ..events import EventLog
 from ..lr import LRMultiplier
 from .reporting import GuardReporting
@@ -107,7 +108,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None
-        self._clip_flags: list[bool] = []
+        self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
         # The methods the guard itself calls: the originals, also once the instances are wrapped (attach).
         self._backward = accelerator.backward
         self._clip = accelerator.clip_grad_norm_
@@ -263,7 +264,7 @@ class Guard(UserLoopWrapping, GuardReporting):
                 update_sq = signals.sum_of_squares(before)
             self._pending = (signals.sum_of_squares(cur), update_sq)
         if applied:
-            self._clip_flags = (self._clip_flags + [s.clipped])[-self.config.clip_rate.window:]
+            self._clip_flags.push(s.clipped)
         if s.verdict >= Verdict.SKIP and not self._observe_only:
             self.skipped_total += 1
         if s.overflow:
@@ -333,7 +334,7 @@ class Guard(UserLoopWrapping, GuardReporting):
             "localized": self.localized,
             "lr_multiplier": self.lr_multiplier,
             "base_lrs": list(self._lr.base_lrs),
-            "clip_flags": [int(c) for c in self._clip_flags],
+            "clip_flags": [int(c) for c in self._clip_flags.values],
             "last_anomaly_step": self._last_anomaly_step,
             "detectors": {d.name: d.state_dict() for d in self.detectors},
         }
@@ -350,7 +351,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.lr_multiplier = float(d.get("lr_multiplier", 1.0))
         if d.get("base_lrs"):
             self._lr.base_lrs = [float(x) for x in d["base_lrs"]]
-        self._clip_flags = [bool(c) for c in d.get("clip_flags", [])]
+        self._clip_flags = CountWindow(self.config.clip_rate.window, (bool(c) for c in d.get("clip_flags", [])))
         self._last_anomaly_step = int(d.get("last_anomaly_step", -(10**9)))
         states = d.get("detectors", {})
         for det in self.detectors:

@@ -36,7 +36,7 @@ class GuardReporting:
             "grad_norm": s.grad_norm,
             "clipped": s.clipped,
             "clip_ratio": s.grad_norm / s.max_grad_norm if s.max_grad_norm else None,
-            "clip_rate": sum(self._clip_flags) / len(self._clip_flags) if self._clip_flags else 0.0,
+            "clip_rate": self._clip_flags.rate(),
             "loss_scale": s.loss_scale,
             "param_norm": s.param_norm,
             "update_ratio": s.update_ratio,
@@ -55,15 +55,17 @@ class GuardReporting:
         self.events.log("metrics", s.step, **metrics)
         if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):
             log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
-        bad_ranks = sorted({r for f in s.findings for r in f.ranks})
-        for f in s.findings:
-            self.events.log(EVENT_KIND[f.verdict], s.step, detector=f.detector, message=f.message, figures=f.figures,
-                            bad_ranks=f.ranks, step_verdict=s.verdict.name)
+        bad_ranks, rollback = [], None
+        if s.findings:  # a healthy step has none: nothing below to build
+            bad_ranks = sorted({r for f in s.findings for r in f.ranks})
+            for f in s.findings:
+                self.events.log(EVENT_KIND[f.verdict], s.step, detector=f.detector, message=f.message,
+                                figures=f.figures, bad_ranks=f.ranks, step_verdict=s.verdict.name)
+            rollback = next((f"{f.detector}: {f.message}" for f in s.findings if f.verdict >= Verdict.ROLLBACK), None)
         if s.overflow:
             self.events.log("overflow", s.step, loss_scale=s.loss_scale, overflow_total=self.overflow_total)
         if stop:
             self.events.log("stop", s.step, reason="request_stop")
-        rollback = next((f"{f.detector}: {f.message}" for f in s.findings if f.verdict >= Verdict.ROLLBACK), None)
         incidents = self._capture(s) if s.verdict >= Verdict.SKIP and not s.overflow else []
         skipped = s.verdict >= Verdict.SKIP and not self._observe_only
         return StepResult(

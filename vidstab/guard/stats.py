@@ -31,12 +31,42 @@ def build_stats(
     GradScaler scale. ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow.
     ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`).
     """
-    norms = [r[S.GRAD_NORM] for r in table]
-    bad = [n for n in norms if not math.isfinite(n)]
-    grad_norm = bad[0] if bad else max(norms)
-    counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
-    loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
-    rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
+    isfinite, nan = math.isfinite, math.nan
+    grad_norm = first_bad = best_absmax = None
+    loss_sum = loss_cnt = sum_sq = numel = in_nonfinite_total = 0.0
+    rank_loss, rank_absmax, rank_seconds = [], [], []
+    nonfinite_loss_ranks, nonfinite_input_ranks, exception_ranks = [], [], []
+    for i, r in enumerate(table):  # one pass over the rows (this runs every step, on every rank)
+        norm = r[S.GRAD_NORM]
+        if not isfinite(norm):
+            if first_bad is None:
+                first_bad = norm
+        elif grad_norm is None or norm > grad_norm:
+            grad_norm = norm
+        count = r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE]
+        loss_sum += r[S.LOSS_SUM]
+        loss_cnt += count
+        rank_loss.append(r[S.LOSS_SUM] / count if count > 0 else nan)
+        in_nonfinite = r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE]
+        in_nonfinite_total += in_nonfinite
+        absmax = max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0
+        if isfinite(absmax):
+            if best_absmax is None or absmax > best_absmax:
+                best_absmax = absmax
+        elif in_nonfinite != 0:
+            absmax = nan
+        rank_absmax.append(absmax)
+        rank_seconds.append(r[S.LOCAL_SECONDS])
+        sum_sq += r[S.IN_SUMSQ]
+        numel += r[S.IN_NUMEL]
+        if r[S.LOSS_NONFINITE] > 0:
+            nonfinite_loss_ranks.append(i)
+        if in_nonfinite > 0:
+            nonfinite_input_ranks.append(i)
+        if r[S.EXCEPTIONS] > 0:
+            exception_ranks.append(i)
+    if first_bad is not None:
+        grad_norm = first_bad
     buckets = []
     if layout.buckets:
         sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
@@ -48,9 +78,6 @@ def build_stats(
         usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
         param_norm = math.sqrt(psq) if psq >= 0 else math.nan
         update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
-    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
-    absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
-    absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
     s = StepStats(
         step=step,
         grad_norm=grad_norm if norm_known else math.nan,
@@ -65,17 +92,17 @@ def build_stats(
         lr_scheduled=lr_scheduled,
         param_norm=param_norm,
         update_ratio=update_ratio,
-        nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
-        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
-        exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
+        nonfinite_loss_ranks=nonfinite_loss_ranks,
+        nonfinite_input_ranks=nonfinite_input_ranks,
+        exception_ranks=exception_ranks,
         rank_loss=rank_loss,
-        rank_input_absmax=absmax,
-        rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
+        rank_input_absmax=rank_absmax,
+        rank_seconds=rank_seconds,
         timestep_bucket_loss=buckets,
         # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
-        input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
-        input_nonfinite=int(sum(in_nonfinite)),
-        input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
+        input_absmax=0.0 if best_absmax is None else best_absmax,
+        input_nonfinite=int(in_nonfinite_total),
+        input_rms=_rms(sum_sq, numel),
     )
     s.overflow = bool(
         has_scaler
@@ -90,6 +117,8 @@ def bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
     """True when the step's only finding is ``nonfinite`` and every rank with a non-finite loss also had
     non-finite inputs: bad data, skipped before it reached the weights, not a sick model (a ``nonfinite``
     SKIP on bad inputs still never applies the step; this only keeps checkpoints healthy)."""
+    if not s.findings:
+        return False
     loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
     return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
             and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)

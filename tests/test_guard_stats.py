@@ -1,0 +1,103 @@
+"""The gathered table -> StepStats in one pass over the rows: the same statistics as the per-field reading.
+
+``build_stats`` runs every optimizer step on every rank; it reads each row once. The reference below is the
+previous implementation (one comprehension per field), kept verbatim; both must agree on random tables of
+1-5 ranks with non-finite norms, losses and inputs, exceptions, buckets, parameter norms and scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from vidstab import signals as S
+from vidstab.detectors import StepStats
+from vidstab.guard.stats import _rms, build_stats
+
+
+def reference_build_stats(step, table, layout, *, max_grad_norm, norm_known, sharded, scale_known, has_scaler,
+                          lr, lr_peak, lr_scheduled):
+    norms = [r[S.GRAD_NORM] for r in table]
+    bad = [n for n in norms if not math.isfinite(n)]
+    grad_norm = bad[0] if bad else max(norms)
+    counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
+    loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
+    rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
+    buckets = []
+    if layout.buckets:
+        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
+        cnts = [sum(col) for col in zip(*(r[layout.bucket_count] for r in table))]
+        buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
+    param_norm = update_ratio = None
+    if table[0][S.PARAM_PENDING] > 0:
+        psq = sum(r[S.PARAM_SQ] for r in table) if sharded else table[0][S.PARAM_SQ]
+        usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
+        param_norm = math.sqrt(psq) if psq >= 0 else math.nan
+        update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
+    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
+    absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
+    absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
+    s = StepStats(
+        step=step, grad_norm=grad_norm if norm_known else math.nan, grad_norm_known=norm_known,
+        loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan, world_size=len(table), max_grad_norm=max_grad_norm,
+        clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
+        lr=lr, loss_scale=table[0][S.LOSS_SCALE] if scale_known else None, lr_peak=lr_peak, lr_scheduled=lr_scheduled,
+        param_norm=param_norm, update_ratio=update_ratio,
+        nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
+        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
+        exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
+        rank_loss=rank_loss, rank_input_absmax=absmax, rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
+        timestep_bucket_loss=buckets, input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
+        input_nonfinite=int(sum(in_nonfinite)),
+        input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
+    )
+    s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
+                      and not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks or s.exception_ranks))
+    return s
+
+
+def random_row(rng, layout):
+    row = [0.0] * layout.width
+    odd = lambda p, x: (rng.choice([math.nan, math.inf, -math.inf]) if rng.random() < p else x)  # noqa: E731
+    micro = rng.choice([1, 1, 2, 4])
+    row[S.GRAD_NORM] = odd(0.1, rng.uniform(0.0, 5.0))
+    bad_losses = rng.choice([0] * 8 + [1, micro])
+    row[S.LOSS_TOTAL], row[S.LOSS_NONFINITE] = float(micro), float(bad_losses)
+    row[S.LOSS_SUM] = sum(rng.uniform(0.1, 2.0) for _ in range(micro - bad_losses))
+    numel = rng.choice([0.0, 4096.0, 8192.0])
+    bad_inputs = float(rng.choice([0] * 8 + [1, 37])) if numel else 0.0
+    row[S.IN_NUMEL] = numel
+    if numel:
+        hi, lo = rng.uniform(0.0, 6.0), rng.uniform(0.0, 6.0)
+        row[S.IN_ABSMAX_HI] = odd(1.0, hi) if bad_inputs else odd(0.03, hi)  # a non-finite absmax without a count: overflow
+        row[S.IN_ABSMAX_LO] = lo
+        row[S.IN_SUM] = rng.uniform(-50, 50)
+        row[S.IN_SUMSQ] = rng.choice([math.nan, math.inf]) if bad_inputs else numel * rng.uniform(0.5, 2.0)
+    row[S.NONFINITE_ALL] = bad_inputs + bad_losses
+    row[S.EXCEPTIONS] = float(rng.random() < 0.05)
+    row[S.LOCAL_SECONDS] = rng.choice([-1.0, rng.uniform(0.001, 0.05)])
+    row[S.LOSS_SCALE] = 65536.0
+    for b in range(layout.buckets):
+        count = rng.choice([0.0, 1.0, 3.0])
+        row[layout.bucket_sum.start + b], row[layout.bucket_count.start + b] = count * rng.uniform(0, 2), count
+    return row
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_one_pass_build_stats_equals_the_per_field_reading(world):
+    rng = random.Random(world)
+    for trial in range(400):
+        layout = S.Layout(rng.choice([0, 4]))
+        table = [random_row(rng, layout) for _ in range(world)]
+        pending = rng.random() < 0.3
+        for r in table:
+            r[S.PARAM_PENDING] = float(pending)
+            r[S.PARAM_SQ], r[S.UPDATE_SQ] = rng.choice([100.0, math.nan, -1.0]), rng.choice([0.01, -1.0])
+        kw = dict(max_grad_norm=rng.choice([None, 1.0]), norm_known=rng.random() > 0.1, sharded=rng.random() < 0.5,
+                  scale_known=rng.random() < 0.3, has_scaler=rng.random() < 0.3, lr=1e-4, lr_peak=1e-4, lr_scheduled=None)
+        got, want = build_stats(trial, table, layout, **kw), reference_build_stats(trial, table, layout, **kw)
+        g, w = dataclasses.asdict(got), dataclasses.asdict(want)
+        assert repr(g) == repr(w), (trial, table)  # repr: NaN == NaN, and -0.0 != 0.0

@@ -45,6 +45,15 @@ def events_dir(run_dir: str | Path) -> Path:
 # Built once: json.dumps with options builds a new JSONEncoder on every call.
 _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
+def _encode(rec: dict) -> tuple[str, dict]:
+    """``(line, record as written)``: plain finite JSON as it is, else in vidstab's one spelling."""
+    try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
+        return _STRICT(rec), rec
+    except (TypeError, ValueError):  # a non-finite float or a non-JSON type
+        rec = to_json_safe(rec)
+        return _STRICT(rec), rec
+
+
 #: Buffered logs open in this process, by file: readers and ``log_event`` go through them.
 _OPEN: "weakref.WeakValueDictionary[str, EventLog]" = weakref.WeakValueDictionary()
 
@@ -61,22 +70,24 @@ class EventLog:
         # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
-        self._pending: list[str] = []
+        self._pending: list[str | dict] = []  # encoded lines, and metrics records encoded at the flush
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
     def log(self, kind: str, step: int, **fields: Any) -> dict:
-        """Append one event and return it (as written). Anything but ``metrics`` reaches the file at once."""
+        """Append one event and return its record. Anything but ``metrics`` is encoded and reaches the file at
+        once. A ``metrics`` record is encoded when the buffer is flushed, together with the others (after a
+        training step the encoder's code is cold in the CPU caches: one loop over the buffer pays for that
+        once per flush, not once per step), so its values must not be changed after this call."""
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
-        try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)
-            line = _STRICT(rec)
-        except (TypeError, ValueError):  # a non-finite float or a non-JSON type: vidstab's one spelling
-            rec = to_json_safe(rec)
-            line = _STRICT(rec)
+        if kind == "metrics":
+            self._pending.append(rec)
+            if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
+                self.flush()
+            return rec
+        line, rec = _encode(rec)
         self._pending.append(line)
-        if (kind != "metrics" or len(self._pending) >= self.flush_lines
-                or time.monotonic() - self._last_flush >= self.flush_seconds):
-            self.flush()
+        self.flush()
         return rec
 
     @property
@@ -88,7 +99,8 @@ class EventLog:
         """Write the buffered lines now (one ``write`` call)."""
         if not self._pending or self._f.closed:
             return
-        data = ("\n".join(self._pending) + "\n").encode("utf-8")
+        lines = [p if p.__class__ is str else _encode(p)[0] for p in self._pending]
+        data = ("\n".join(lines) + "\n").encode("utf-8")
         self._pending = []
         self._last_flush = time.monotonic()
         view = memoryview(data)

@@ -17,7 +17,9 @@ Each variant has its own model, optimizer and ``Accelerator`` instance (the same
 vidstab's wrapping touches only its own. The variants run interleaved, one step each per round in rotating
 order, so drift and the load of a shared machine hit all alike. Reported per model: the median step time,
 the median of the per-round paired difference to ``plain`` (the added time; wall clock, and this thread's CPU
-time, which the load of other processes on a shared machine inflates least) and the ratio of medians;
+time, which the load of other processes on a shared machine inflates least), the mean of the thread-CPU
+differences (work done once every n steps, such as encoding the buffered metrics lines, is in the mean and not
+in the median) and the ratio of medians;
 host reads per optimizer step (``Tensor.item/tolist/...`` calls) for all variants. Last line: one JSON
 object.
 
@@ -207,13 +209,16 @@ def measure(kind: str, args, run_dir: str) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     added = {k: statistics.median(a - b for a, b in zip(times[k], times["plain"])) * 1e3 for k in VARIANTS}
     added_cpu = {k: statistics.median(a - b for a, b in zip(cpu[k], cpu["plain"])) * 1e3 for k in VARIANTS}
+    # The mean as well: work done once every n steps (the event log encodes its buffered metrics lines at a
+    # flush, every 100 steps or 1 s) is outside the median but is still paid, n times rarer.
+    added_cpu_mean = {k: statistics.fmean(a - b for a, b in zip(cpu[k], cpu["plain"])) * 1e3 for k in VARIANTS}
     findings = sum(1 for name in ("attached", "explicit")
                    for e in vidstab.read_events(os.path.join(run_dir, f"{kind}-{name}"))
                    if e["kind"] in ("warn", "skip", "rollback_request", "incident"))
     params = sum(p.numel() for p in variants["plain"][1].parameters())
     return {"model": description, "params": params, "param_tensors": len(list(variants["plain"][1].parameters())),
             "rounds": rounds, "seconds": round(elapsed, 1), "median_step_ms": med, "added_ms": added,
-            "added_cpu_ms": added_cpu,
+            "added_cpu_ms": added_cpu, "added_cpu_mean_ms": added_cpu_mean,
             "ratio": {k: med[k] / med["plain"] for k in VARIANTS}, "host_reads_per_step": reads,
             "findings_on_healthy_steps": findings}
 
@@ -240,7 +245,7 @@ def main() -> None:
 
     print(f"device {args.device}, {args.threads} thread(s); load average {load:.1f} before, {load_after:.1f} after")
     print("+ms = median over rounds of (variant step - plain step in the same round), wall clock [thread CPU time];"
-          " x = ratio of median wall times.")
+          " x = ratio of median wall times; mean = mean of the thread-CPU differences (rare work included).")
     print(f"{'model':<14}{'plain ms':>10}" + "".join(f"{v + ' +ms [cpu]':>24}{'x':>7}" for v in VARIANTS[1:])
           + f"{'reads/step (plain, attached, explicit, seed)':>48}")
     for kind, r in results.items():
@@ -252,10 +257,13 @@ def main() -> None:
         print(line)
     for kind, r in results.items():
         print(f"  {kind}: {r['model']}, {r['params'] / 1e6:.2f}M params in {r['param_tensors']} tensors, "
-              f"{r['rounds']} rounds in {r['seconds']}s, findings on healthy steps: {r['findings_on_healthy_steps']}")
+              f"{r['rounds']} rounds in {r['seconds']}s, findings on healthy steps: {r['findings_on_healthy_steps']}; "
+              "mean thread-CPU +ms: " + ", ".join(f"{v} {r['added_cpu_mean_ms'][v]:+.3f}" for v in VARIANTS[1:]))
     small = [k for k in ("mlp", "transformer") if k in results]
     worst_small = max((results[k]["added_ms"][v] for k in small for v in ("attached", "explicit")), default=None)
     worst_small_cpu = max((results[k]["added_cpu_ms"][v] for k in small for v in ("attached", "explicit")), default=None)
+    worst_small_cpu_mean = max((results[k]["added_cpu_mean_ms"][v] for k in small for v in ("attached", "explicit")),
+                               default=None)
     dit_ratio = max((results["dit"]["ratio"][v] for v in ("attached", "explicit")), default=None) if "dit" in results else None
     summary = {
         "benchmark": "guard_overhead", "device": args.device, "load_average": [round(load, 2), round(load_after, 2)],
@@ -263,11 +271,13 @@ def main() -> None:
                        "median_step_ms": {v: round(x, 3) for v, x in r["median_step_ms"].items()},
                        "added_ms": {v: round(x, 3) for v, x in r["added_ms"].items()},
                        "added_cpu_ms": {v: round(x, 3) for v, x in r["added_cpu_ms"].items()},
+                       "added_cpu_mean_ms": {v: round(x, 3) for v, x in r["added_cpu_mean_ms"].items()},
                        "ratio": {v: round(x, 4) for v, x in r["ratio"].items()},
                        "host_reads_per_step": r["host_reads_per_step"],
                        "findings_on_healthy_steps": r["findings_on_healthy_steps"]} for k, r in results.items()},
         "target_added_ms_small": 0.3, "worst_added_ms_small": None if worst_small is None else round(worst_small, 3),
         "worst_added_cpu_ms_small": None if worst_small_cpu is None else round(worst_small_cpu, 3),
+        "worst_added_cpu_mean_ms_small": None if worst_small_cpu_mean is None else round(worst_small_cpu_mean, 3),
         "target_ratio_dit": 1.01, "worst_ratio_dit": None if dit_ratio is None else round(dit_ratio, 4),
         "meets_target": bool((worst_small is None or worst_small <= 0.3) and (dit_ratio is None or dit_ratio <= 1.01)),
     }

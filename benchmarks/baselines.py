@@ -34,13 +34,13 @@ def _finite(x: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Seed 000 (a practitioner's guide to gradient explosions in video diffusion), section 2:
+# docs/PRACTICES.md A2 (article A, a practitioner's guide to gradient explosions in video diffusion):
 #   ``check_gradients(model, max_norm=1e4)``: return "not finite" when the total norm is NaN/Inf, and warn
 #   when ``total_norm > max_norm``.
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class FixedThreshold:
-    """Seed 000's fixed rule: non-finite grad norm, or grad norm > 1e4."""
+    """Article A's fixed rule (docs/PRACTICES.md A2): non-finite grad norm, or grad norm > 1e4."""
 
     threshold: float = 1e4
     name: str = "fixed_1e4"
@@ -50,14 +50,13 @@ class FixedThreshold:
 
 
 # ------------------------------------------------------------------------------------------------------
-# Seed 000, section 2: "when one step's norm suddenly becomes ten times the moving average or more, warn
-# even before NaN appears" (当某一步的范数突然变成滑动平均的十倍以上 ... 也应该触发预警), plus the same
-# function's non-finite check. The seed gives no decay; 0.95 (a ~20-step memory) is our choice. It is a
+# docs/PRACTICES.md A2: a norm that becomes ten times its moving average or more is a warning even before
+# NaN appears, plus the same article's non-finite check. The article gives no decay; 0.95 (a ~20-step memory) is our choice. It is a
 # monitor, not a skipper, so every finite norm enters the average.
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class EMARatio:
-    """Seed 000's dynamic rule: grad norm >= 10x its EMA (or non-finite)."""
+    """Article A's dynamic rule (docs/PRACTICES.md A2): grad norm >= 10x its EMA (or non-finite)."""
 
     ratio: float = 10.0
     decay: float = 0.95

@@ -52,7 +52,7 @@ def test_baselines_follow_their_published_rules():
     for i in range(70):
         assert not o.observe(rec(i, loss=1.0 + 0.01 * (i % 3), g=1.0 + 0.01 * (i % 2)))
     assert o.observe(rec(70, loss=2.0)) and o.observe(rec(71, loss=float("nan")))
-    # Seed 000's fixed rule misses nothing non-finite.
+    # Article A's fixed rule (docs/PRACTICES.md A2) misses nothing non-finite.
     assert B.FixedThreshold().observe(rec(0, g=float("nan"))) and not B.FixedThreshold().observe(rec(0, g=9e3))
 
 

@@ -81,7 +81,7 @@ def test_zscore_catches_smaller_but_abnormal_jump():
 
 def test_growth_warned_before_blowup():
     dets = only("grad_growth")
-    spike = only("grad_spike", zscore=1e9)  # the seed's rule alone: norm >= 10x its EMA
+    spike = only("grad_spike", zscore=1e9)  # docs/PRACTICES.md A2's rule alone: norm >= 10x its EMA
     seq = noisy(60, sigma=0.02) + [stats(60 + i, grad_norm=1.15 ** (i + 1)) for i in range(40)]
     growth_steps = [st for st, v, n in run(dets, seq) if "grad_growth" in n]
     seq2 = noisy(60, sigma=0.02) + [stats(60 + i, grad_norm=1.15 ** (i + 1)) for i in range(40)]

@@ -4,7 +4,7 @@ A stability tool that has never seen a fault is untested. These faults reproduce
 chosen optimizer step, the failures the seeds describe:
 
 ==============  ==========================================================================================
-``nan_batch``   the micro-batch's latents become NaN (bad data; the seed's "先查数据")
+``nan_batch``   the micro-batch's latents become NaN (bad data: the first thing to triage, docs/PRACTICES.md B4)
 ``inf_latent``  one latent value becomes +inf (an extreme VAE latent)
 ``big_latent``  the first sample's latents are scaled by 1e4 (``=FACTOR``): finite but extreme, like an
                 unclamped VAE encoding of a bad clip
@@ -12,7 +12,7 @@ chosen optimizer step, the failures the seeds describe:
 ``lr_spike``    the learning rate is multiplied by 1000 (``=FACTOR`` to choose) from that step until the
                 optimizer/scheduler state is reloaded (a rollback clears it, as it would a bad schedule)
 ``lr_ramp``     the learning rate is multiplied by 1.3 (``=FACTOR``) at every step from that step on, until a
-                rollback: a slowly diverging schedule, the exponential grad-norm growth the seed warns about
+                rollback: a slowly diverging schedule, the exponential grad-norm growth of docs/PRACTICES.md A2
 ``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
                 stays in the model from that step on (as a real overflowing layer would), and incident

@@ -1,7 +1,7 @@
 """Rollback policy: reload the last good checkpoint, back off the learning rate when the cause calls for
 it, skip or replay data, and give up (with the exact replay command) when one incident keeps failing.
 
-The policy follows the seed's advice (roll back to the newest valid checkpoint, lower the LR, after a few
+The policy follows docs/PRACTICES.md A4/A4a (roll back to the newest valid checkpoint, lower the LR, after a few
 failures stop and reproduce the failing batch by hand) and PaLM's practice of *not* replaying the data
 between the checkpoint and the failure by default: a batch that blew the run up once tends to do it again.
 It is built for runs that last weeks (docs/ARCHITECTURE.md, "Recovery"):

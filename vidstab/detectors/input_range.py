@@ -1,6 +1,6 @@
 """An extreme (finite) input value entered the batch -> WARN.
 
-The seed's unclamped VAE encoding: one clip encodes to latents orders of magnitude larger than the rest.
+An unclamped VAE encoding (docs/PRACTICES.md A1): one clip encodes to latents orders of magnitude larger than the rest.
 The loss can hide it (LayerNorms absorb the scale under epsilon prediction); the input statistics the
 guard records for ``GuardConfig.input_keys`` cannot.
 """

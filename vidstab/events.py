@@ -45,6 +45,7 @@ def events_dir(run_dir: str | Path) -> Path:
 # Built once: json.dumps with options builds a new JSONEncoder on every call.
 _STRICT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
+
 def _encode(rec: dict) -> tuple[str, dict]:
     """``(line, record as written)``: plain finite JSON as it is, else in vidstab's one spelling."""
     try:  # fast path: already plain, finite JSON (the common case: a metrics line every step)

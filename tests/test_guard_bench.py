@@ -28,3 +28,15 @@ def test_bench_guard_overhead_quick():
 def mlp_tensors(stdout: str) -> int:
     line = next(x for x in stdout.splitlines() if x.strip().startswith("mlp:"))
     return int(line.split(" in ")[1].split(" tensors")[0].split()[-1])
+
+
+def test_profile_guard_step_names_every_piece():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_guard_step.py"), "--steps", "30",
+                           "--warmup", "5"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    pieces = summary["pieces_us_median"]
+    assert {"Window.record", "Window.pack", "gather + host read", "_build_stats", "_report (+events)",
+            "judge grad_spike", "judge clip_rate", "absorb grad_growth", "attach wrapper backward"} <= set(pieces)
+    assert all(isinstance(summary[k], float) for k in ("added_us_median", "judge_us", "absorb_us"))  # no timing asserted

@@ -31,8 +31,8 @@ def mlp_tensors(stdout: str) -> int:
 
 
 def test_profile_guard_step_names_every_piece():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_guard_step.py"), "--steps", "30",
-                           "--warmup", "5"], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_guard_step.py"), "--steps", "10",
+                           "--warmup", "2"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -75,6 +75,8 @@ def main() -> None:
     # sharding turns the parameters into DTensors) and leaves the model out of prepare (DDP must not wrap it), so
     # Accelerate's save_state does not hold that model; vidstab's CheckpointManager does, as sharded files.
     shard_by_hand = args.fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU
+    if args.fsdp and accelerator.num_processes > 1 and not (shard_by_hand or accelerator.is_fsdp2):
+        raise SystemExit("--fsdp on GPU needs Accelerate's FSDP2: accelerate launch --use_fsdp --fsdp_version 2")
     if shard_by_hand:
         from torch.distributed.fsdp import fully_shard
 

@@ -2,6 +2,7 @@
 as the example does where Accelerate refuses FSDP): the DDP drill's faults -- a NaN sample on rank 1 and an
 LR x10^4 bug in the user's loop -- give the same lockstep skip and rollback with LR back-off; the checkpoint
 is sharded (each rank wrote its own shard, nothing gathered, nothing pickled) and its weights are the run's.
+examples/plain_loop.py --fsdp with the same faults ends with ruined weights.
 
 "Identical weights" when sharded: both ranks print the digest of the gathered full weights (the same on every
 rank by construction), so the check that means something is that a plain 1-process model restored from the
@@ -83,3 +84,10 @@ def test_guarded_example_fsdp_two_processes_skip_rollback_sharded_checkpoint_res
     assert restored["step"] == 25 and restored["finite"] and restored["stepped_finite"]
     assert restored["digest"] == done[0][2]
     assert restored["moments"] == ["inp.bias", "inp.weight", "out.bias", "out.weight", "time.bias", "time.weight"]
+
+
+def test_plain_example_fsdp_with_the_same_faults_ends_with_ruined_weights(tmp_path):
+    proc = launch("plain_loop.py", "--output_dir", str(tmp_path / "plain"), *FSDP_DRILL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    done = _done_lines(proc.stdout)
+    assert set(done) == {0, 1} and done[0] == done[1] and done[0][:2] == ("25", "False")

@@ -1,7 +1,8 @@
 """examples/vidstab_loop.py --fsdp with 2 real processes (FSDP2 ``fully_shard`` per block on a gloo CPU mesh,
 as the example does where Accelerate refuses FSDP): the DDP drill's faults -- a NaN sample on rank 1 and an
 LR x10^4 bug in the user's loop -- give the same lockstep skip and rollback with LR back-off; the checkpoint
-is sharded (each rank wrote its own shard, nothing gathered, nothing pickled) and its weights are the run's.
+is sharded (each rank wrote its own shard, nothing gathered, nothing pickled), `vidstab replay` reproduces
+the NaN bundle on it, and its weights are the run's.
 examples/plain_loop.py --fsdp with the same faults ends with ruined weights.
 
 "Identical weights" when sharded: both ranks print the digest of the gathered full weights (the same on every
@@ -75,6 +76,20 @@ def test_guarded_example_fsdp_two_processes_skip_rollback_sharded_checkpoint_res
             assert f.get_slice("model.out.weight").get_shape()[0] == 2
             assert f.get_slice("optimizer.state.inp.weight.exp_avg").get_shape()[0] == 16
     assert_no_pickle_or_zip(run / "vidstab")  # checkpoints, incident bundles, event logs
+
+    # `vidstab replay` of rank 1's NaN bundle on the trained weights of the step before, read from the sharded
+    # checkpoint into one plain model, reproduces the step and names the sample. (--checkpoint: whether the
+    # bundle names step 5 itself depends on whether that async save had finished when the NaN came.)
+    bundle = run / "vidstab" / "incidents" / "step000005-rank1"
+    step5 = run / "vidstab" / "checkpoints" / "step_000005"
+    replay = subprocess.run([sys.executable, "-m", "vidstab", "replay", str(bundle), "--trust", "vidstab_loop",
+                             "--checkpoint", str(step5)],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = json.loads((bundle / "replay_report.json").read_text())
+    bad_id = json.loads((bundle / "incident.json").read_text())["bad_sample_ids"]
+    assert report["reproduced"] is True and bad_id and bad_id[0] in report["verdict"]
+    assert report["checkpoint"] == str(step5 / "dcp") and report["checkpoint_step"] == 5
 
     # Restored in 1 process: exactly the 2-process run's final weights, the optimizer moments matched by name.
     restore = subprocess.run([sys.executable, "-c", RESTORE_IN_ONE_PROCESS, str(run)], cwd=REPO, env=_env(),

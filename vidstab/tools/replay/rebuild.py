@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ...capture import Incident
+from ...capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
 from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
 from ...checkpoint.layout import read_manifest
@@ -99,7 +99,7 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
     ckpt_dir = p if p.is_dir() else p.parent
     weights = p / "model.safetensors" if p.is_dir() else p
     if p.is_dir() and not weights.is_file() and (p / SHARDED_INDEX).is_file():
-        return _resolve_sharded(p, origin)
+        return _resolve_sharded(inc, p, origin, override is None)
     if not weights.is_file():
         raise ReplayError(f"checkpoint missing: {origin} has no model.safetensors ({weights} does not exist)")
     step = None
@@ -131,16 +131,21 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
     return weights, step, notes
 
 
-def _resolve_sharded(ckpt_dir: Path, origin: str) -> tuple[Path, int | None, list[str]]:
+def _resolve_sharded(inc: Incident, ckpt_dir: Path, origin: str, named_by_bundle: bool) -> tuple[Path, int | None, list[str]]:
     """A sharded (DCP, FSDP2) checkpoint: its shards folder, once every file the model is read from is checked
-    against the manifest. A bundle records no digest of sharded weights, so a checkpoint rewritten after the
-    incident is not detected here (only ``model.safetensors`` is recorded)."""
+    against the manifest and, for the checkpoint the bundle names, the shards are the ones it recorded."""
     try:
         manifest = read_manifest(str(ckpt_dir))
         names = [f for f in manifest["files"] if f == SHARDED_INDEX or f.startswith(DCP_DIR + "/")]
         verify_checkpoint_files(ckpt_dir, names)
     except CheckpointError as e:
         raise ReplayError(f"{origin} ({ckpt_dir}) cannot be used: {e}") from e
+    recorded, now = inc.meta.get("checkpoint_weights"), weights_entry(ckpt_dir)
+    if named_by_bundle and isinstance(recorded, dict) and recorded != now:
+        raise ReplayError(
+            f"{origin} was rewritten after the incident: its shards are not the ones the bundle recorded (a "
+            "rollback saved that step again?), so a replay would run other weights; pass --checkpoint PATH to "
+            "replay on weights you choose")
     step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
     return ckpt_dir / DCP_DIR, step, []
 

@@ -9,6 +9,7 @@ faults into the user's own data and loop::
     python examples/plain_loop.py --nan_step 6       # a NaN sample silently poisons the weights
     python examples/plain_loop.py --lr_blowup_step 14  # a param_groups bug: LR x10^4 for one step; the run is ruined
 
+FSDP2: ``--fsdp`` (CPU: the script applies ``fully_shard`` per block; GPU: ``accelerate launch --use_fsdp --fsdp_version 2``).
 Two processes: ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/plain_loop.py``.
 """
 
@@ -20,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from diffusers import DDPMScheduler
 from diffusers.optimization import get_scheduler
 
@@ -55,11 +56,13 @@ def parse_args():
     parser.add_argument("--nan_step", type=int, default=-1, help="global step whose batch gets a NaN sample (drill)")
     parser.add_argument("--nan_rank", type=int, default=0, help="the rank whose batch gets it")
     parser.add_argument("--lr_blowup_step", type=int, default=-1, help="global step whose LR is x10^4 (drill)")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (GPU: accelerate launch --use_fsdp --fsdp_version 2)")
     return parser.parse_args()
 
 
 def weights_digest(model: torch.nn.Module) -> tuple[bool, str]:
-    params = [p.detach().cpu().contiguous() for p in model.parameters()]
+    # FSDP2 parameters are DTensors holding this rank's shard: full_tensor() gathers them (every rank calls it).
+    params = [getattr(p, "full_tensor", p.detach)().detach().cpu().contiguous() for p in model.parameters()]
     return all(bool(torch.isfinite(p).all()) for p in params), hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
 
 
@@ -68,6 +71,17 @@ def main() -> None:
     accelerator = Accelerator(gradient_accumulation_steps=2)
     set_seed(0)
     model = TinyVideoDenoiser()
+    # Accelerate refuses FSDP on CPU: there --fsdp applies FSDP2 per block itself (before the optimizer is built:
+    # sharding turns the parameters into DTensors) and leaves the model out of prepare (DDP must not wrap it), so
+    # Accelerate's save_state does not hold that model; vidstab's CheckpointManager does, as sharded files.
+    shard_by_hand = args.fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU
+    if args.fsdp and accelerator.num_processes > 1 and not (shard_by_hand or accelerator.is_fsdp2):
+        raise SystemExit("--fsdp on GPU needs Accelerate's FSDP2: accelerate launch --use_fsdp --fsdp_version 2")
+    if shard_by_hand:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in [*model.children(), model]:
+            fully_shard(module)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=5 * accelerator.num_processes,
                                  num_training_steps=args.max_train_steps * accelerator.num_processes)
@@ -75,7 +89,10 @@ def main() -> None:
     latents = torch.randn(64, 4, 2, 8, 8, generator=torch.Generator().manual_seed(0))  # stand-in for cached VAE latents
     dataset = torch.utils.data.TensorDataset(latents, torch.arange(len(latents)))
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
-    model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
+    if shard_by_hand:
+        optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
+    else:  # FSDP2 through Accelerate needs the model and its optimizer in the same prepare call
+        model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
 
     num_train_epochs = math.ceil(args.max_train_steps / math.ceil(len(loader) / accelerator.gradient_accumulation_steps))
     global_step = 0
@@ -110,7 +127,7 @@ def main() -> None:
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 global_step += 1
-                if global_step % args.checkpointing_steps == 0 and accelerator.is_main_process:
+                if global_step % args.checkpointing_steps == 0 and (accelerator.is_main_process or accelerator.is_fsdp2):
                     accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
             if global_step >= args.max_train_steps:
                 break

@@ -9,6 +9,7 @@ faults into the user's own data and loop::
     python examples/vidstab_loop.py --nan_step 6       # skipped on every rank, the NaN sample captured
     python examples/vidstab_loop.py --lr_blowup_step 14  # skipped, rolled back to the last good checkpoint
 
+FSDP2: ``--fsdp`` (CPU: the script applies ``fully_shard`` per block; GPU: ``accelerate launch --use_fsdp --fsdp_version 2``).
 Two processes: ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/vidstab_loop.py``.
 Replay a bundle: ``PYTHONPATH=examples vidstab replay output/example/vidstab/incidents/<bundle>``.
 """
@@ -19,7 +20,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from diffusers import DDPMScheduler
 from diffusers.optimization import get_scheduler
 
@@ -57,11 +58,13 @@ def parse_args():
     parser.add_argument("--nan_step", type=int, default=-1, help="global step whose batch gets a NaN sample (drill)")
     parser.add_argument("--nan_rank", type=int, default=0, help="the rank whose batch gets it")
     parser.add_argument("--lr_blowup_step", type=int, default=-1, help="global step whose LR is x10^4 (drill)")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (GPU: accelerate launch --use_fsdp --fsdp_version 2)")
     return parser.parse_args()
 
 
 def weights_digest(model: torch.nn.Module) -> tuple[bool, str]:
-    params = [p.detach().cpu().contiguous() for p in model.parameters()]
+    # FSDP2 parameters are DTensors holding this rank's shard: full_tensor() gathers them (every rank calls it).
+    params = [getattr(p, "full_tensor", p.detach)().detach().cpu().contiguous() for p in model.parameters()]
     return all(bool(torch.isfinite(p).all()) for p in params), hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()[:16]
 
 
@@ -71,6 +74,17 @@ def main() -> None:
     vidstab.claim_run_dir(accelerator, args.output_dir, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
     set_seed(0)
     model = TinyVideoDenoiser()
+    # Accelerate refuses FSDP on CPU: there --fsdp applies FSDP2 per block itself (before the optimizer is built:
+    # sharding turns the parameters into DTensors) and leaves the model out of prepare (DDP must not wrap it), so
+    # Accelerate's save_state does not hold that model; vidstab's CheckpointManager does, as sharded files.
+    shard_by_hand = args.fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU
+    if args.fsdp and accelerator.num_processes > 1 and not (shard_by_hand or accelerator.is_fsdp2):
+        raise SystemExit("--fsdp on GPU needs Accelerate's FSDP2: accelerate launch --use_fsdp --fsdp_version 2")
+    if shard_by_hand:
+        from torch.distributed.fsdp import fully_shard
+
+        for module in [*model.children(), model]:
+            fully_shard(module)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=5 * accelerator.num_processes,
                                  num_training_steps=args.max_train_steps * accelerator.num_processes)
@@ -78,7 +92,10 @@ def main() -> None:
     latents = torch.randn(64, 4, 2, 8, 8, generator=torch.Generator().manual_seed(0))  # stand-in for cached VAE latents
     dataset = torch.utils.data.TensorDataset(latents, torch.arange(len(latents)))
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
-    model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
+    if shard_by_hand:
+        optimizer, loader, lr_scheduler = accelerator.prepare(optimizer, loader, lr_scheduler)
+    else:  # FSDP2 through Accelerate needs the model and its optimizer in the same prepare call
+        model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
     guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=args.output_dir, seed=0,
                            model_spec={"factory": "vidstab_loop:TinyVideoDenoiser", "kwargs": {}, "loss_fn": "vidstab_loop:denoise_loss"})
     ckpt = vidstab.CheckpointManager(accelerator, args.output_dir)

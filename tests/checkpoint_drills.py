@@ -535,10 +535,11 @@ def drill_accelerate_and_diffusers_coexist(work: Path) -> str:
     return f"vidstab in {os.path.relpath(ckpt.root, out2)}; Accelerate rotation and diffusers scan unaffected"
 
 
-def drill_bundle_weights_reachable_or_refused(work: Path) -> str:
+def drill_bundle_weights_reachable_or_refused(work: Path, sharded: bool = False) -> str:
     """issue 10: an incident bundle names a checkpoint. Rotation keeps it (``keep_for_incidents``), and when
     a rollback saves that step again with other weights, ``vidstab replay`` refuses the bundle with a
-    message instead of replaying on weights the incident never saw."""
+    message instead of replaying on weights the incident never saw. ``sharded``: the same with DCP shards
+    (what an FSDP2 run writes), which replay reads into its one plain model."""
     from vidstab.capture import write_incident
     from vidstab.reference.model import VideoDiT
     from vidstab.reference.objective import DiffusionObjective, step_generator
@@ -552,7 +553,7 @@ def drill_bundle_weights_reachable_or_refused(work: Path) -> str:
         for p in model.parameters():
             if p.abs().sum() == 0:
                 p.normal_(std=0.05)
-    ckpt = CheckpointManager(acc, str(out), CheckpointConfig(keep=1, async_save=False))
+    ckpt = CheckpointManager(acc, str(out), CheckpointConfig(keep=1, async_save=False, sharded=sharded))
     ckpt.register("model", model)
     ckpt.save(2)
     latents = torch.randn(2, 4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
@@ -651,6 +652,7 @@ DRILLS: dict[str, Callable[[Path], str]] = {
     "classic_damage": drill_classic_damage,
     "accelerate_and_diffusers_coexist": drill_accelerate_and_diffusers_coexist,
     "bundle_weights_reachable_or_refused": drill_bundle_weights_reachable_or_refused,
+    "bundle_weights_reachable_or_refused_sharded": lambda work: drill_bundle_weights_reachable_or_refused(work, sharded=True),
     "frozen_base_weights": drill_frozen_base_weights,
     "resume_event": drill_resume_event,
 }

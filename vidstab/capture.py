@@ -23,7 +23,8 @@ Schema (version 1) of ``incident.json`` -- the contract in ``docs/ARCHITECTURE.m
     lr, precision, seed
     detector, verdict, message, figures, finding_ranks   the finding that triggered the capture
     checkpoint         checkpoint folder relative to the run folder (absolute if outside it), or null
-    checkpoint_weights that checkpoint's manifest entry for model.safetensors (bytes + checksum), or null
+    checkpoint_weights that checkpoint's manifest entry for model.safetensors (bytes + checksum), for a
+                       sharded one {"sharded": {shard: entry}} (:func:`weights_entry`), or null
     model              {"class": "module:Class", "config": {...}} | {"factory": "module:fn", "kwargs": {...}} | null
     loss               {"fn": "module:fn", "kwargs": {...}} | null   (loss = fn(model, batch, **kwargs))
     objective          the loss kwargs again, under the contract's name
@@ -262,10 +263,27 @@ def _relative_checkpoint(run_dir: Path, checkpoint: str | os.PathLike | None) ->
 def _weights_entry(run_dir: Path, checkpoint: str | os.PathLike | None) -> dict | None:
     if checkpoint is None:
         return None
-    from .checkpoint.layout import manifest_entry
+    return weights_entry(Path(checkpoint) if Path(checkpoint).is_absolute() else run_dir / checkpoint)
 
-    folder = Path(checkpoint) if Path(checkpoint).is_absolute() else run_dir / checkpoint
-    return manifest_entry(folder, "model.safetensors")
+
+def weights_entry(folder: str | os.PathLike) -> dict | None:
+    """What identifies the model weights of the checkpoint ``folder`` without reading them: the manifest
+    entry (size + checksum) of ``model.safetensors``, or for a sharded (DCP) checkpoint
+    ``{"sharded": {shard file: entry, ...}}``; None when the manifest lists neither (or is damaged).
+    Recorded in a bundle and compared by replay, which refuses a checkpoint rewritten since."""
+    from .checkpoint.config import CheckpointError
+    from .checkpoint.dcp_backend import DCP_DIR
+    from .checkpoint.layout import manifest_entry, read_manifest
+
+    entry = manifest_entry(folder, "model.safetensors")
+    if entry is not None:
+        return entry
+    try:
+        files = read_manifest(os.fspath(folder))["files"]
+    except CheckpointError:
+        return None
+    shards = {f: dict(e) for f, e in files.items() if f.startswith(DCP_DIR + "/") and isinstance(e, dict)}
+    return {"sharded": shards} if shards else None
 
 
 def _versions() -> dict[str, str | None]:

@@ -12,8 +12,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ...capture import Incident
+from ...capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
+from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
+from ...checkpoint.layout import read_manifest
 from ..trusted_import import ImportPathError, UntrustedImportError, resolve
 from .base import ReplayError, UntrustedCodeError
 
@@ -96,6 +98,8 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
         )
     ckpt_dir = p if p.is_dir() else p.parent
     weights = p / "model.safetensors" if p.is_dir() else p
+    if p.is_dir() and not weights.is_file() and (p / SHARDED_INDEX).is_file():
+        return _resolve_sharded(inc, p, origin, override is None)
     if not weights.is_file():
         raise ReplayError(f"checkpoint missing: {origin} has no model.safetensors ({weights} does not exist)")
     step = None
@@ -127,7 +131,49 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
     return weights, step, notes
 
 
+def _resolve_sharded(inc: Incident, ckpt_dir: Path, origin: str, named_by_bundle: bool) -> tuple[Path, int | None, list[str]]:
+    """A sharded (DCP, FSDP2) checkpoint: its shards folder, once every file the model is read from is checked
+    against the manifest and, for the checkpoint the bundle names, the shards are the ones it recorded."""
+    try:
+        manifest = read_manifest(str(ckpt_dir))
+        names = [f for f in manifest["files"] if f == SHARDED_INDEX or f.startswith(DCP_DIR + "/")]
+        verify_checkpoint_files(ckpt_dir, names)
+    except CheckpointError as e:
+        raise ReplayError(f"{origin} ({ckpt_dir}) cannot be used: {e}") from e
+    recorded, now = inc.meta.get("checkpoint_weights"), weights_entry(ckpt_dir)
+    if named_by_bundle and isinstance(recorded, dict) and recorded != now:
+        raise ReplayError(
+            f"{origin} was rewritten after the incident: its shards are not the ones the bundle recorded (a "
+            "rollback saved that step again?), so a replay would run other weights; pass --checkpoint PATH to "
+            "replay on weights you choose")
+    step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
+    return ckpt_dir / DCP_DIR, step, []
+
+
+def _load_sharded_weights(model: nn.Module, shards: Path) -> None:
+    """Load the model's parameters from DCP shards written by any number of ranks into this one plain model
+    (DCP reshards: each parameter is assembled from every rank's slice), in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    index = json.loads((shards.parent / SHARDED_INDEX).read_text(encoding="utf-8"))["keys"]
+    own = model.state_dict()
+    objects = {e["object"] for e in index.values()}
+    name = next((o for o in sorted(objects) if {k[len(o) + 1:] for k, e in index.items() if e["object"] == o} == set(own)), None)
+    if name is None:
+        raise ReplayError(f"the weights in {shards.parent} do not fit the rebuilt model: no saved object has exactly "
+                          f"its parameters {sorted(own)[:5]} (saved: {sorted(index)[:5]})")
+    state = {f"{name}.{k}": v for k, v in own.items()}
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(shards)), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException, RuntimeError, ValueError alike
+        raise ReplayError(f"the sharded weights in {shards} could not be read: {type(e).__name__}: {str(e)[:600]}") from e
+    model.load_state_dict({k: state[f"{name}.{k}"] for k in own}, strict=True)
+
+
 def _load_weights(model: nn.Module, weights: Path) -> None:
+    if weights.is_dir():
+        return _load_sharded_weights(model, weights)
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -532,6 +532,8 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         healthy_runs = H.healthy_runs(seeds=seeds) + [r for r in fine if r.fault is None]
         fault_runs = H.fault_runs(seeds=seeds, qk_growth=H.QK_GROWTH_C if draw == "C" else None)
         fault_runs += [r for r in fine if r.fault is not None]
+        if draw == "C":
+            fault_runs += H.logit_growth_runs(seeds)
         if draw == "C":  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
             healthy_runs += H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
     healthy = {r: H.record(r, cache) for r in healthy_runs}

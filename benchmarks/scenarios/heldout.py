@@ -116,6 +116,14 @@ def fault_runs(families=FAMILIES, seeds=HEALTHY_SEEDS, qk_growth: tuple[str, int
     return out
 
 
+def logit_growth_runs(seeds=DRAW_SEEDS["C"]) -> list[HeldoutRun]:
+    """Draw C's extra logit-growth runs (the transformer, x1.1 per step): one per fault step, on three more
+    schedules, so "acted before the failure on most runs" rests on more than one run."""
+    arg, steps = QK_GROWTH_C
+    return [HeldoutRun("plain_tf_flow", sched, seed, f"qk_growth@{step}={arg}", steps=steps)
+            for seed in seeds for step, sched in zip(FAULT_STEPS, ("constant_nowarmup", "linear", "cosine_restarts"))]
+
+
 def finetune_runs(families=FAMILIES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
     """Short fine-tunes (30 steps, cosine with warm-up of 10): healthy, and an LR bug x10^4 / x10^5 from step 12."""
     out = []

@@ -7,7 +7,8 @@
 The held-out loop of ``scenarios/heldout.py`` (plain-softmax transformer, flow matching), guarded the way
 README's own-loop diff guards a user's loop: ``vidstab.attach``, ``CheckpointManager`` (every 20 steps),
 ``Recovery.after_step``, the data going on after a rollback. Per scenario, arms: unguarded; vidstab with its
-defaults; vidstab with ``trend`` off (what escalation adds). Figures: finished or ``RunAborted`` (and
+defaults; vidstab with ``trend`` off (what escalation adds); ``trend_only`` (the skipping detectors warn only,
+so ``trend`` is what acts). Figures: finished or ``RunAborted`` (and
 its cause), final loss on fixed latents/noise/timesteps relative to the clean unguarded twin of the same
 seed, steps lost (skipped + rolled back, from the event log), first action, and where the unguarded run
 fails (the held-out failure rule). A fault is a bug the user fixes once vidstab rolls back (as
@@ -42,7 +43,10 @@ SCENARIOS = (
     ("lr_ramp_x1.05", "constant_nowarmup", "lr_ramp@120=1.05", 400),
     ("lr_ramp_x1.3", "constant_nowarmup", "lr_ramp@120=1.3", 400),
 )
-ARMS = ("unguarded", "vidstab", "vidstab_no_trend")
+ARMS = ("unguarded", "vidstab", "vidstab_no_trend", "trend_only")
+#: ``trend_only``: the detectors that act first on these faults only warn, so what rolls back is ``trend``'s
+#: escalation of corroborated warnings (issue 11's "escalation that acts"), isolated.
+WARN_ONLY_IN_TREND_ONLY = ("lr_bound", "input_scale", "grad_spike", "loss_spike", "input_range")
 
 
 def _fresh_accelerator():
@@ -87,6 +91,9 @@ def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Pat
         cfg = GuardConfig()
         if arm == "vidstab_no_trend":
             cfg.trend.enabled = False
+        if arm == "trend_only":
+            for name in WARN_ONLY_IN_TREND_ONLY:
+                getattr(cfg, name).action = "warn"
         guard = vidstab.attach(accelerator, model, optimizer, scheduler, config=cfg, run_dir=str(workdir), seed=seed)
         ckpt = vidstab.CheckpointManager(accelerator, str(workdir))
         for name, obj in {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "vidstab": guard}.items():

@@ -204,18 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':14s} {'clean (twin)':17s} {'':>8s} {str(c['first_action'] or '-'):>7s} {'True':>8s} {row['clean_loss']:>9.4g} {1:>8d} {c['steps_lost']:>5d}"
               f"   (clean guarded: {c['final_loss']:.4g})")
     out["seconds"] = round(time.time() - started, 1)
-    print(json.dumps(_finite(out)))
+    print(json.dumps(H._enc(out)))  # strict JSON: non-finite floats as strings
     return out
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
 
 
 if __name__ == "__main__":

@@ -104,6 +104,31 @@ def test_bench_detection_quick():
     assert held["max_skips_per_1k_family"] == 0.0  # no SKIP on the healthy held-out runs
 
 
+def test_bench_escalation_quick():
+    """The guarded held-out loop (attach + CheckpointManager + Recovery): an LR ramp that makes the unguarded
+    run non-finite is rolled back to a checkpoint from before it, and the run finishes with a finite loss."""
+    out = _run("bench_escalation.py", "--quick")
+    row = out["scenarios"]["lr_ramp_x1.3"]
+    assert row["unguarded_failure_step"] is not None
+    v = row["vidstab"]
+    assert v["finished"] and v["rollbacks"] >= 1 and all(s <= 40 for s in v["rollback_to"])
+    assert isinstance(v["final_loss"], float) and math.isfinite(v["final_loss"])
+    assert row["clean_vidstab"]["steps_lost"] == 0  # the clean twin, guarded: no skip, no rollback
+
+
+def test_heldout_draw_c_scenarios():
+    """Draw C: logit growth runs long enough to fail; the small-batch UNet trains on batches of 2."""
+    from benchmarks.scenarios import heldout as H
+    from vidstab import signals as S
+
+    qk = [r for r in H.fault_runs(seeds=H.DRAW_SEEDS["C"], qk_growth=H.QK_GROWTH_C) + H.logit_growth_runs()
+          if r.kind == "qk_growth"]
+    assert len(qk) == 4 and all(r.steps == 640 and r.fault.endswith("=0.1") for r in qk)
+    assert not set(H.DRAW_SEEDS["C"]) & set(H.DRAW_SEEDS["A"] + H.DRAW_SEEDS["B"] + tuple(range(20)))
+    rec = H._run(H.HeldoutRun(H.SMALL_BATCH_FAMILY, "constant_nowarmup", 0, steps=3, tail=0), None)
+    assert [row[S.IN_NUMEL] for row in rec.rows] == [2 * 4 * 8 * 8] * 3
+
+
 @pytest.mark.slow
 def test_bench_chaos_quick():
     out = _run("bench_chaos.py", "--quick")

@@ -41,11 +41,17 @@ SCHEDULES = ("cosine_warmup", "linear", "constant_nowarmup", "long_warmup", "cos
 #: Draw A was looked at while the defaults were still changing (one pattern in it, a false grad_spike skip
 #: of the transformer, motivated the log-space z-test: see RESULTS.md); draw B was recorded only after every
 #: default was frozen and is the clean held-out figure.
-DRAW_SEEDS = {"A": (100, 101), "B": (102,)}
+#: Draw C (seed 110; 103-109 untouched, 105 was used once to size the small-batch UNet below) was recorded
+#: after issue 11's follow-up changed only the scenarios (a stronger logit growth that reaches a failure
+#: point, the small-batch UNet); no detector default changed between draws B and C.
+DRAW_SEEDS = {"A": (100, 101), "B": (102,), "C": (110,)}
 HEALTHY_SEEDS = DRAW_SEEDS["A"]
 RUN_STEPS = 400
 PARAM_NORM_EVERY = 10  # the guard's default cadence; the recorded rows carry it
 MAX_GRAD_NORM = 1.0
+#: Samples per step of the small-batch UNet (``unet_eps_small_batch``): with uniform DDPM timesteps, about 1
+#: step in 100 draws only t < 100, where the epsilon target is hardest to predict and gradients are largest.
+SMALL_BATCH = 2
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,20 @@ SLOW_FAULTS = ("lr_ramp", "input_drift", "qk_growth")
 FAULT_KINDS = (("lr_spike", "1000"), ("lr_spike", "100"), ("lr_ramp", "1.05"), ("input_drift", "0.01"),
                ("input_scale", "5.5"), ("nan_batch", None), ("big_latent", "1e4"), ("qk_growth", "0.03"))
 FAULT_STEPS = (120, 180, 250)
+#: Draw C's logit growth: query/key weights x1.1 per step (logits x1.21) for up to QK_STEPS steps. At x1.03
+#: (draws A/B) the loss stayed within 1.6x its healthy twin for 680 steps and never reached a failure point
+#: (measured: seed 102, 800 steps, two schedules); at x1.1 the attention logits overflow fp32 about 330 steps
+#: after the onset (non-finite loss: the failure point), so onsets 120-250 fail inside 640 steps.
+QK_GROWTH_C = ("0.1", 640)
+#: The small-batch UNet (issue 11's heavy-tailed healthy report): healthy only, these schedules, this long.
+SMALL_BATCH_FAMILY = "unet_eps_small_batch"
+SMALL_BATCH_SCHEDULES = ("constant_nowarmup", "cosine_restarts")
+SMALL_BATCH_STEPS = 3000
 
 
-def fault_runs(families=FAMILIES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
+def fault_runs(families=FAMILIES, seeds=HEALTHY_SEEDS, qk_growth: tuple[str, int] | None = None) -> list[HeldoutRun]:
+    """The fault runs of a draw; ``qk_growth``: (per-step factor - 1, run length) replacing draws A/B's
+    (``"0.03"``, ``RUN_STEPS``)."""
     out = []
     i = 0
     for fam in families:
@@ -94,8 +111,19 @@ def fault_runs(families=FAMILIES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
                 step = FAULT_STEPS[i % len(FAULT_STEPS)]
                 sched = SCHEDULES[i % len(SCHEDULES)]
                 i += 1
-                out.append(HeldoutRun(fam, sched, seed, f"{kind}@{step}" + (f"={arg}" if arg else "")))
+                steps = RUN_STEPS
+                if kind == "qk_growth" and qk_growth is not None:
+                    arg, steps = qk_growth
+                out.append(HeldoutRun(fam, sched, seed, f"{kind}@{step}" + (f"={arg}" if arg else ""), steps=steps))
     return out
+
+
+def logit_growth_runs(seeds=DRAW_SEEDS["C"]) -> list[HeldoutRun]:
+    """Draw C's extra logit-growth runs (the transformer, x1.1 per step): one per fault step, on three more
+    schedules, so "acted before the failure on most runs" rests on more than one run."""
+    arg, steps = QK_GROWTH_C
+    return [HeldoutRun("plain_tf_flow", sched, seed, f"qk_growth@{step}={arg}", steps=steps)
+            for seed in seeds for step, sched in zip(FAULT_STEPS, ("constant_nowarmup", "linear", "cosine_restarts"))]
 
 
 def finetune_runs(families=FAMILIES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
@@ -109,8 +137,9 @@ def finetune_runs(families=FAMILIES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
     return out
 
 
-def healthy_runs(families=FAMILIES, schedules=SCHEDULES, seeds=HEALTHY_SEEDS) -> list[HeldoutRun]:
-    return [HeldoutRun(f, s, seed) for f in families for s in schedules for seed in seeds]
+def healthy_runs(families=FAMILIES, schedules=SCHEDULES, seeds=HEALTHY_SEEDS, steps: int = RUN_STEPS) -> list[HeldoutRun]:
+    return [HeldoutRun(f, s, seed, steps=steps, tail=0) if steps != RUN_STEPS else HeldoutRun(f, s, seed)
+            for f in families for s in schedules for seed in seeds]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -184,7 +213,7 @@ def build(family: str):
         model = VideoDiT(in_channels=data.shape[1], hidden_size=32, num_layers=2, num_heads=2, attention_type="full")
         return model, DiffusionObjective(ObjectiveConfig("epsilon")), data, 2e-4
     data = image_latents()
-    if family == "unet_eps":
+    if family in ("unet_eps", "unet_eps_small_batch"):
         return _UNet(), DiffusionObjective(ObjectiveConfig("epsilon")), data, 3e-4
     if family == "plain_tf_flow":
         return PlainTransformer(), DiffusionObjective(ObjectiveConfig("flow_matching")), data, 5e-4
@@ -300,7 +329,7 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     for step in range(run.steps):
         if step >= stop_at:
             break
-        bs = 8 if (run.schedule == "batch_change" and step >= run.steps // 2) else 4
+        bs = batch_size(run, step)
         g = torch.Generator().manual_seed(run.seed * 100_003 + step)
         x = data[torch.randint(0, n, (bs,), generator=g)].clone()
         on = kind is not None and step >= run.onset
@@ -359,6 +388,11 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     return rec
 
 
+def batch_size(run: HeldoutRun, step: int) -> int:
+    """Samples per step: ``SMALL_BATCH`` for the small-batch UNet, 4 otherwise (8 from mid-run under ``batch_change``)."""
+    if run.family == "unet_eps_small_batch":
+        return SMALL_BATCH
+    return 8 if (run.schedule == "batch_change" and step >= run.steps // 2) else 4
 
 
 def _failure(step: int, loss: float, healthy: HeldoutRecording | None) -> str | None:

@@ -32,6 +32,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.scenarios import heldout as H  # noqa: E402
+from vidstab.lr import scale_lrs  # noqa: E402
+from vidstab.strict_json import dumps_strict  # noqa: E402
 
 FAMILY = "plain_tf_flow"
 SEED = 110
@@ -108,7 +110,7 @@ def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Pat
             x = data[torch.randint(0, n, (H.batch_size(run, global_step),), generator=g)].clone()
             on = active and global_step >= onset
             if on and kind == "lr_ramp":
-                H._scale_lr(optimizer, getattr(scheduler, "scheduler", scheduler), arg)  # the wrapped torch scheduler
+                scale_lrs(optimizer, arg, scheduler, as_scheduled=False)  # a wrong schedule, as vidstab.faults
             if on and kind == "input_drift":
                 ramp *= 1.0 + arg
                 x = x * ramp
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':14s} {'clean (twin)':17s} {'':>8s} {str(c['first_action'] or '-'):>7s} {'True':>8s} {row['clean_loss']:>9.4g} {1:>8d} {c['steps_lost']:>5d}"
               f"   (clean guarded: {c['final_loss']:.4g})")
     out["seconds"] = round(time.time() - started, 1)
-    print(json.dumps(H._enc(out)))  # strict JSON: non-finite floats as strings
+    print(dumps_strict(out))  # strict JSON: non-finite floats as strings (vidstab.strict_json)
     return out
 
 

@@ -11,8 +11,10 @@ and the JSON of other registered objects)::
 No pickle: DCP's default format pickles its ``.metadata`` and loads non-tensor items with
 ``torch.load(weights_only=False)``. Here DCP goes through ``HuggingFaceStorageWriter`` /
 ``HuggingFaceStorageReader`` (safetensors shards whose headers carry each shard's offsets), is given only
-tensors and DTensors (that writer would silently write a ``torch.save`` zip for anything else), and every
-file it writes is checksummed while written (:class:`_ChecksumFileSystem`) so it is verified like any other.
+tensors and DTensors (that writer would silently write a ``torch.save`` zip for anything else; here a
+non-tensor item is refused), and each rank's shard file is streamed from memory and checksummed while
+written (:func:`_streaming_writer`), then fsync'd with the checkpoint's other files, so it is verified like
+any other.
 
 Optimizer state is keyed by parameter name (``flatten_optimizer_state_dict=True``), so a checkpoint saved
 at one world size loads at another (DCP reshards) and a mismatch names the parameter.
@@ -20,11 +22,9 @@ at one world size loads at another (DCP reshards) and a mismatch names the param
 
 from __future__ import annotations
 
-import io
+import json
 import logging
 import os
-import threading
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,62 +70,60 @@ def _inner_optimizer(obj: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else obj
 
 
-class _ChecksumStream(io.RawIOBase):
-    """Write-only stream that checksums and counts the bytes passing through to ``raw``."""
+def _streaming_writer(path: str, algo: str, fsync: bool):
+    """A ``HuggingFaceStorageWriter`` (``save_distributed``: each rank writes its own shard file, same names,
+    same safetensors header metadata, read back by ``HuggingFaceStorageReader``) whose :meth:`write_data`
+    streams each rank's tensors straight from memory into the file with :func:`vidstab.statedict_io.write_safetensors`:
+    checksummed while written (in a second thread), writeback started every 16 MiB, not fsync'd (the
+    manager fsyncs every file of the checkpoint in one concurrent batch).
 
-    def __init__(self, raw, hasher) -> None:
-        super().__init__()
-        self.raw, self.hasher, self.count = raw, hasher, 0
+    Why not the stock ``write_data``: torch's ``_write_files_from_queue`` serialises a rank's whole shard into
+    one in-memory buffer with ``safetensors.torch.save`` (a full extra copy of the state) before writing it and
+    fsyncs each file on its own; that copy was most of what a vidstab sharded save cost beyond a plain
+    ``dcp.save`` (``benchmarks/RESULTS.md``, "Sharded checkpoints")."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
+                                                        HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        mv = memoryview(b).cast("B")
-        self.hasher.update(mv)
-        n = self.raw.write(mv)
-        self.count += len(mv)
-        return n if n is not None else len(mv)
-
-    def tell(self) -> int:
-        return self.count
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.flush()
-        super().close()
-
-
-def _checksum_filesystem(algo: str):
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class _ChecksumFileSystem(FileSystem):
-        """DCP's local file system, recording size and checksum of every file it writes (as written: the
-        shards are never re-read to checksum them)."""
-
+    class StreamingHFWriter(HuggingFaceStorageWriter):
         def __init__(self) -> None:
+            super().__init__(path, save_distributed=True)
+            self.sync_files = False
             self.digests: dict[str, sio.FileDigest] = {}
-            self._lock = threading.Lock()
+            """Absolute path -> size and checksum of each file this rank wrote."""
 
-        @contextmanager
-        def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as raw:
-                if "w" not in mode and "a" not in mode:
-                    yield raw
-                    return
-                stream = _ChecksumStream(raw, sio.new_checksum(algo))
-                yield stream
-                stream.flush()
-                with self._lock:
-                    self.digests[os.fspath(path)] = sio.FileDigest(stream.count, algo, stream.hasher.hexdigest())
+        def write_data(self, plan, planner):
+            fut: Future = Future()
+            if not plan.items:
+                fut.set_result([])
+                return fut
+            if any(i.type == WriteItemType.BYTE_IO for i in plan.items):
+                # The sharded backend hands DCP tensors only; a non-tensor would need a pickle.
+                raise CheckpointError("sharded checkpoint: DCP was given a non-tensor item "
+                                      f"({[i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO][:3]})")
+            name = _gen_file_name(1, 1, plan.storage_data.get("shard_index"))
+            tensors, offsets, results = {}, {}, []
+            for item in plan.items:
+                t = planner.resolve_data(item)
+                fqn = item.index.fqn
+                tensors[fqn] = t
+                offsets[fqn] = {SAVED_OFFSETS_KEY: list(item.tensor_data.chunk.offsets)}
+                length = t.numel() * t.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, 0, length)))
+            meta = {CUSTOM_METADATA_KEY: json.dumps(offsets), DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                    FORMAT_KEY: FORMAT_VALUE}
+            file = os.path.join(os.fspath(self.path), name)
+            self.digests[file] = sio.write_safetensors(file, tensors, meta, fsync=False, checksum=algo,
+                                                       writeback=fsync)
+            fut.set_result(results)
+            return fut
 
-    return _ChecksumFileSystem()
+    return StreamingHFWriter()
 
 
 def _reusing_stager(reuse: bool, pin: bool):
@@ -161,15 +159,6 @@ def _reusing_stager(reuse: bool, pin: bool):
             pass
 
     return ReusingStager()
-
-
-def _storage_writer(path: str, algo: str, fsync: bool):
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    writer = HuggingFaceStorageWriter(path, save_distributed=True)  # each rank writes its own shard file
-    writer.fs = _checksum_filesystem(algo)
-    writer.sync_files = fsync
-    return writer
 
 
 class ShardedBackend(FullStateBackend):
@@ -244,7 +233,7 @@ class ShardedBackend(FullStateBackend):
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(tmp_dir, DCP_DIR)
-        writer = _storage_writer(path, self.config.checksum, self.config.fsync)
+        writer = _streaming_writer(path, self.config.checksum, self.config.fsync)
         no_dist = group is None
         if copy:
             if self._stager is None:
@@ -267,8 +256,10 @@ class ShardedBackend(FullStateBackend):
 
     @staticmethod
     def _digests(writer, tmp_dir: str) -> dict[str, dict]:
+        """Manifest entries of the files this rank's DCP write produced, by path relative to ``tmp_dir``
+        (not fsync'd yet: the manager batches the fsyncs)."""
         out = {}
-        for p, d in writer.fs.digests.items():
+        for p, d in writer.digests.items():
             rel = os.path.relpath(p, tmp_dir).replace(os.sep, "/")
             out[rel] = d.to_json()
         return out

@@ -220,6 +220,11 @@ class CheckpointManager:
             job.sharded_write = None
             write_files(job, self.config.checksum, self.config.fsync)
             job.digests.update(sharded)
+            # DCP's shard files are fsync'd in the same concurrent batch as this rank's other files; the
+            # main process also fsyncs the shard folder that names them.
+            job.unsynced += [os.path.join(job.tmp_dir, f) for f in sharded]
+            if sharded and self.is_main:
+                job.unsynced.append(os.path.join(job.tmp_dir, os.path.dirname(next(iter(sharded)))))
             if not self.is_main and self.config.fsync:
                 sio.fsync_files(job.unsynced)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below

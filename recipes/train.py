@@ -220,6 +220,7 @@ class Run:
             checkpoint_fn=self.checkpoints.latest_path_str,
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))
+        self.checkpoints.after_files_written = self.faults.maybe_kill_in_save  # the kill_in_save drill
         self.checkpoints.register("model", self.model)
         self.checkpoints.register("optimizer", self.optimizer)
         self.checkpoints.register("lr_scheduler", self.lr_scheduler)

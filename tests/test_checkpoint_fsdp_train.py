@@ -54,3 +54,23 @@ def test_fsdp_lr_spike_rolls_back_to_last_good_with_lr_backoff(tmp_path):
         assert rollbacks[0]["lr_multiplier"] == 0.5
     assert "done: 14/14 steps" in proc.stdout
     assert all(torch.isfinite(v).all() for v in _shards(out, 14).values() if v.is_floating_point())
+
+
+@pytest.mark.slow
+def test_fsdp_rank_sigkilled_inside_a_sharded_save_resumes_from_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ["--max_train_steps", "5", "--fsdp", "--checkpointing_steps", "2"]
+    # Rank 1 dies by SIGKILL inside the save of step 4, its own shards written, before the ranks agree.
+    killed = run_trainer(out, *args, "--inject_fault", "kill_in_save@4:1", nproc=2, check=False)
+    assert killed.returncode != 0
+    assert "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    root = out / "vidstab" / "checkpoints"
+    assert not (root / "step_000004").exists()
+    assert (root / "latest").read_text().strip() == "step_000002"
+    assert [e["step"] for e in events(out, 0, "checkpoint")] == [2]
+    resumed = run_trainer(out, *args, "--resume_from_checkpoint", "latest", nproc=2)
+    assert "done: 5/5 steps" in resumed.stdout
+    for rank in (0, 1):
+        assert [e["step"] for e in events(out, rank, "resume")] == [2], rank
+    assert not list(root.glob(".tmp-*"))  # the killed save's folder was removed, never loaded
+    assert all(torch.isfinite(v).all() for v in _shards(out, 5).values() if v.is_floating_point())

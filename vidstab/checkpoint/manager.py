@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -94,6 +94,10 @@ class CheckpointManager:
         self.last_loaded: dict | None = None
         """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
         self._head: dict | None = None  # {"name", "sequence"}: what the next save's state descends from
+        self.after_files_written: Callable[[int], None] | None = None
+        """Called with the step on each rank once its files of a save are written, before the ranks agree
+        on it (in the writer thread for async saves). For drills: ``vidstab.faults``' ``kill_in_save``
+        kills a rank there."""
         if self.is_main:
             os.makedirs(self.root, exist_ok=True)
             if self.config.remove_stale:
@@ -227,6 +231,8 @@ class CheckpointManager:
                 job.unsynced.append(os.path.join(job.tmp_dir, os.path.dirname(next(iter(sharded)))))
             if not self.is_main and self.config.fsync:
                 sio.fsync_files(job.unsynced)
+            if self.after_files_written is not None:
+                self.after_files_written(job.step)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below
             error = e
         try:

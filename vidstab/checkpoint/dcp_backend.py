@@ -126,6 +126,91 @@ def _streaming_writer(path: str, algo: str, fsync: bool):
     return StreamingHFWriter()
 
 
+def _per_node_planner(accelerator):
+    """A save planner for node-local folders: DCP writes each replicated (non-DTensor) tensor, such as the
+    optimizer's ``step`` counters, once in the whole job, on whichever rank it picks; with one folder per
+    node, every node's folder must hold its own copy. So replicated items are de-duplicated among each
+    node's ranks only (torch's ``dedup_save_plans`` on each node's plans)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+
+    # Every rank's node (the rank of its node's local main process), in rank order.
+    mine = torch.tensor([accelerator.process_index - accelerator.local_process_index], dtype=torch.int64)
+    nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(accelerator.num_processes)]
+    dist.all_gather(nodes, mine)
+    nodes = [int(n) for n in nodes]
+
+    class PerNodePlanner(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):
+            out = list(all_plans)
+            for node in sorted(set(nodes)):
+                ranks = [r for r, n in enumerate(nodes) if n == node]
+                for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], True)):
+                    out[r] = plan
+            # The job-wide metadata (unused by the safetensors writer, which writes none when saving
+            # distributed) from a job-wide de-duplication; the plans keep each node's copies.
+            _, metadata = create_default_global_save_plan(dedup_save_plans(list(all_plans), True))
+            if self.flatten_state_dict:
+                merged = {}
+                for plan in all_plans:
+                    merged.update(plan.planner_data)
+                metadata.planner_data = merged
+            self.global_plan, self.metadata = out, metadata
+            return out, metadata
+
+    return PerNodePlanner()
+
+
+def _reader(path: str, index: dict[str, dict]):
+    """``HuggingFaceStorageReader`` whose metadata takes each tensor's global shape from ``sharded.json``.
+
+    torch's reader derives a tensor's global size from the shards present in the folder; a node-local
+    folder holds only its node's shards, so that size comes out smaller and ``dcp.load`` refuses a size
+    mismatch. The chunks listed stay those of the files present; :func:`_check_coverage` refuses a load
+    whose shard is not (entirely) there."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class IndexedReader(HuggingFaceStorageReader):
+        def read_metadata(self):
+            metadata = super().read_metadata()
+            for fqn, md in metadata.state_dict_metadata.items():
+                if fqn in index and hasattr(md, "size"):
+                    md.size = torch.Size(index[fqn]["shape"])
+            return metadata
+
+    return IndexedReader(path)
+
+
+def _check_coverage(ckpt: str, folder: str, reader, targets: dict[str, dict]) -> None:
+    """Refuse to load when a tensor this rank holds (its local shard of a DTensor) is not entirely covered
+    by the shards in ``folder``: DCP would leave the uncovered part as it is, silently."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    chunks = {fqn: md.chunks for fqn, md in reader.read_metadata().state_dict_metadata.items() if hasattr(md, "chunks")}
+    for n, sd in targets.items():
+        for k, v in sd.items():
+            fqn = f"{n}.{k}"
+            if hasattr(v, "device_mesh"):
+                shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+            else:
+                shape, offset = tuple(v.shape), (0,) * v.dim()
+            want = 1
+            for d in shape:
+                want *= d
+            have = 0
+            for c in chunks.get(fqn, []):
+                vol = 1
+                for o, s, co, cs in zip(offset, shape, c.offsets, c.sizes):
+                    vol *= max(0, min(o + s, co + cs) - max(o, co))
+                have += vol
+            if have < want:
+                raise CheckpointError(
+                    f"{ckpt}: {folder} holds no shard for part of {fqn} on this rank (node-local folders of "
+                    "save_on_each_node=True hold only their node's shards: resume with the same processes per node, "
+                    "or copy every node's dcp/ files into one folder to reshard)")
+
+
 def _reusing_stager(reuse: bool, pin: bool):
     """A ``dcp.async_save`` stager that copies the state to host memory, reusing last save's buffers when
     ``reuse`` and the state has the same keys and shapes (like the full-state backend's ``reuse_buffers``:
@@ -235,12 +320,13 @@ class ShardedBackend(FullStateBackend):
         path = os.path.join(tmp_dir, DCP_DIR)
         writer = _streaming_writer(path, self.config.checksum, self.config.fsync)
         no_dist = group is None
+        planner = _per_node_planner(self.accelerator) if self.node_local and not no_dist else None
         if copy:
             if self._stager is None:
                 self._stager = _reusing_stager(self.config.reuse_buffers,
                                                self.config.pin_memory and torch.cuda.is_available())
             fut = dcp.async_save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist,
-                                 async_stager=self._stager)
+                                 async_stager=self._stager, planner=planner)
             spec.sharded = None  # DCP staged its own copy: drop the references to live state
 
             def result():
@@ -249,7 +335,7 @@ class ShardedBackend(FullStateBackend):
             return result
 
         def run():
-            dcp.save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist)
+            dcp.save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist, planner=planner)
             spec.sharded = None
             return self._digests(writer, tmp_dir)
         return run
@@ -299,7 +385,6 @@ class ShardedBackend(FullStateBackend):
         """Check every parameter's name and shape against the checkpoint, then ``dcp.load`` (all ranks
         together; DCP reshards to this world size) and load the models, optimizers and other objects."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         ckpt, index = payload["ckpt"], payload["index"]
@@ -318,8 +403,23 @@ class ShardedBackend(FullStateBackend):
                        if e["object"] in targets and k[len(e["object"]) + 1:] not in targets[e["object"]])
         if extra:
             raise CheckpointError(f"{ckpt}: saved state this run has no place for: {extra[:5]}")
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(path, DCP_DIR)),
-                 process_group=group, no_dist=group is None)
+        reader = _reader(os.path.join(path, DCP_DIR), index)
+        try:
+            _check_coverage(ckpt, os.path.join(path, DCP_DIR), reader, targets)
+        except CheckpointError as e:
+            error: CheckpointError | None = e
+        else:
+            error = None
+        if group is not None:  # every rank learns whether every rank can load before any enters dcp.load
+            import torch.distributed as dist
+
+            flag = torch.tensor([0 if error is None else 1])
+            dist.all_reduce(flag, group=group)
+            if error is None and int(flag) > 0:
+                error = CheckpointError(f"{ckpt}: another rank's folder lacks shards it needs (see its log)")
+        if error is not None:
+            raise error
+        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(self.accelerator.unwrap_model(obj), targets[n])

@@ -14,24 +14,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from tiny_model import two_layer_model
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 
 prefix, kind = sys.argv[1:3]
 out = f"{prefix}{os.environ['RANK']}"
 acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=out, save_on_each_node=True))
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-if kind == "fsdp":
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (acc.num_processes,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-else:
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+model = two_layer_model(acc, kind)
+opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
 ckpt = CheckpointManager(acc, out, CheckpointConfig(async_save=False))
 ckpt.register("model", model)
 ckpt.register("optimizer", opt)

@@ -265,12 +265,18 @@ class ShardedBackend(FullStateBackend):
         raise CheckpointError("a registered optimizer updates no registered model's parameters: register the model "
                               "too (sharded checkpoints store optimizer state by parameter name)")
 
-    def _dcp_state(self, objects: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
-        """``({object: {key: tensor/DTensor}}, {optimizer: {key: non-tensor}})`` of what goes through DCP."""
+    def _dcp_state(self, objects: dict[str, Any], through_dcp: set[str] = frozenset()) -> tuple[dict[str, dict], dict[str, dict]]:
+        """``({object: {key: tensor/DTensor}}, {object: JSON structure})`` of what goes through DCP: models,
+        optimizers (their non-tensor state as the structure) and any other object whose state holds
+        DTensors (an EMA of sharded weights: its tensors by the keys of :func:`vidstab.statedict_io.flatten`,
+        the rest of its state as the structure; also one the checkpoint being loaded, ``through_dcp``, saved
+        that way: an EMA saved sharded loads into plain tensors at world size 1)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        from ..signals import is_dtensor
+
         tensors: dict[str, dict] = {}
-        rest: dict[str, dict] = {}
+        rest: dict[str, Any] = {}
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 tensors[n] = dict(get_model_state_dict(self.accelerator.unwrap_model(obj)))
@@ -278,7 +284,11 @@ class ShardedBackend(FullStateBackend):
                 _, model = self._model_of(objects, obj)
                 flat = get_optimizer_state_dict(model, _inner_optimizer(obj), options=_options())
                 tensors[n] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-                rest[n] = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+                rest[n] = sio.flatten({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)})[1]
+            else:
+                ts, structure = sio.flatten(obj.state_dict(), prefix="t")
+                if n in through_dcp or any(is_dtensor(t) for t in ts.values()):
+                    tensors[n], rest[n] = ts, structure
         return tensors, rest
 
     # ------------------------------------------------------------------ save
@@ -294,12 +304,10 @@ class ShardedBackend(FullStateBackend):
                     index[f"{n}.{k}"] = {"object": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
             files.append(FileSpec(SHARDED_INDEX, data=sio.dumps({"dir": DCP_DIR, "format": "dcp-huggingface-safetensors",
                                                                  "keys": index})))
-            for n, r in rest.items():
-                leftovers, structure = sio.flatten(r)
-                assert not leftovers
+            for n, structure in rest.items():
                 files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
             for n, obj in objects.items():
-                if isinstance(obj, torch.nn.Module) or is_optimizer(obj):
+                if isinstance(obj, torch.nn.Module) or n in rest:
                     continue
                 ts, structure = sio.flatten(obj.state_dict(), prefix="t")
                 files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
@@ -367,12 +375,15 @@ class ShardedBackend(FullStateBackend):
         from safetensors.torch import load as st_load
 
         out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX])["keys"]}
+        through_dcp = {e["object"] for e in out["index"].values()}
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 continue
             structure = sio.loads(raw[f"{file_stem(n)}.json"])
             if is_optimizer(obj):
                 out["objects"][n] = sio.unflatten(structure, {})
+            elif n in through_dcp:
+                out["objects"][n] = structure  # its tensors come from DCP (apply)
             else:
                 stem = file_stem(n)
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
@@ -388,7 +399,7 @@ class ShardedBackend(FullStateBackend):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         ckpt, index = payload["ckpt"], payload["index"]
-        targets, _ = self._dcp_state(objects)  # initialises empty optimizer states (torch does it the same way)
+        targets, _ = self._dcp_state(objects, {e["object"] for e in index.values()})  # initialises empty optimizer states (torch does it the same way)
         for n, sd in targets.items():
             for k, v in sd.items():
                 fqn = f"{n}.{k}"
@@ -427,6 +438,8 @@ class ShardedBackend(FullStateBackend):
                 _, model = self._model_of(objects, obj)
                 flat = {**payload["objects"][n], **targets[n]}
                 set_optimizer_state_dict(model, _inner_optimizer(obj), flat, options=_options())
+            elif n in targets:  # an object holding DTensors (EMA of sharded weights): DCP loaded them in place
+                obj.load_state_dict(sio.unflatten(payload["objects"][n], targets[n]))
             else:
                 obj.load_state_dict(payload["objects"][n])
         self.apply_common(payload)

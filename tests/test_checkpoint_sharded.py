@@ -169,3 +169,10 @@ def test_save_on_each_node_publishes_a_complete_checkpoint_in_every_node_local_f
         else:
             assert "model.safetensors" in files
         assert all((root / "step_000002" / f).is_file() for f in files)
+    if kind == "fsdp":
+        # One node's folder alone cannot reshard to one process: refused, naming the tensor, nothing loaded.
+        acc = Accelerator(cpu=True)
+        ckpt = CheckpointManager(acc, str(tmp_path / "node0"), CheckpointConfig(allow_world_size_change=True, sharded=True))
+        ckpt.register("model", torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+        with pytest.raises(CheckpointError, match=r"holds no shard for part of model\.0\.weight"):
+            ckpt.load("latest")

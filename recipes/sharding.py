@@ -86,3 +86,23 @@ def full_model(accelerator: Accelerator, model: torch.nn.Module, model_class: ty
     plain = model_class.from_config(unwrapped.config)
     plain.load_state_dict(state, strict=True)
     return plain.to(accelerator.device)
+
+
+def full_ema(accelerator: Accelerator, ema):
+    """``ema`` (``diffusers.training_utils.EMAModel``) with plain full shadow weights, for export and
+    validation sampling on the main process. Unsharded (or no EMA): ``ema`` itself, on every rank. Sharded
+    (``--fsdp --use_ema``: the shadow weights are DTensors sharded like the parameters and updated on each
+    rank's shard): every rank must call this (``full_tensor`` is an all-gather); the main process gets a new
+    ``EMAModel`` holding the gathered weights, the other ranks ``None``."""
+    from vidstab.signals import is_dtensor
+
+    if ema is None or not any(is_dtensor(p) for p in ema.shadow_params):
+        return ema
+    full = [p.full_tensor() if is_dtensor(p) else p for p in ema.shadow_params]
+    if not accelerator.is_main_process:
+        return None
+    from diffusers.training_utils import EMAModel
+
+    gathered = EMAModel(full, decay=ema.decay)
+    gathered.load_state_dict({**ema.state_dict(), "shadow_params": gathered.shadow_params})
+    return gathered

@@ -179,8 +179,6 @@ class Run:
         self.vae_on_device = None  # moved to the training device at the first validation
         self.reference_latents = None  # data clips the validation samples are compared with, read at the first validation
         latent_channels = cache[0]["latents"].shape[0]
-        if args.fsdp and args.use_ema:
-            raise SystemExit("--use_ema with --fsdp is not supported yet (EMA shadow weights would be DTensors)")
         self.model = sharding.shard_model(acc, build_model(args, latent_channels), args.fsdp)
         self.objective = DiffusionObjective(objective_config(args))
         dataloader = torch.utils.data.DataLoader(
@@ -220,6 +218,7 @@ class Run:
             checkpoint_fn=self.checkpoints.latest_path_str,
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))
+        self.checkpoints.after_files_written = self.faults.maybe_kill_in_save  # the kill_in_save drill
         self.checkpoints.register("model", self.model)
         self.checkpoints.register("optimizer", self.optimizer)
         self.checkpoints.register("lr_scheduler", self.lr_scheduler)
@@ -313,12 +312,13 @@ def finish_checkpoints(run: Run, step: int, retry: bool) -> bool:
         return False
 
 
-def export_run(run: Run, model: VideoDiT) -> dict:
+def export_run(run: Run, model: VideoDiT, ema=None) -> dict:
     """``output_dir/transformer/`` (+ ``transformer_ema/``, ``vae/``, ``scheduler/``) of ``model``, the plain
-    model (``sharding.full_model``): see recipes/export.py. Main process only."""
+    model (``sharding.full_model``), and ``ema`` (``sharding.full_ema``; default ``run.ema``): see
+    recipes/export.py. Main process only."""
     args = run.args
     written = export_pipeline(
-        args.output_dir, model, ema=run.ema, vae=run.vae, vae_path=args.vae,
+        args.output_dir, model, ema=run.ema if ema is None else ema, vae=run.vae, vae_path=args.vae,
         objective=run.objective.to_dict(), normalization=run.cache.normalization, latent_shape=run.cache.latent_shape,
     )
     run.guard.events.log("export", run.guard.global_step, folders={k: str(Path(v).relative_to(args.output_dir)) for k, v in written.items()})
@@ -330,8 +330,9 @@ def validate(run: Run, step: int) -> None:
     if run.args.num_validation_videos < 1:
         return
     plain = sharding.full_model(run.accelerator, run.model, VideoDiT)
+    ema = sharding.full_ema(run.accelerator, run.ema)  # every rank: a collective under --fsdp --use_ema
     if plain is not None:
-        run_validation(run, step, plain)
+        run_validation(run, step, plain, ema)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -460,9 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     with PreemptionHandler():
         if exit_code == 0 and step >= args.max_train_steps:
             plain = sharding.full_model(acc, run.model, VideoDiT)  # every rank: a collective under --fsdp
+            ema = sharding.full_ema(acc, run.ema)
             if acc.is_main_process:
-                exported = export_run(run, plain)
-                run_validation(run, step, plain)
+                exported = export_run(run, plain, ema)
+                run_validation(run, step, plain, ema)
         acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()

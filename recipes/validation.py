@@ -40,16 +40,18 @@ def log_to_trackers(accelerator, step: int, result: dict) -> None:
         accelerator.log({f"validation/{k}": v for k, v in scalars.items()}, step=step)
 
 
-def run_validation(run, step: int, model=None) -> dict | None:
+def run_validation(run, step: int, model=None, ema=None) -> dict | None:
     """Sample ``--num_validation_videos`` clips on the main process; returns the logged event (None elsewhere).
-    ``model``: the plain model to sample (``sharding.full_model`` under ``--fsdp``); default the unwrapped one."""
+    ``model``: the plain model to sample (``sharding.full_model`` under ``--fsdp``); default the unwrapped one.
+    ``ema``: the EMA to sample (``sharding.full_ema`` under ``--fsdp``); default ``run.ema``."""
     args, acc = run.args, run.accelerator
     if args.num_validation_videos < 1 or not acc.is_main_process:
         return None
     model = acc.unwrap_model(run.model) if model is None else model
-    if run.ema is not None:  # diffusers' convention: validate the EMA weights, then put the live ones back
-        run.ema.store(model.parameters())
-        run.ema.copy_to(model.parameters())
+    ema = run.ema if ema is None else ema
+    if ema is not None:  # diffusers' convention: validate the EMA weights, then put the live ones back
+        ema.store(model.parameters())
+        ema.copy_to(model.parameters())
     try:
         if run.vae_on_device is None:
             run.vae_on_device = run.vae.to(acc.device)
@@ -61,8 +63,8 @@ def run_validation(run, step: int, model=None) -> dict | None:
                               num_videos=args.num_validation_videos, num_inference_steps=args.validation_num_inference_steps,
                               seed=args.seed, out_dir=out_dir, reference_latents=run.reference_latents)
     finally:
-        if run.ema is not None:
-            run.ema.restore(model.parameters())
+        if ema is not None:
+            ema.restore(model.parameters())
     log_to_trackers(acc, step, result)
     root = Path(args.output_dir)
     rel = lambda p: os.path.relpath(p, root)  # noqa: E731

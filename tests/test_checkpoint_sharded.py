@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -99,13 +100,16 @@ def test_deepspeed_engine_is_refused_at_construction_with_what_to_use_instead(tm
         ckpt.register("model", DeepSpeedEngine())
 
 
-def _start_plain(n: int, script: str, *args: str) -> list[subprocess.Popen]:
-    """``n`` processes of ``script`` with the torch.distributed environment set and no launcher around them."""
+def _start_plain(n: int, script: str, *args: str, nodes: bool = False) -> list[subprocess.Popen]:
+    """``n`` processes of ``script`` with the torch.distributed environment set and no launcher around them.
+    ``nodes``: each process is its own node (LOCAL_RANK 0, GROUP_RANK its rank), as a multi-node torchrun sets."""
     port = free_port()
     procs = []
     for rank in range(n):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        local = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank)} if nodes else {
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(n), **local,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return procs
@@ -137,3 +141,38 @@ def test_a_rank_killed_during_a_save_never_leaves_the_others_waiting(tmp_path, m
     ckpt.register("model", torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
     assert ckpt.load("latest")["step"] == 1
     assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]  # the remains were removed on start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_save_on_each_node_publishes_a_complete_checkpoint_in_every_node_local_folder(tmp_path, kind):
+    """Two one-process "nodes", each with its own folder (node-local disks): each node's local main process
+    publishes the checkpoint there (its node's shards and RNG, the replicated state, manifest, pointers),
+    and a restart on those folders loads it back bitwise on every rank."""
+    procs = _start_plain(2, "ckpt_node_local.py", str(tmp_path / "node"), kind, nodes=True)
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=180)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"RESTORED rank {rank} step 2" in out, out[-3000:]
+        root = tmp_path / f"node{rank}" / "vidstab" / "checkpoints"
+        assert (root / "latest").read_text().strip() == "step_000002"
+        files = json.loads((root / "step_000002" / "manifest.json").read_text())["files"]
+        assert f"rng-rank{rank}.json" in files and f"rng-rank{1 - rank}.json" not in files
+        assert "trainer.json" in files and "optimizer.json" in files
+        if kind == "fsdp":  # this node's rank's shard only, and it is on this node's disk
+            assert [f for f in files if f.startswith("dcp/")] == [f"dcp/shard-0000{rank + 1}-model-00001-of-00001.safetensors"]
+        else:
+            assert "model.safetensors" in files
+        assert all((root / "step_000002" / f).is_file() for f in files)
+    if kind == "fsdp":
+        # One node's folder alone cannot reshard to one process: refused, naming the tensor, nothing loaded.
+        acc = Accelerator(cpu=True)
+        ckpt = CheckpointManager(acc, str(tmp_path / "node0"), CheckpointConfig(allow_world_size_change=True, sharded=True))
+        ckpt.register("model", torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+        with pytest.raises(CheckpointError, match=r"holds no shard for part of model\.0\.weight"):
+            ckpt.load("latest")

@@ -21,6 +21,9 @@ chosen optimizer step, the failures the seeds describe:
                 never returns); its peers then wait in their next collective. The watchdog ends it
 ``kill``        the rank SIGKILLs itself after the step's backward, before the guard's gather (a lost
                 process or node: no last words, its peers see the connection close)
+``kill_in_save`` the rank SIGKILLs itself inside the checkpoint save of that step, once its own files
+                (its DCP shards, its RNG state) are written and before the ranks agree on the save: the
+                half-written ``.tmp-*`` folder must never be loaded (needs a save at that step)
 ``slow``        from that step on the rank's forward/backward takes ``=FACTOR`` (default 3) times as long
                 (a throttled or faulty GPU, a straggler): it sleeps ``FACTOR - 1`` times its fastest measured
                 compute (the fastest: a measurement that includes waiting for a slow peer would compound)
@@ -49,7 +52,7 @@ import torch
 from .lr import scale_lrs
 
 FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
-               "hang", "kill", "slow")
+               "hang", "kill", "kill_in_save", "slow")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -89,7 +92,7 @@ class Fault:
                 raise ValueError(f"--inject_fault {spec!r}: {kind} takes a numeric factor, got {arg!r}") from None
             if kind == "slow" and not factor >= 1.0:
                 raise ValueError(f"--inject_fault {spec!r}: slow takes a factor >= 1 (how many times slower), got {arg!r}")
-        if kind in ("hang", "kill") and arg is not None:
+        if kind in ("hang", "kill", "kill_in_save") and arg is not None:
             raise ValueError(f"--inject_fault {spec!r}: {kind} takes no =ARG; write {kind}@STEP[:RANK]")
         if kind == "inf_module" and not arg:
             raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
@@ -175,6 +178,12 @@ class FaultInjector:
     def maybe_kill(self, step: int) -> None:
         """The ``kill`` fault: SIGKILL this process, as a lost node or the out-of-memory killer would."""
         if self._take("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_kill_in_save(self, step: int) -> None:
+        """The ``kill_in_save`` fault (:attr:`vidstab.checkpoint.CheckpointManager.after_files_written`):
+        SIGKILL this process in the middle of the checkpoint save of ``step``."""
+        if self._take("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_down(self, step: int, compute_s: float) -> float:

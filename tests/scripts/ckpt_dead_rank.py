@@ -14,22 +14,12 @@ import sys
 import torch
 from accelerate import Accelerator
 
+from tiny_model import two_layer_model
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 
 out, mode, kind = sys.argv[1:4]
 acc = Accelerator(cpu=True)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-if kind == "fsdp":
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (acc.num_processes,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-else:
-    model = acc.prepare(model)
+model = two_layer_model(acc, kind)
 ckpt = CheckpointManager(acc, out, CheckpointConfig(async_save=mode == "async"))
 ckpt.register("model", model)
 ckpt.save(1, trainer_state={"step": 1})

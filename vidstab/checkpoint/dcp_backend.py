@@ -11,8 +11,10 @@ and the JSON of other registered objects)::
 No pickle: DCP's default format pickles its ``.metadata`` and loads non-tensor items with
 ``torch.load(weights_only=False)``. Here DCP goes through ``HuggingFaceStorageWriter`` /
 ``HuggingFaceStorageReader`` (safetensors shards whose headers carry each shard's offsets), is given only
-tensors and DTensors (that writer would silently write a ``torch.save`` zip for anything else), and every
-file it writes is checksummed while written (:class:`_ChecksumFileSystem`) so it is verified like any other.
+tensors and DTensors (that writer would silently write a ``torch.save`` zip for anything else; here a
+non-tensor item is refused), and each rank's shard file is streamed from memory and checksummed while
+written (:func:`_streaming_writer`), then fsync'd with the checkpoint's other files, so it is verified like
+any other.
 
 Optimizer state is keyed by parameter name (``flatten_optimizer_state_dict=True``), so a checkpoint saved
 at one world size loads at another (DCP reshards) and a mismatch names the parameter.
@@ -20,11 +22,9 @@ at one world size loads at another (DCP reshards) and a mismatch names the param
 
 from __future__ import annotations
 
-import io
+import json
 import logging
 import os
-import threading
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,62 +70,145 @@ def _inner_optimizer(obj: Any) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else obj
 
 
-class _ChecksumStream(io.RawIOBase):
-    """Write-only stream that checksums and counts the bytes passing through to ``raw``."""
+def _streaming_writer(path: str, algo: str, fsync: bool):
+    """A ``HuggingFaceStorageWriter`` (``save_distributed``: each rank writes its own shard file, same names,
+    same safetensors header metadata, read back by ``HuggingFaceStorageReader``) whose :meth:`write_data`
+    streams each rank's tensors straight from memory into the file with :func:`vidstab.statedict_io.write_safetensors`:
+    checksummed while written (in a second thread), writeback started every 16 MiB, not fsync'd (the
+    manager fsyncs every file of the checkpoint in one concurrent batch).
 
-    def __init__(self, raw, hasher) -> None:
-        super().__init__()
-        self.raw, self.hasher, self.count = raw, hasher, 0
+    Why not the stock ``write_data``: torch's ``_write_files_from_queue`` serialises a rank's whole shard into
+    one in-memory buffer with ``safetensors.torch.save`` (a full extra copy of the state) before writing it and
+    fsyncs each file on its own; that copy was most of what a vidstab sharded save cost beyond a plain
+    ``dcp.save`` (``benchmarks/RESULTS.md``, "Sharded checkpoints")."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
+                                                        HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        mv = memoryview(b).cast("B")
-        self.hasher.update(mv)
-        n = self.raw.write(mv)
-        self.count += len(mv)
-        return n if n is not None else len(mv)
-
-    def tell(self) -> int:
-        return self.count
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.flush()
-        super().close()
-
-
-def _checksum_filesystem(algo: str):
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class _ChecksumFileSystem(FileSystem):
-        """DCP's local file system, recording size and checksum of every file it writes (as written: the
-        shards are never re-read to checksum them)."""
-
+    class StreamingHFWriter(HuggingFaceStorageWriter):
         def __init__(self) -> None:
+            super().__init__(path, save_distributed=True)
+            self.sync_files = False
             self.digests: dict[str, sio.FileDigest] = {}
-            self._lock = threading.Lock()
+            """Absolute path -> size and checksum of each file this rank wrote."""
 
-        @contextmanager
-        def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as raw:
-                if "w" not in mode and "a" not in mode:
-                    yield raw
-                    return
-                stream = _ChecksumStream(raw, sio.new_checksum(algo))
-                yield stream
-                stream.flush()
-                with self._lock:
-                    self.digests[os.fspath(path)] = sio.FileDigest(stream.count, algo, stream.hasher.hexdigest())
+        def write_data(self, plan, planner):
+            fut: Future = Future()
+            if not plan.items:
+                fut.set_result([])
+                return fut
+            if any(i.type == WriteItemType.BYTE_IO for i in plan.items):
+                # The sharded backend hands DCP tensors only; a non-tensor would need a pickle.
+                raise CheckpointError("sharded checkpoint: DCP was given a non-tensor item "
+                                      f"({[i.index.fqn for i in plan.items if i.type == WriteItemType.BYTE_IO][:3]})")
+            name = _gen_file_name(1, 1, plan.storage_data.get("shard_index"))
+            tensors, offsets, results = {}, {}, []
+            for item in plan.items:
+                t = planner.resolve_data(item)
+                fqn = item.index.fqn
+                tensors[fqn] = t
+                offsets[fqn] = {SAVED_OFFSETS_KEY: list(item.tensor_data.chunk.offsets)}
+                length = t.numel() * t.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, 0, length)))
+            meta = {CUSTOM_METADATA_KEY: json.dumps(offsets), DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                    FORMAT_KEY: FORMAT_VALUE}
+            file = os.path.join(os.fspath(self.path), name)
+            self.digests[file] = sio.write_safetensors(file, tensors, meta, fsync=False, checksum=algo,
+                                                       writeback=fsync)
+            fut.set_result(results)
+            return fut
 
-    return _ChecksumFileSystem()
+    return StreamingHFWriter()
+
+
+def _per_node_planner(accelerator):
+    """A save planner for node-local folders: DCP writes each replicated (non-DTensor) tensor, such as the
+    optimizer's ``step`` counters, once in the whole job, on whichever rank it picks; with one folder per
+    node, every node's folder must hold its own copy. So replicated items are de-duplicated among each
+    node's ranks only (torch's ``dedup_save_plans`` on each node's plans)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+
+    # Every rank's node (the rank of its node's local main process), in rank order.
+    mine = torch.tensor([accelerator.process_index - accelerator.local_process_index], dtype=torch.int64)
+    nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(accelerator.num_processes)]
+    dist.all_gather(nodes, mine)
+    nodes = [int(n) for n in nodes]
+
+    class PerNodePlanner(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):
+            out = list(all_plans)
+            for node in sorted(set(nodes)):
+                ranks = [r for r, n in enumerate(nodes) if n == node]
+                for r, plan in zip(ranks, dedup_save_plans([all_plans[r] for r in ranks], True)):
+                    out[r] = plan
+            # The job-wide metadata (unused by the safetensors writer, which writes none when saving
+            # distributed) from a job-wide de-duplication; the plans keep each node's copies.
+            _, metadata = create_default_global_save_plan(dedup_save_plans(list(all_plans), True))
+            if self.flatten_state_dict:
+                merged = {}
+                for plan in all_plans:
+                    merged.update(plan.planner_data)
+                metadata.planner_data = merged
+            self.global_plan, self.metadata = out, metadata
+            return out, metadata
+
+    return PerNodePlanner()
+
+
+def _reader(path: str, index: dict[str, dict]):
+    """``HuggingFaceStorageReader`` whose metadata takes each tensor's global shape from ``sharded.json``.
+
+    torch's reader derives a tensor's global size from the shards present in the folder; a node-local
+    folder holds only its node's shards, so that size comes out smaller and ``dcp.load`` refuses a size
+    mismatch. The chunks listed stay those of the files present; :func:`_check_coverage` refuses a load
+    whose shard is not (entirely) there."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class IndexedReader(HuggingFaceStorageReader):
+        def read_metadata(self):
+            metadata = super().read_metadata()
+            for fqn, md in metadata.state_dict_metadata.items():
+                if fqn in index and hasattr(md, "size"):
+                    md.size = torch.Size(index[fqn]["shape"])
+            return metadata
+
+    return IndexedReader(path)
+
+
+def _check_coverage(ckpt: str, folder: str, reader, targets: dict[str, dict]) -> None:
+    """Refuse to load when a tensor this rank holds (its local shard of a DTensor) is not entirely covered
+    by the shards in ``folder``: DCP would leave the uncovered part as it is, silently."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    chunks = {fqn: md.chunks for fqn, md in reader.read_metadata().state_dict_metadata.items() if hasattr(md, "chunks")}
+    for n, sd in targets.items():
+        for k, v in sd.items():
+            fqn = f"{n}.{k}"
+            if hasattr(v, "device_mesh"):
+                shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+            else:
+                shape, offset = tuple(v.shape), (0,) * v.dim()
+            want = 1
+            for d in shape:
+                want *= d
+            have = 0
+            for c in chunks.get(fqn, []):
+                vol = 1
+                for o, s, co, cs in zip(offset, shape, c.offsets, c.sizes):
+                    vol *= max(0, min(o + s, co + cs) - max(o, co))
+                have += vol
+            if have < want:
+                raise CheckpointError(
+                    f"{ckpt}: {folder} holds no shard for part of {fqn} on this rank (node-local folders of "
+                    "save_on_each_node=True hold only their node's shards: resume with the same processes per node, "
+                    "or copy every node's dcp/ files into one folder to reshard)")
 
 
 def _reusing_stager(reuse: bool, pin: bool):
@@ -163,15 +246,6 @@ def _reusing_stager(reuse: bool, pin: bool):
     return ReusingStager()
 
 
-def _storage_writer(path: str, algo: str, fsync: bool):
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    writer = HuggingFaceStorageWriter(path, save_distributed=True)  # each rank writes its own shard file
-    writer.fs = _checksum_filesystem(algo)
-    writer.sync_files = fsync
-    return writer
-
-
 class ShardedBackend(FullStateBackend):
     """Models (and the optimizers over their parameters) through DCP; everything else as :class:`FullStateBackend`."""
 
@@ -191,12 +265,18 @@ class ShardedBackend(FullStateBackend):
         raise CheckpointError("a registered optimizer updates no registered model's parameters: register the model "
                               "too (sharded checkpoints store optimizer state by parameter name)")
 
-    def _dcp_state(self, objects: dict[str, Any]) -> tuple[dict[str, dict], dict[str, dict]]:
-        """``({object: {key: tensor/DTensor}}, {optimizer: {key: non-tensor}})`` of what goes through DCP."""
+    def _dcp_state(self, objects: dict[str, Any], through_dcp: set[str] = frozenset()) -> tuple[dict[str, dict], dict[str, dict]]:
+        """``({object: {key: tensor/DTensor}}, {object: JSON structure})`` of what goes through DCP: models,
+        optimizers (their non-tensor state as the structure) and any other object whose state holds
+        DTensors (an EMA of sharded weights: its tensors by the keys of :func:`vidstab.statedict_io.flatten`,
+        the rest of its state as the structure; also one the checkpoint being loaded, ``through_dcp``, saved
+        that way: an EMA saved sharded loads into plain tensors at world size 1)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        from ..signals import is_dtensor
+
         tensors: dict[str, dict] = {}
-        rest: dict[str, dict] = {}
+        rest: dict[str, Any] = {}
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 tensors[n] = dict(get_model_state_dict(self.accelerator.unwrap_model(obj)))
@@ -204,7 +284,11 @@ class ShardedBackend(FullStateBackend):
                 _, model = self._model_of(objects, obj)
                 flat = get_optimizer_state_dict(model, _inner_optimizer(obj), options=_options())
                 tensors[n] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-                rest[n] = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+                rest[n] = sio.flatten({k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)})[1]
+            else:
+                ts, structure = sio.flatten(obj.state_dict(), prefix="t")
+                if n in through_dcp or any(is_dtensor(t) for t in ts.values()):
+                    tensors[n], rest[n] = ts, structure
         return tensors, rest
 
     # ------------------------------------------------------------------ save
@@ -220,12 +304,10 @@ class ShardedBackend(FullStateBackend):
                     index[f"{n}.{k}"] = {"object": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
             files.append(FileSpec(SHARDED_INDEX, data=sio.dumps({"dir": DCP_DIR, "format": "dcp-huggingface-safetensors",
                                                                  "keys": index})))
-            for n, r in rest.items():
-                leftovers, structure = sio.flatten(r)
-                assert not leftovers
+            for n, structure in rest.items():
                 files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
             for n, obj in objects.items():
-                if isinstance(obj, torch.nn.Module) or is_optimizer(obj):
+                if isinstance(obj, torch.nn.Module) or n in rest:
                     continue
                 ts, structure = sio.flatten(obj.state_dict(), prefix="t")
                 files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
@@ -244,14 +326,15 @@ class ShardedBackend(FullStateBackend):
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(tmp_dir, DCP_DIR)
-        writer = _storage_writer(path, self.config.checksum, self.config.fsync)
+        writer = _streaming_writer(path, self.config.checksum, self.config.fsync)
         no_dist = group is None
+        planner = _per_node_planner(self.accelerator) if self.node_local and not no_dist else None
         if copy:
             if self._stager is None:
                 self._stager = _reusing_stager(self.config.reuse_buffers,
                                                self.config.pin_memory and torch.cuda.is_available())
             fut = dcp.async_save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist,
-                                 async_stager=self._stager)
+                                 async_stager=self._stager, planner=planner)
             spec.sharded = None  # DCP staged its own copy: drop the references to live state
 
             def result():
@@ -260,15 +343,17 @@ class ShardedBackend(FullStateBackend):
             return result
 
         def run():
-            dcp.save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist)
+            dcp.save(spec.sharded, storage_writer=writer, process_group=group, no_dist=no_dist, planner=planner)
             spec.sharded = None
             return self._digests(writer, tmp_dir)
         return run
 
     @staticmethod
     def _digests(writer, tmp_dir: str) -> dict[str, dict]:
+        """Manifest entries of the files this rank's DCP write produced, by path relative to ``tmp_dir``
+        (not fsync'd yet: the manager batches the fsyncs)."""
         out = {}
-        for p, d in writer.fs.digests.items():
+        for p, d in writer.digests.items():
             rel = os.path.relpath(p, tmp_dir).replace(os.sep, "/")
             out[rel] = d.to_json()
         return out
@@ -290,12 +375,15 @@ class ShardedBackend(FullStateBackend):
         from safetensors.torch import load as st_load
 
         out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX])["keys"]}
+        through_dcp = {e["object"] for e in out["index"].values()}
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 continue
             structure = sio.loads(raw[f"{file_stem(n)}.json"])
             if is_optimizer(obj):
                 out["objects"][n] = sio.unflatten(structure, {})
+            elif n in through_dcp:
+                out["objects"][n] = structure  # its tensors come from DCP (apply)
             else:
                 stem = file_stem(n)
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
@@ -308,11 +396,10 @@ class ShardedBackend(FullStateBackend):
         """Check every parameter's name and shape against the checkpoint, then ``dcp.load`` (all ranks
         together; DCP reshards to this world size) and load the models, optimizers and other objects."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         ckpt, index = payload["ckpt"], payload["index"]
-        targets, _ = self._dcp_state(objects)  # initialises empty optimizer states (torch does it the same way)
+        targets, _ = self._dcp_state(objects, {e["object"] for e in index.values()})  # initialises empty optimizer states (torch does it the same way)
         for n, sd in targets.items():
             for k, v in sd.items():
                 fqn = f"{n}.{k}"
@@ -327,8 +414,23 @@ class ShardedBackend(FullStateBackend):
                        if e["object"] in targets and k[len(e["object"]) + 1:] not in targets[e["object"]])
         if extra:
             raise CheckpointError(f"{ckpt}: saved state this run has no place for: {extra[:5]}")
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(path, DCP_DIR)),
-                 process_group=group, no_dist=group is None)
+        reader = _reader(os.path.join(path, DCP_DIR), index)
+        try:
+            _check_coverage(ckpt, os.path.join(path, DCP_DIR), reader, targets)
+        except CheckpointError as e:
+            error: CheckpointError | None = e
+        else:
+            error = None
+        if group is not None:  # every rank learns whether every rank can load before any enters dcp.load
+            import torch.distributed as dist
+
+            flag = torch.tensor([0 if error is None else 1])
+            dist.all_reduce(flag, group=group)
+            if error is None and int(flag) > 0:
+                error = CheckpointError(f"{ckpt}: another rank's folder lacks shards it needs (see its log)")
+        if error is not None:
+            raise error
+        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 set_model_state_dict(self.accelerator.unwrap_model(obj), targets[n])
@@ -336,6 +438,8 @@ class ShardedBackend(FullStateBackend):
                 _, model = self._model_of(objects, obj)
                 flat = {**payload["objects"][n], **targets[n]}
                 set_optimizer_state_dict(model, _inner_optimizer(obj), flat, options=_options())
+            elif n in targets:  # an object holding DTensors (EMA of sharded weights): DCP loaded them in place
+                obj.load_state_dict(sio.unflatten(payload["objects"][n], targets[n]))
             else:
                 obj.load_state_dict(payload["objects"][n])
         self.apply_common(payload)

@@ -43,6 +43,8 @@ class FullStateBackend:
         self.config = config
         self.rank = accelerator.process_index
         self.is_main = accelerator.is_main_process
+        self.node_local = False
+        """Node-local folders (set by the manager): see :func:`vidstab.checkpoint.manager.node_local_folders`."""
         self._host_buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.frozen = FingerprintCache()
 

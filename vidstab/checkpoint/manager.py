@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,10 +79,19 @@ class CheckpointManager:
         self.root = os.path.join(self.output_dir, self.config.subdir)
         self.rank = accelerator.process_index
         self.world_size = accelerator.num_processes
-        self.is_main = accelerator.is_main_process
+        self.node_local = node_local_folders(accelerator)
+        self.is_main = accelerator.is_local_main_process if self.node_local else accelerator.is_main_process
+        """Whether this process publishes the checkpoint folder (writes the replicated files and the manifest,
+        renames, moves the pointers, rotates): the main process, or with ``save_on_each_node=True`` each
+        node's local main process, into that node's folder (see :func:`node_local_folders`)."""
+        self.node = self.rank - accelerator.local_process_index
+        """The rank of this node's local main process (torch launchers number a node's ranks contiguously)."""
         _refuse_unsupported(accelerator)
         self.full_state = FullStateBackend(accelerator, self.config)
         self.sharded = ShardedBackend(accelerator, self.config)
+        for backend in (self.full_state, self.sharded):
+            backend.is_main = self.is_main
+            backend.node_local = self.node_local
         self.group = _checkpoint_group(self.world_size, self.config.rank_timeout_s)
         """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
         background thread while training uses the default group, and a dead peer errors within seconds."""
@@ -95,6 +104,10 @@ class CheckpointManager:
         self.last_loaded: dict | None = None
         """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
         self._head: dict | None = None  # {"name", "sequence"}: what the next save's state descends from
+        self.after_files_written: Callable[[int], None] | None = None
+        """Called with the step on each rank once its files of a save are written, before the ranks agree
+        on it (in the writer thread for async saves). For drills: ``vidstab.faults``' ``kill_in_save``
+        kills a rank there."""
         if self.is_main:
             os.makedirs(self.root, exist_ok=True)
             if self.config.remove_stale:
@@ -221,8 +234,15 @@ class CheckpointManager:
             job.sharded_write = None
             write_files(job, self.config.checksum, self.config.fsync)
             job.digests.update(sharded)
+            # DCP's shard files are fsync'd in the same concurrent batch as this rank's other files; the
+            # main process also fsyncs the shard folder that names them.
+            job.unsynced += [os.path.join(job.tmp_dir, f) for f in sharded]
+            if sharded and self.is_main:
+                job.unsynced.append(os.path.join(job.tmp_dir, os.path.dirname(next(iter(sharded)))))
             if not self.is_main and self.config.fsync:
                 fsync_paths(job.unsynced)
+            if self.after_files_written is not None:
+                self.after_files_written(job.step)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below
             error = e
         try:
@@ -233,7 +253,8 @@ class CheckpointManager:
                     if not rep["ok"]:
                         raise CheckpointError(f"checkpoint {job.name} could not be written: "
                                               f"rank {r} failed to write its files ({rep['error']})")
-                    digests.update(rep["digests"])
+                    if not self.node_local or rep["node"] == self.rank:  # node-local: this node's ranks' files
+                        digests.update(rep["digests"])
                 self._finalize(job, digests, job.unsynced)
             elif error is not None:
                 raise error
@@ -252,7 +273,7 @@ class CheckpointManager:
         uses the dedicated gloo group, whose collectives fail within seconds when a peer's connection
         closes (a dead rank) and after ``rank_timeout_s`` when a peer hangs; the main process then never
         publishes the folder. Raises :class:`_PeerLost`."""
-        mine = {"ok": error is None, "digests": (job.digests or {}) if error is None else {},
+        mine = {"ok": error is None, "digests": (job.digests or {}) if error is None else {}, "node": self.node,
                 "error": None if error is None else f"{type(error).__name__}: {error}"}
         if self.world_size == 1:
             return [mine]
@@ -402,7 +423,12 @@ class CheckpointManager:
                 except CheckpointError as e:
                     skipped.append([rel(p, self.output_dir), str(e)])
                     logger.warning("skipping checkpoint %s: %s", p, e)
-        chosen = self._broadcast_int(chosen)
+        mine, chosen = chosen, self._broadcast_int(chosen)
+        if mine != chosen:
+            payload = None  # node-local folders: this node's publisher read another candidate than rank 0
+        if chosen >= len(cands):
+            raise CheckpointError(f"rank 0 chose checkpoint #{chosen + 1} of its folder, this rank's folder {self.root} "
+                                  f"has only {len(cands)} (node-local folders out of step?)")
         if chosen < 0:
             detail = "; ".join(f"{p}: {r}" for p, r in skipped) or f"no checkpoints under {self.root}"
             raise CheckpointError(f"no valid checkpoint to load for {which!r} ({detail})")
@@ -514,6 +540,16 @@ class CheckpointManager:
 
 class _PeerLost(CheckpointError):
     """A rank stopped answering during a save (died or hung): raised without any further collective."""
+
+
+def node_local_folders(accelerator) -> bool:
+    """``ProjectConfiguration(save_on_each_node=True)``: each node has its own output folder (node-local
+    disks), as Accelerate's ``save_state`` assumes when it writes on every node's local main process. Then
+    each node's local main process publishes a complete checkpoint into its node's folder: the replicated
+    state (JSON, scheduler, guard, trainer state; the full model for the full-state backend) plus the files
+    of that node's ranks (their DCP shards and RNG states)."""
+    config = getattr(accelerator, "project_configuration", None)
+    return bool(getattr(config, "save_on_each_node", False)) and accelerator.num_processes > 1
 
 
 def _checkpoint_group(world_size: int, timeout_s: float):

@@ -38,12 +38,6 @@ def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
     assert (out / "report.html").is_file()
 
 
-def test_tensorboard_is_the_default_tracker(tmp_path):
-    out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "3", "--report_to", "tensorboard")
-    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
-
-
 def test_default_size_flow_matching_run_learns_the_shapes(tmp_path):
     """README's demo: the default model and data with flow matching, 300 steps, default validation."""
     out = tmp_path / "run"
@@ -186,6 +180,8 @@ def test_run_exports_a_loadable_model_ema_and_validation_clips(tmp_path):
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--validation_steps", "2",
                 "--num_validation_videos", "2", "--validation_num_inference_steps", "3", "--report_to", "tensorboard")
+    # TensorBoard (the trainer's default tracker; FAST turns trackers off, so it is named here) writes its files
+    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
     model = VideoDiT.from_pretrained(str(out / "transformer"))
     checkpoint = _weights(out, 4)
     assert model.state_dict().keys() == checkpoint.keys()

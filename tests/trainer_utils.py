@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,20 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
                 proc.wait()
             for f in outs:
                 f.close()
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (torchrun's rendezvous with ``--master_port 0`` does not form here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, script: str | Path, *args: str) -> list[str]:
+    """``script *args`` on ``nproc`` real CPU processes under torchrun (the launcher ``accelerate launch --multi_gpu``
+    runs underneath, without its own start-up), for tests that are not about ``accelerate launch`` itself."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(script), *args]
 
 
 def events(output_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict]:

@@ -15,3 +15,16 @@ def _fresh_accelerator_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def nan_batch_rank1_run(tmp_path_factory):
+    """One real 2-process trainer run with a NaN micro-batch on rank 1 at step 4 (checkpoints every 3 of 6
+    steps), shared by the tests that read what it leaves behind: the lockstep skip and the incident bundle
+    (tests/test_train.py), the bundle's replay and the dashboard (tests/test_incident_e2e.py). Tests only
+    add files to it (a replay report); none changes what another reads."""
+    from trainer_utils import run_trainer
+
+    out = tmp_path_factory.mktemp("nan_batch_rank1") / "run"
+    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2)
+    return out

@@ -32,14 +32,38 @@ def _run(out, *extra, check=True):
     return r
 
 
+class _Reference:
+    """The uninterrupted run, started in the background as soon as the first test asks for it: it overlaps
+    that test's own runs (which never read it until they compare final weights); :meth:`folder` waits."""
+
+    def __init__(self, out):
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, TRAIN, "--out", str(out), *ARGS], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=ENV)
+
+    def folder(self):
+        if self.proc.returncode is None:
+            try:
+                output, _ = self.proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+                raise
+            assert self.proc.returncode == 0, output
+        return self.out
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    _run(out)
-    return out
+    ref = _Reference(tmp_path_factory.mktemp("reference"))
+    yield ref
+    if ref.proc.poll() is None:
+        ref.proc.kill()
+        ref.proc.communicate()
 
 
 def _assert_same_as_reference(run, reference):
+    reference = reference.folder()
     a, b = load_file(str(reference / "final.safetensors")), load_file(str(run / "final.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ref_losses, losses = (json.loads((d / "losses.json").read_text()) for d in (reference, run))
@@ -76,7 +100,7 @@ def test_sigkill_at_each_phase_of_a_save_resumes_to_identical_weights(tmp_path, 
 
 def test_random_sigkills_with_the_chaos_script(tmp_path, reference):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos_checkpoint.py"), "--kills", "1", *ARGS,
-                        "--reference", str(reference), "--workdir", str(tmp_path), "--seed", "1"],
+                        "--reference", str(reference.folder()), "--workdir", str(tmp_path), "--seed", "1"],
                        capture_output=True, text=True, timeout=300, env=ENV)
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and res["ok"], r.stdout + r.stderr

@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from vidstab import statedict_io as sio
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, verify_checkpoint_files
+from trainer_utils import torchrun_cmd
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import ckpt_train  # noqa: E402
@@ -418,10 +419,9 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
 
 
 def _launch_two(script: str, out, *args: str) -> subprocess.CompletedProcess:
-    """``tests/scripts/{script} out *args`` on 2 real CPU processes (gloo) through ``accelerate launch``."""
+    """``tests/scripts/{script} out *args`` on 2 real CPU processes (gloo, an ``Accelerator`` on each) under torchrun."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
-                           os.path.join(os.path.dirname(__file__), "scripts", script), str(out), *args],
+    return subprocess.run(torchrun_cmd(2, os.path.join(os.path.dirname(__file__), "scripts", script), str(out), *args),
                           capture_output=True, text=True, timeout=180, env=env)
 
 

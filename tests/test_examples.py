@@ -58,19 +58,25 @@ def test_guarded_example_two_processes_nan_on_rank1_and_lr_blowup(tmp_path):
     assert bundle.is_dir() and not (run / "vidstab" / "incidents" / "step000005-rank0").exists()
     # --fresh-init: bad data reproduces on any weights, and rotation has deleted the step-5 checkpoint the bundle
     # names by now (keeping a bundle's weights reachable is CheckpointManager's job, tested with it).
-    cmd = [sys.executable, "-m", "vidstab", "replay", str(bundle), "--fresh-init"]
-    helptext = subprocess.run(cmd[:4] + ["--help"], env=_env(), capture_output=True, text=True, timeout=120).stdout
-    if "--trust" in helptext:  # replay imports only code the user trusts: the example's model and loss module
-        cmd += ["--trust", "vidstab_loop"]
-    replay = subprocess.run(cmd, cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=240)
-    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    # Replay imports only code the user trusts: the example's model and loss module (tests/test_replay_trust.py).
+    cmd = [sys.executable, "-m", "vidstab", "replay", str(bundle), "--fresh-init", "--trust", "vidstab_loop"]
+    replay_log = tmp_path / "replay.log"
+    with open(replay_log, "w") as log:  # a file, not a pipe: nothing blocks while the launch below runs
+        replay = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        # Meanwhile (it only reads the run folder, the replay only writes its report into the bundle) the same
+        # command again is refused on every rank (no hang, no silent restart over the finished run).
+        try:
+            again = launch("vidstab_loop.py", "--output_dir", str(run), *DRILL, timeout=180)
+            replay.wait(timeout=240)
+        finally:
+            if replay.poll() is None:
+                replay.kill()
+                replay.wait()
+    assert replay.returncode == 0, replay_log.read_text()[-6000:]
     report = json.loads((bundle / "replay_report.json").read_text())
     bad_id = json.loads((bundle / "incident.json").read_text())["bad_sample_ids"]
     assert report["reproduced"] is True and bad_id and bad_id[0] in report["verdict"]
 
-    # The same command again is refused on every rank (no hang, no silent restart over the finished run).
-    again = launch("vidstab_loop.py", "--output_dir", str(run), *DRILL, timeout=180)
     assert again.returncode != 0 and "already holds a run" in again.stderr
     assert "--resume_from_checkpoint latest" in again.stderr and "--overwrite_output_dir" in again.stderr
     assert len(_events(run, 0)) == len(ev[0])  # nothing appended to the finished run's log

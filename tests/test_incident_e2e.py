@@ -19,9 +19,8 @@ def _replay(bundle):
 
 
 @pytest.mark.slow
-def test_nan_batch_on_rank1_replays_and_names_the_samples(tmp_path):
-    out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2)
+def test_nan_batch_on_rank1_replays_and_names_the_samples(nan_batch_rank1_run):
+    out = nan_batch_rank1_run  # --max_train_steps 6 --checkpointing_steps 3 --inject_fault nan_batch@4:1, 2 processes
     (bundle,) = (out / "vidstab" / "incidents").glob("step000004-rank1*")
     meta = json.loads((bundle / "incident.json").read_text())
     proc, report = _replay(bundle)

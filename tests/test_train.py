@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from vidstab.strict_json import json_float
 
-from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer
+from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer, run_trainers
 
 
 def _finite(x):
@@ -40,12 +40,6 @@ def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
     assert [m["step"] for m in metrics] == list(range(12))
     assert all(_finite(m["loss"]) and _finite(m["grad_norm"]) for m in metrics)
     assert (out / "report.html").is_file()
-
-
-def test_tensorboard_is_the_default_tracker(tmp_path):
-    out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "3", "--report_to", "tensorboard")
-    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
 
 
 def test_default_size_flow_matching_run_learns_the_shapes(tmp_path):
@@ -73,20 +67,21 @@ def test_flow_matching_ema_accumulation_checkpointing_train_and_resume(tmp_path)
 
 
 def test_bad_config_value_is_a_clear_error(tmp_path):
-    proc = run_trainer(tmp_path / "run", "--max_train_steps", "0", check=False)
-    assert proc.returncode != 0 and "--max_train_steps must be >= 1" in proc.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 1.0\n")
-    proc = run_trainer(tmp_path / "run", "--config", str(bad), check=False)
-    assert proc.returncode != 0 and "learning_rat" in proc.stderr
-    proc = run_trainer(tmp_path / "run", "--inject_fault", "nan_bach@3", check=False)
-    assert proc.returncode != 0 and "nan_bach" in (proc.stderr + proc.stdout)
+    # Three independent invocations, started together (each a real trainer process).
+    zero, typo, fault = run_trainers((tmp_path / "run0", "--max_train_steps", "0"), (tmp_path / "run1", "--config", str(bad)),
+                                     (tmp_path / "run2", "--inject_fault", "nan_bach@3"), check=False)
+    assert zero.returncode != 0 and "--max_train_steps must be >= 1" in zero.stderr
+    assert typo.returncode != 0 and "learning_rat" in typo.stderr
+    assert fault.returncode != 0 and "nan_bach" in (fault.stderr + fault.stdout)
 
 
 def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
-    run_trainer(full, "--max_train_steps", "10", "--checkpointing_steps", "4")
-    run_trainer(split, "--max_train_steps", "6", "--checkpointing_steps", "4")
+    # The uninterrupted run and the first segment are independent: started together.
+    run_trainers((full, "--max_train_steps", "10", "--checkpointing_steps", "4"),
+                 (split, "--max_train_steps", "6", "--checkpointing_steps", "4"))
     # stopped after step 6 (final checkpoint at 6); resume from `latest` and run to 10
     proc = run_trainer(split, "--max_train_steps", "10", "--checkpointing_steps", "4", "--resume_from_checkpoint", "latest")
     assert "done: 10/10 steps" in proc.stdout
@@ -99,8 +94,8 @@ def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
 @pytest.mark.slow
 def test_two_processes_train_and_resume_exactly(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
-    run_trainer(full, "--max_train_steps", "6", "--checkpointing_steps", "3", nproc=2)
-    run_trainer(split, "--max_train_steps", "3", "--checkpointing_steps", "3", nproc=2)
+    run_trainers((full, "--max_train_steps", "6", "--checkpointing_steps", "3"),
+                 (split, "--max_train_steps", "3", "--checkpointing_steps", "3"), nproc=2)
     run_trainer(split, "--max_train_steps", "6", "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest", nproc=2)
     for rank in (0, 1):
         a, b = losses_by_step(full, rank), losses_by_step(split, rank)
@@ -109,9 +104,8 @@ def test_two_processes_train_and_resume_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_batch_on_rank1_is_skipped_on_every_rank_and_captured(tmp_path):
-    out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2)
+def test_nan_batch_on_rank1_is_skipped_on_every_rank_and_captured(nan_batch_rank1_run):
+    out = nan_batch_rank1_run  # --max_train_steps 6 --checkpointing_steps 3 --inject_fault nan_batch@4:1, 2 processes
     for rank in (0, 1):
         skips = [e["step"] for e in events(out, rank, "skip")]
         assert skips == [4], f"rank {rank} skipped {skips}"
@@ -190,6 +184,8 @@ def test_run_exports_a_loadable_model_ema_and_validation_clips(tmp_path):
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--validation_steps", "2",
                 "--num_validation_videos", "2", "--validation_num_inference_steps", "3", "--report_to", "tensorboard")
+    # TensorBoard (the trainer's default tracker; FAST turns trackers off, so it is named here) writes its files
+    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
     model = VideoDiT.from_pretrained(str(out / "transformer"))
     checkpoint = _weights(out, 4)
     assert model.state_dict().keys() == checkpoint.keys()

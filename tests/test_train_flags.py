@@ -92,12 +92,20 @@ def test_lr_power_shapes_the_polynomial_decay():
     assert squared[4] == pytest.approx((1.0 - 4 / 10) ** 2, abs=1e-6)
 
 
-def test_epochs_scale_lr_and_restarts_reach_the_run(tmp_path):
+@pytest.fixture(scope="module")
+def flags_run(tmp_path_factory):
+    """One 8-step run that sets the flags of the two tests below (none of them touches what another checks)."""
+    out = tmp_path_factory.mktemp("flags") / "run"
+    proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
+                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0",
+                       "--report_to", "tensorboard", "--logging_steps", "3", "--logging_dir", "tb", "--tracker_name", "my-project")
+    return out, proc
+
+
+def test_epochs_scale_lr_and_restarts_reach_the_run(flags_run):
     """--num_train_epochs sets the step count, --scale_lr the peak LR, --lr_num_cycles the restarts,
     --height/--width the clip size, --num_validation_videos 0 turns sampling off."""
-    out = tmp_path / "run"
-    proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
-                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0")
+    out, proc = flags_run
     # 16 clips / batch 4 = 4 steps per epoch
     assert "done: 8/8 steps" in proc.stdout
     lr = [m["lr"] for m in events(out, kind="metrics")]
@@ -112,12 +120,10 @@ def test_epochs_scale_lr_and_restarts_reach_the_run(tmp_path):
     assert not events(out, kind="validation")
 
 
-def test_logging_steps_tracker_name_and_logging_dir(tmp_path):
+def test_logging_steps_tracker_name_and_logging_dir(flags_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "run"
-    run_trainer(out, "--max_train_steps", "7", "--report_to", "tensorboard", "--logging_steps", "3",
-                "--logging_dir", "tb", "--tracker_name", "my-project")
+    out, _ = flags_run  # 8 steps, --report_to tensorboard --logging_steps 3 --logging_dir tb --tracker_name my-project
     runs = list((out / "tb" / "my-project").rglob("events.out.tfevents*"))
     assert runs, f"no TensorBoard file under tb/my-project: {list(out.rglob('*tfevents*'))}"
     acc = EventAccumulator(str(runs[0].parent))

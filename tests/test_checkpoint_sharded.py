@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,12 @@ from accelerate import Accelerator
 from vidstab.capture import INCIDENTS_DIR, write_incident
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 
+from trainer_utils import free_port
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 PICKLE_PROTOCOLS = tuple(bytes([0x80, p]) for p in range(2, 6))  # pickle protocol 2-5 opcode PROTO
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # torch.save writes a zip archive (of a pickle)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_procs(n: int, script: str, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:

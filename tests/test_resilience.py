@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,19 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_utils import FAST, REPO, TRAIN, events
+from trainer_utils import FAST, REPO, TRAIN, events, free_port
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
 RUN = [*FAST, "--max_train_steps", str(STEPS), "--checkpointing_steps", "2"]
-
-
-def _free_port() -> int:
-    # torch elastic's restarts need a real port: with port 0 the restarted group never forms.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True) -> list[str]:
@@ -42,7 +34,7 @@ def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool =
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if nproc > 1:
         cmd += ["--multi_gpu", "--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(_free_port()), "--max_restarts", str(max_restarts)]
+                "--main_process_port", str(free_port()), "--max_restarts", str(max_restarts)]
     cmd += ["--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             str(TRAIN), "--output_dir", str(out), *(["--resume_from_checkpoint", "latest"] if resume else []), *RUN, *args]
     return cmd

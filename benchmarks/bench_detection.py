@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from benchmarks import baselines as B  # noqa: E402
 from benchmarks.scenarios import catalogue as C  # noqa: E402
+from benchmarks.scenarios.evaluation import fixed_noise_loss  # noqa: E402
 from benchmarks.scenarios.recorder import CACHE_DIR, Recording, TinyRunConfig, healthy_exceedances, record  # noqa: E402
 
 #: The target of the claim: at most this many false alarms per 1,000 healthy steps (1 per 10,000).
@@ -288,7 +289,7 @@ def eval_loss(run_dir: Path, n_draws: int = 4) -> float:
     from safetensors.torch import load_file
 
     from vidstab.reference.model import VideoDiT
-    from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
+    from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig
     from vidstab.reference.vae import LatentCache
 
     ckpts = sorted((run_dir / "vidstab" / "checkpoints").glob("step_*/model.safetensors"))
@@ -302,12 +303,7 @@ def eval_loss(run_dir: Path, n_draws: int = 4) -> float:
                      num_train_timesteps=args["num_train_timesteps"])
     model.load_state_dict(load_file(str(ckpts[-1])))
     obj = DiffusionObjective(ObjectiveConfig(prediction_type=args["prediction_type"], num_train_timesteps=args["num_train_timesteps"]))
-    total = 0.0
-    with torch.no_grad():
-        for k in range(n_draws):
-            d = obj.sample(latents, step_generator(123_457, k, 0, 0))
-            total += float(obj.per_sample_loss(model, latents, d["noise"], d["timesteps"]).mean())
-    return total / n_draws
+    return fixed_noise_loss(model, obj, latents, n_draws)
 
 
 def _events(run_dir: Path) -> list[dict]:

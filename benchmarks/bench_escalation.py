@@ -32,6 +32,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.scenarios import heldout as H  # noqa: E402
+from benchmarks.scenarios.evaluation import fixed_noise_loss  # noqa: E402
 from vidstab.lr import scale_lrs  # noqa: E402
 from vidstab.strict_json import dumps_strict  # noqa: E402
 
@@ -58,18 +59,6 @@ def _fresh_accelerator():
     AcceleratorState._reset_state(True)  # Accelerator is a process-wide singleton: one per run here
     GradientState._reset_state()
     return Accelerator(cpu=True)
-
-
-def eval_loss(model, objective, data: torch.Tensor, draws: int = 4) -> float:
-    """Mean loss of ``model`` on every latent with fixed noise/timesteps (nan when non-finite)."""
-    from vidstab.reference.objective import step_generator
-
-    total = 0.0
-    with torch.no_grad():
-        for k in range(draws):
-            d = objective.sample(data, step_generator(123_457, k, 0, 0))
-            total += float(objective.per_sample_loss(model, data, d["noise"], d["timesteps"]).mean())
-    return total / draws
 
 
 def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Path, seed: int = SEED) -> dict:
@@ -149,7 +138,7 @@ def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Pat
     rolled = sum(int(e["step"]) - int(e.get("to_step", e["step"])) for e in events if e.get("kind") == "rollback")
     acts = [int(e["step"]) for e in events if e.get("kind") in ("skip", "rollback")]
     causes = sorted({str(e.get("reason") or e.get("cause"))[:80] for e in events if e.get("kind") == "rollback"})
-    final = eval_loss(accelerator.unwrap_model(model), objective, data)
+    final = fixed_noise_loss(accelerator.unwrap_model(model), objective, data)
     if guard is not None:
         guard.detach()
     return {"arm": arm, "finished": aborted is None and global_step >= steps, "aborted": aborted,

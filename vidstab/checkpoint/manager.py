@@ -26,6 +26,7 @@ import torch
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
 from ..events import log_event
+from ..exit_fence import register_exit_fence
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
@@ -563,6 +564,7 @@ def _checkpoint_group(world_size: int, timeout_s: float):
 
     if not dist.is_initialized():
         raise CheckpointError(f"world size is {world_size} but torch.distributed is not initialized")
+    register_exit_fence()  # its gloo workers must be quiet before the interpreter finalizes (exit_fence.py)
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 

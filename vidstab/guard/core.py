@@ -40,6 +40,7 @@ from ..config import GuardConfig
 from ..detectors import StepStats, Verdict, absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..events import EventLog
+from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
 from .reporting import GuardReporting
 from .result import StepResult
@@ -92,6 +93,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.model_spec, self.seed, self.checkpoint_fn = model_spec, seed, checkpoint_fn
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.events = EventLog(self.run_dir, self.rank)
+        if self.world_size > 1:
+            register_exit_fence()  # a multi-process run must not abort at exit (vidstab/exit_fence.py)
         self.detectors = build_detectors(self.config)
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys

@@ -564,7 +564,7 @@ def print_heldout(fig: dict) -> None:
 # ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Smoke subset (< 60 s): 3 scenarios x 1 seed, 2 healthy seeds, no e2e.")
+    ap.add_argument("--quick", action="store_true", help="Smoke subset (< 60 s): 3 scenarios x 1 seed, 1 healthy seed, no e2e.")
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--split", choices=("tuning", "heldout", "both"), default="both",
                     help="tuning: the DiT catalogue the defaults were chosen on; heldout: scenarios/heldout.py.")

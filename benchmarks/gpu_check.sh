@@ -34,11 +34,13 @@ piece() {  # piece NAME TIME_LIMIT_S COMMAND...: run it, keep its output, exit s
 }
 
 if [[ $DRY_RUN == 1 ]]; then
-  piece sync_debug 240 python benchmarks/gpu_check_pieces.py sync_debug --dry-run
-  piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --quick --models mlp --warmup 1
-  piece model 240 python benchmarks/bench_model.py --quick --no_factorized
-  piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run
-  piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run
+  # Side by side: a dry run measures nothing, and each piece is mostly its imports (~5 s on a CPU).
+  piece sync_debug 240 python benchmarks/gpu_check_pieces.py sync_debug --dry-run &
+  piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --quick --models mlp --warmup 1 &
+  piece model 240 python benchmarks/bench_model.py --quick --no_factorized &
+  piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run &
+  piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run &
+  wait
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
   piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda --seconds 25

@@ -25,7 +25,7 @@ RUN_CONTROL_FLAGS = {
     "checkpoints_total_limit", "no_async_save", "report_to", "logging_steps", "logging_dir", "tracker_name",
     "dataloader_num_workers", "inject_fault", "audit", "max_retries", "validation_steps", "num_validation_videos",
     "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
-    "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume",
+    "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume", "no_html_report",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Default: whatever `accelerate config` / `accelerate launch --mixed_precision` says.")
     run.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls and convolutions on Ampere+ GPUs.")
     run.add_argument("--report_to", type=str, default="tensorboard", choices=REPORT_TO, help="Tracker for `log_with`.")
+    run.add_argument("--no_html_report", action="store_true",
+                     help="Do not write OUTPUT_DIR/report.html at the end (`vidstab report OUTPUT_DIR` writes it any time).")
     run.add_argument("--logging_dir", type=str, default="logs", help="Tracker folder, relative to --output_dir.")
     run.add_argument("--tracker_name", type=str, default="vidstab-train", help="Project name given to `init_trackers`.")
     run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps (the JSONL event log gets every step).")

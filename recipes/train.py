@@ -469,10 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
     acc.end_training()
     if acc.is_main_process:
+        report_path = "(not written: --no_html_report)"
         try:
-            from vidstab.tools.report import write_report
+            if not args.no_html_report:
+                from vidstab.tools.report import write_report
 
-            report_path = write_report(args.output_dir)
+                report_path = write_report(args.output_dir)
         except Exception as exc:  # the dashboard must never turn a finished run into a failed one
             report_path = f"(report failed: {exc})"
         acc.print(

@@ -26,5 +26,6 @@ def nan_batch_rank1_run(tmp_path_factory):
     from trainer_utils import run_trainer
 
     out = tmp_path_factory.mktemp("nan_batch_rank1") / "run"
-    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2)
+    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2,
+                html_report=True)
     return out

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_utils import events, losses_by_step, run_trainer
+from trainer_utils import events, losses_by_step, run_trainer, run_trainers
 
 
 def _shards(output_dir, step) -> dict[str, torch.Tensor]:
@@ -23,8 +23,8 @@ def _shards(output_dir, step) -> dict[str, torch.Tensor]:
 def test_fsdp_nan_on_rank1_skipped_in_lockstep_resume_is_bitwise_and_resumes_in_one_process(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
     fault = ["--inject_fault", "nan_batch@4:1", "--fsdp", "--use_ema", "--checkpointing_steps", "3"]
-    run_trainer(full, "--max_train_steps", "6", *fault, nproc=2)
-    run_trainer(split, "--max_train_steps", "3", "--fsdp", "--use_ema", "--checkpointing_steps", "3", nproc=2)  # the fault is past its end
+    run_trainers((full, "--max_train_steps", "6", *fault),  # independent: started together
+                 (split, "--max_train_steps", "3", "--fsdp", "--use_ema", "--checkpointing_steps", "3"), nproc=2)  # the fault is past its end
     run_trainer(split, "--max_train_steps", "6", *fault, "--resume_from_checkpoint", "latest", nproc=2)
     for rank in (0, 1):
         assert [e["step"] for e in events(full, rank, "skip")] == [4], rank  # lockstep: both ranks skip

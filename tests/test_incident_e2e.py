@@ -50,7 +50,7 @@ def test_nonfinite_module_output_is_localised_to_that_module(tmp_path):
 def test_report_of_a_real_run_has_every_section(tmp_path):
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "30", "--checkpointing_steps", "10", "--inject_fault", "nan_batch@12",
-                "--inject_fault", "lr_spike@20=1e4")
+                "--inject_fault", "lr_spike@20=1e4", html_report=True)
     from vidstab.tools.report import SECTIONS
 
     html = (out / "report.html").read_text()

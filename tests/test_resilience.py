@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_utils import FAST, REPO, TRAIN, events, free_port
+from trainer_utils import REPO, TRAIN, events, fast_flags, free_port
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
-RUN = [*FAST, "--max_train_steps", str(STEPS), "--checkpointing_steps", "2"]
+RUN = ["--max_train_steps", str(STEPS), "--checkpointing_steps", "2"]
 
 
-def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True) -> list[str]:
+def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True, html_report: bool = False) -> list[str]:
     """The documented launch form (README: "Launching a run that survives faults"), with a free port.
 
     ``--resume_from_checkpoint latest`` as documented (a first launch has no checkpoint and starts from scratch);
@@ -36,7 +36,8 @@ def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool =
         cmd += ["--multi_gpu", "--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1",
                 "--main_process_port", str(free_port()), "--max_restarts", str(max_restarts)]
     cmd += ["--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            str(TRAIN), "--output_dir", str(out), *(["--resume_from_checkpoint", "latest"] if resume else []), *RUN, *args]
+            str(TRAIN), "--output_dir", str(out), *(["--resume_from_checkpoint", "latest"] if resume else []),
+            *fast_flags(html_report), *RUN, *args]
     return cmd
 
 
@@ -109,7 +110,7 @@ def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equ
 def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bitwise_equal(tmp_path, reference):
     step = random.Random().randrange(1, STEPS - 1)
     out = tmp_path / "run"
-    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "3", resume=False)
+    proc = launch(out, "--inject_fault", f"hang@{step}:1", "--watchdog_timeout", "3", resume=False, html_report=True)
     assert "exitcode: 75" in proc.stderr  # the launcher saw the watchdog's exit status
     stacks = (out / "vidstab" / f"hang-rank1-step{step:06d}.txt").read_text()
     assert "in maybe_hang" in stacks and "in train_step" in stacks  # where the hung rank was stuck

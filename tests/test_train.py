@@ -31,7 +31,7 @@ def _weights(output_dir, step):
 
 def test_tiny_run_finishes_with_checkpoints_events_and_summary(tmp_path):
     out = tmp_path / "run"
-    proc = run_trainer(out, "--max_train_steps", "12", "--checkpointing_steps", "5")
+    proc = run_trainer(out, "--max_train_steps", "12", "--checkpointing_steps", "5", html_report=True)
     assert "done: 12/12 steps" in proc.stdout
     assert (out / "vidstab" / "checkpoints" / "latest").read_text().strip() == "step_000012"
     for step in (5, 10, 12):
@@ -183,7 +183,7 @@ def test_run_exports_a_loadable_model_ema_and_validation_clips(tmp_path):
 
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "4", "--use_ema", "--validation_steps", "2",
-                "--num_validation_videos", "2", "--validation_num_inference_steps", "3", "--report_to", "tensorboard")
+                "--num_validation_videos", "2", "--validation_num_inference_steps", "3", "--report_to", "tensorboard", html_report=True)
     # TensorBoard (the trainer's default tracker; FAST turns trackers off, so it is named here) writes its files
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard event file written"
     model = VideoDiT.from_pretrained(str(out / "transformer"))

@@ -14,14 +14,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "train.py"
 
-# Small and fast: a few seconds per run on 2 CPU cores.
+# Small and fast: a few seconds per run on 2 CPU cores. No report.html (1-1.5 s of matplotlib per run):
+# the tests that check the dashboard ask for it (``html_report=True``).
 FAST = [
     "--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32", "--num_layers", "2",
-    "--num_heads", "2", "--report_to", "none", "--lr_warmup_steps", "2", "--no_async_save",
+    "--num_heads", "2", "--report_to", "none", "--lr_warmup_steps", "2", "--no_async_save", "--no_html_report",
 ]
 
 
-def _trainer_cmd(output_dir: Path, args: tuple[str, ...], nproc: int, env: dict | None) -> tuple[list[str], dict]:
+def fast_flags(html_report: bool = False) -> list[str]:
+    """:data:`FAST`, with the end-of-run ``report.html`` when ``html_report``."""
+    return FAST if not html_report else [a for a in FAST if a != "--no_html_report"]
+
+
+def _trainer_cmd(output_dir: Path, args: tuple[str, ...], nproc: int, env: dict | None,
+                 html_report: bool = False) -> tuple[list[str], dict]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, str(TRAIN)]
@@ -30,7 +37,7 @@ def _trainer_cmd(output_dir: Path, args: tuple[str, ...], nproc: int, env: dict 
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", "0", str(TRAIN)]
-    return cmd + ["--output_dir", str(output_dir), *FAST, *args], full_env
+    return cmd + ["--output_dir", str(output_dir), *fast_flags(html_report), *args], full_env
 
 
 def _finish(proc: subprocess.Popen, cmd: list[str], outs: tuple, deadline: float, check: bool) -> subprocess.CompletedProcess:
@@ -48,13 +55,13 @@ def _finish(proc: subprocess.Popen, cmd: list[str], outs: tuple, deadline: float
 
 
 def run_trainer(output_dir: Path, *args: str, nproc: int = 1, timeout: float = 240, check: bool = True,
-                env: dict | None = None) -> subprocess.CompletedProcess:
+                env: dict | None = None, html_report: bool = False) -> subprocess.CompletedProcess:
     """Launch ``recipes/train.py`` like a user would; a hang fails the test instead of blocking CI."""
-    return run_trainers((output_dir, *args), nproc=nproc, timeout=timeout, check=check, env=env)[0]
+    return run_trainers((output_dir, *args), nproc=nproc, timeout=timeout, check=check, env=env, html_report=html_report)[0]
 
 
 def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool = True,
-                 env: dict | None = None) -> list[subprocess.CompletedProcess]:
+                 env: dict | None = None, html_report: bool = False) -> list[subprocess.CompletedProcess]:
     """Launch independent trainer runs at once, each ``(output_dir, *args)`` as for :func:`run_trainer`.
 
     Runs that do not depend on each other (an uninterrupted reference and the first segment of a resumed
@@ -64,7 +71,7 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
     deadline = time.monotonic() + timeout
     try:
         for output_dir, *args in runs:
-            cmd, full_env = _trainer_cmd(Path(output_dir), tuple(args), nproc, env)
+            cmd, full_env = _trainer_cmd(Path(output_dir), tuple(args), nproc, env, html_report)
             # Files, not pipes: a run that is not being read yet never blocks on a full pipe.
             outs = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
             started.append((subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=outs[0], stderr=outs[1]), cmd, outs))

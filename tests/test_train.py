@@ -153,6 +153,8 @@ def test_exception_inside_the_step_recovers_in_process(tmp_path):
     assert "done: 12/12 steps" in proc.stdout
     rollbacks = events(out, kind="rollback")
     assert len(rollbacks) == 1 and "exception" in json.dumps(rollbacks[0])
+    # FAST passes --no_html_report: no dashboard written, and the summary line says why.
+    assert not (out / "report.html").exists() and "report: (not written: --no_html_report)" in proc.stdout
 
 
 def test_sigterm_saves_and_exits_zero_then_resumes(tmp_path):

@@ -20,11 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from vidstab import signals
+from vidstab.exit_fence import register_exit_fence
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    register_exit_fence()  # no guard here to register it: FSDP2 on gloo must not abort at exit
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 7), torch.nn.Linear(7, 5))

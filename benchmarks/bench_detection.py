@@ -421,7 +421,7 @@ def _step_record(rec, i: int):
     loss = rec.loss[i]
     return StepRecord(i, loss, g, rec.lr[i], bool(math.isfinite(g) and g > 1.0), math.nan, math.nan,
                       not math.isfinite(loss), False, max(row[S.IN_ABSMAX_HI], row[S.IN_ABSMAX_LO]) if row[S.IN_NUMEL] > 0 else 0.0,
-                      int(row[S.NONFINITE_ALL] - row[S.LOSS_NONFINITE]), None)
+                      int(S.inputs_nonfinite(row)), None)
 
 
 def judge_heldout(rec, vidstab_config=None) -> dict:

@@ -1,8 +1,10 @@
 """The gathered table -> StepStats in one pass over the rows: the same statistics as the per-field reading.
 
 ``build_stats`` runs every optimizer step on every rank; it reads each row once. The reference below is the
-previous implementation (one comprehension per field), kept verbatim; both must agree on random tables of
-1-5 ranks with non-finite norms, losses and inputs, exceptions, buckets, parameter norms and scales.
+per-field reading (one comprehension per field); both must agree on random tables of 1-5 ranks with
+non-finite norms, losses and inputs, exceptions, buckets, parameter norms and scales, in both encodings of
+the counts: rows that count non-finite input values and losses on the device, and rows that carry one
+micro-step's loss raw and leave non-finite inputs to the absmax columns (``vidstab.signals``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ def reference_build_stats(step, table, layout, *, max_grad_norm, norm_known, sha
     norms = [r[S.GRAD_NORM] for r in table]
     bad = [n for n in norms if not math.isfinite(n)]
     grad_norm = bad[0] if bad else max(norms)
-    counts = [r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE] for r in table]
-    loss_sum, loss_cnt = sum(r[S.LOSS_SUM] for r in table), sum(counts)
-    rank_loss = [r[S.LOSS_SUM] / c if c > 0 else math.nan for r, c in zip(table, counts)]
+    raw = [r[S.LOSS_TOTAL] == 1 and not math.isfinite(r[S.LOSS_SUM]) for r in table]  # one micro-step, raw loss
+    bad_losses = [1.0 if w else r[S.LOSS_NONFINITE] for r, w in zip(table, raw)]
+    sums = [0.0 if w else r[S.LOSS_SUM] for r, w in zip(table, raw)]
+    counts = [r[S.LOSS_TOTAL] - b for r, b in zip(table, bad_losses)]
+    loss_sum, loss_cnt = sum(sums), sum(counts)
+    rank_loss = [x / c if c > 0 else math.nan for x, c in zip(sums, counts)]
     buckets = []
     if layout.buckets:
         sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
@@ -37,21 +42,22 @@ def reference_build_stats(step, table, layout, *, max_grad_norm, norm_known, sha
         usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
         param_norm = math.sqrt(psq) if psq >= 0 else math.nan
         update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
-    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] for r in table]
     absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
-    absmax = [a if math.isfinite(a) or n == 0 else math.nan for a, n in zip(absmax, in_nonfinite)]
+    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] > 0 or (r[S.IN_NUMEL] > 0 and not (
+        math.isfinite(r[S.IN_ABSMAX_HI]) and math.isfinite(r[S.IN_ABSMAX_LO]))) for r in table]
+    absmax = [a if math.isfinite(a) or not n else math.nan for a, n in zip(absmax, in_nonfinite)]
     s = StepStats(
         step=step, grad_norm=grad_norm if norm_known else math.nan, grad_norm_known=norm_known,
         loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan, world_size=len(table), max_grad_norm=max_grad_norm,
         clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
         lr=lr, loss_scale=table[0][S.LOSS_SCALE] if scale_known else None, lr_peak=lr_peak, lr_scheduled=lr_scheduled,
         param_norm=param_norm, update_ratio=update_ratio,
-        nonfinite_loss_ranks=[i for i, r in enumerate(table) if r[S.LOSS_NONFINITE] > 0],
-        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n > 0],
+        nonfinite_loss_ranks=[i for i, b in enumerate(bad_losses) if b > 0],
+        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n],
         exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
         rank_loss=rank_loss, rank_input_absmax=absmax, rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
         timestep_bucket_loss=buckets, input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
-        input_nonfinite=int(sum(in_nonfinite)),
+        input_nonfinite=sum(in_nonfinite),
         input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
     )
     s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
@@ -77,6 +83,11 @@ def random_row(rng, layout):
         row[S.IN_SUM] = rng.uniform(-50, 50)
         row[S.IN_SUMSQ] = rng.choice([math.nan, math.inf]) if bad_inputs else numel * rng.uniform(0.5, 2.0)
     row[S.NONFINITE_ALL] = bad_inputs + bad_losses
+    if rng.random() < 0.5:  # the device's encoding: no input count, one micro-step's loss carried raw
+        row[S.NONFINITE_ALL] = bad_losses
+        if micro == 1:
+            row[S.LOSS_SUM] = rng.choice([math.nan, math.inf]) if bad_losses else row[S.LOSS_SUM]
+            row[S.LOSS_NONFINITE] = row[S.NONFINITE_ALL] = 0.0
     row[S.EXCEPTIONS] = float(rng.random() < 0.05)
     row[S.LOCAL_SECONDS] = rng.choice([-1.0, rng.uniform(0.001, 0.05)])
     row[S.LOSS_SCALE] = 65536.0

@@ -47,7 +47,7 @@ class GuardConfig:
     """Master switch. When False, ``guard.backward``/``guard.step`` do exactly what a plain loop does."""
     input_keys: tuple[str, ...] | None = None
     """Keys of the ``batch`` dict given to ``guard.backward`` whose statistics (absmax, mean, std,
-    non-finite count) are recorded; ``None`` (default): every floating tensor of the batch (latents,
+    whether non-finite) are recorded; ``None`` (default): every floating tensor of the batch (latents,
     images, noise ...; in the unmodified loop, the model's floating inputs)."""
     num_train_timesteps: int = 1000
     """Range of the ``timesteps`` given to ``guard.backward`` (``t / num_train_timesteps`` picks the

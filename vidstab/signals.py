@@ -19,8 +19,14 @@ timestep buckets:
     bucket_sum[nb], bucket_count[nb]
 
 Input statistics are over every value of every floating input tensor: one non-finite value makes
-absmax/sum/sumsq non-finite and is counted (``nonfinite - loss_nonfinite``). ``loss_sum`` sums the finite
-micro-step losses (``loss_total - loss_nonfinite`` of them). ``param_sq``/``update_sq`` are sums of
+absmax/sum/sumsq non-finite. A tensor holds a non-finite value exactly when its max or min is non-finite
+(``aminmax`` propagates NaN), so the row needs no count of them: the host reads "this rank's inputs were
+non-finite" off the absmax columns (:func:`inputs_nonfinite`), and the exact per-micro-step count is
+taken on the cold path of an incident (:meth:`Window.micro_flags`). The device writes the loss count in
+both count columns (rows recorded before this counted the input values in ``nonfinite``; the host reads
+both kinds). ``loss_sum`` sums the finite micro-step losses (``loss_total - loss_nonfinite`` of them);
+with ONE micro-step, the common case, it is the raw loss and its count is 0: the host classifies it
+(:func:`loss_count`), which saves the device three ops per step. ``param_sq``/``update_sq`` are sums of
 squares of the *local* parameters (and of the last update). Under DDP they are identical on every rank;
 under FSDP each rank holds a shard, so the guard sums them over ranks (``sharded=True``) before taking the
 square root. ``local_seconds`` is the rank's own compute time of the step (:class:`StepClock`), the
@@ -46,6 +52,21 @@ NONFINITE_ALL, LOSS_NONFINITE = 17, 18  # non-finite values in inputs + losses; 
 DEVICE_COLS = 19
 NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(19, 26)
 FIXED = 26
+
+
+def loss_count(r: Sequence[float]) -> tuple[float, float]:
+    """(sum of the finite micro-step losses, number of non-finite ones) of a row (module docstring)."""
+    total, nonfinite, loss_sum = r[LOSS_TOTAL], r[LOSS_NONFINITE], r[LOSS_SUM]
+    if total == 1 and not math.isfinite(loss_sum):  # one micro-step, carried raw
+        return 0.0, 1.0
+    return loss_sum, nonfinite
+
+
+def inputs_nonfinite(r: Sequence[float]) -> bool:
+    """Whether this row's rank saw a non-finite input value (module docstring)."""
+    if r[NONFINITE_ALL] - r[LOSS_NONFINITE] > 0:  # a row that counted them
+        return True
+    return r[IN_NUMEL] > 0 and not (math.isfinite(r[IN_ABSMAX_HI]) and math.isfinite(r[IN_ABSMAX_LO]))
 
 
 class MicroFlags(NamedTuple):
@@ -222,7 +243,8 @@ class Window:
         self.num_train_timesteps = float(num_train_timesteps)
         self.input_keys = None if input_keys is None else tuple(input_keys)
         self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
-        self._no_inputs = torch.zeros(14, device=self.device, dtype=self.dtype)
+        self._no_inputs = torch.zeros(12, device=self.device, dtype=self.dtype)
+        self._no_counts = torch.zeros(2, device=self.device, dtype=self.dtype)
         self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
         self.reset()
 
@@ -232,7 +254,9 @@ class Window:
         self.exceptions = 0
         self.exception_flags: list[bool] = []
         self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d float32 each)
-        self.in_counts: list[torch.Tensor] = []  # per input tensor: its non-finite count (0-d int64)
+        # The input tensors themselves, for the cold path's exact non-finite count: references only (the
+        # guard's incident capture holds the same batches until the step).
+        self.in_tensors: list[torch.Tensor] = []
         self.in_micro: list[int] = []  # micro-step of each input tensor
         self.in_numel = 0
         self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -250,7 +274,7 @@ class Window:
         timesteps: torch.Tensor | None = None,
         error: bool = False,
     ) -> None:
-        """Fold one micro-step into the window: five reductions per input tensor, no host sync."""
+        """Fold one micro-step into the window: three reductions per input tensor, no host sync."""
         f32 = torch.float32
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
             loss_d = self._zero
@@ -271,7 +295,7 @@ class Window:
             if hi.dtype != f32:
                 lo, hi = lo.to(f32), hi.to(f32)
             self.in_values += (hi, lo, x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32))
-            self.in_counts.append(torch.count_nonzero(x - x))  # x - x is 0 where finite, NaN elsewhere
+            self.in_tensors.append(x)
             self.in_micro.append(micro)
             self.in_numel += x.numel()
         if per_sample_loss is not None and timesteps is not None:
@@ -288,23 +312,16 @@ class Window:
         loss_scale: torch.Tensor | None,
         local_seconds: float = -1.0,
     ) -> torch.Tensor:
-        """The rank's row ``[k]`` for this step: ten device ops in the common case (one micro-step, one
+        """The rank's row ``[k]`` for this step: six device ops in the common case (one micro-step, one
         input tensor), no host sync."""
         dt, dev, zero = self.dtype, self.device, self._zero
-        m, n = len(self.losses), len(self.in_counts)
-        if m:
-            losses = self.losses[0] if m == 1 else torch.stack(self.losses)
-            loss_sum = torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0)
-            if m > 1:
-                loss_sum = loss_sum.sum()
-            loss_nonfinite = torch.count_nonzero(losses - losses)  # x - x is NaN exactly where x is not finite
-        else:
-            loss_sum = loss_nonfinite = zero
-        if n:
-            in_nonfinite = self.in_counts[0] if n == 1 else torch.stack(self.in_counts).sum()
-            nonfinite = in_nonfinite + loss_nonfinite
-        else:
-            nonfinite = loss_nonfinite
+        m, n = len(self.losses), len(self.in_values) // 4
+        if m > 1:
+            losses = torch.stack(self.losses)
+            loss_sum = torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0).sum()
+            counts = torch.count_nonzero(losses - losses).to(dt).expand(2)  # x - x is NaN exactly where x is not finite
+        else:  # one micro-step: the raw loss, classified on the host (loss_count)
+            loss_sum, counts = (self.losses[0] if m else zero), self._no_counts
         scalars = [zero if v is None else v if v.dtype == dt and v.device == dev and v.dim() == 0 else v.to(dev, dt).reshape(())
                    for v in (grad_norm, param_sq, update_sq, loss_scale)]
         pieces = [torch.stack(scalars + [loss_sum])]
@@ -315,8 +332,8 @@ class Window:
             v = torch.stack(self.in_values).view(-1, 4)
             pieces += (v.abs().amax(0), v.sum(0), v.square().sum(0))
         else:
-            pieces.append(self._no_inputs[:12])
-        pieces.append(torch.stack([nonfinite, loss_nonfinite]).to(dt))  # int64 counts: cat is slow on mixed dtypes
+            pieces.append(self._no_inputs)
+        pieces.append(counts)  # the loss count in both count columns (module docstring)
         host = torch.from_numpy(np.array([grad_norm is not None, m, self.exceptions, self.in_numel, stop,
                                           param_sq is not None, local_seconds], dtype=np.float32))
         pieces.append(host if dev.type == "cpu" else host.to(dev, non_blocking=True))
@@ -346,7 +363,8 @@ class Window:
         counts, absmax = [0] * n, [0.0] * n
         if self.in_values:
             v = torch.stack(self.in_values).view(-1, 4)[:, :2].abs().amax(1)
-            per_tensor = torch.cat([torch.stack(self.in_counts).to(self.dtype), v]).tolist()
+            exact = [torch.count_nonzero(x - x).to(self.dtype) for x in self.in_tensors]  # x - x: NaN where x is not
+            per_tensor = torch.cat([torch.stack(exact), v]).tolist()
             k = len(self.in_micro)
             for i, m in enumerate(self.in_micro):
                 counts[m] += int(per_tensor[i])

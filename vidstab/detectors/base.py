@@ -159,7 +159,8 @@ class StepStats:
     input_absmax: float = 0.0
     """Largest finite absolute input value over ranks."""
     input_nonfinite: int = 0
-    """Non-finite input values over ranks."""
+    """Ranks whose inputs held a non-finite value (the exact count of values is in the incident bundle:
+    the guard does not count them on healthy steps, ``vidstab.signals``)."""
     input_rms: float | None = None
     """Root mean square of the finite input values over ranks (``None`` when no input was recorded)."""
     # Filled in by the guard while judging (see module docstring).

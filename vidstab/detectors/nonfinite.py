@@ -36,7 +36,7 @@ class NonFiniteDetector(Detector):
         if s.nonfinite_loss_ranks:
             what.append(f"loss on rank(s) {s.nonfinite_loss_ranks}")
         if s.nonfinite_input_ranks:
-            what.append(f"inputs on rank(s) {s.nonfinite_input_ranks} ({s.input_nonfinite} values)")
+            what.append(f"inputs on rank(s) {s.nonfinite_input_ranks}")
         if s.grad_norm_known and not math.isfinite(s.grad_norm):
             what.append(f"gradient norm {s.grad_norm}")
         return self.finding(

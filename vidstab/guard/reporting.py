@@ -45,7 +45,7 @@ class GuardReporting:
             "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
             "input_mean": mean,
             "input_std": std,
-            "input_nonfinite": int(mine[S.NONFINITE_ALL] - mine[S.LOSS_NONFINITE]),
+            "input_nonfinite": int(S.inputs_nonfinite(mine)),
             "loss_by_t": s.timestep_bucket_loss,
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": s.verdict.name,

@@ -33,7 +33,7 @@ def build_stats(
     """
     isfinite, nan = math.isfinite, math.nan
     grad_norm = first_bad = best_absmax = None
-    loss_sum = loss_cnt = sum_sq = numel = in_nonfinite_total = 0.0
+    loss_sum = loss_cnt = sum_sq = numel = 0.0
     rank_loss, rank_absmax, rank_seconds = [], [], []
     nonfinite_loss_ranks, nonfinite_input_ranks, exception_ranks = [], [], []
     for i, r in enumerate(table):  # one pass over the rows (this runs every step, on every rank)
@@ -43,25 +43,25 @@ def build_stats(
                 first_bad = norm
         elif grad_norm is None or norm > grad_norm:
             grad_norm = norm
-        count = r[S.LOSS_TOTAL] - r[S.LOSS_NONFINITE]
-        loss_sum += r[S.LOSS_SUM]
+        rank_sum, bad_losses = S.loss_count(r)
+        count = r[S.LOSS_TOTAL] - bad_losses
+        loss_sum += rank_sum
         loss_cnt += count
-        rank_loss.append(r[S.LOSS_SUM] / count if count > 0 else nan)
-        in_nonfinite = r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE]
-        in_nonfinite_total += in_nonfinite
+        rank_loss.append(rank_sum / count if count > 0 else nan)
+        bad_inputs = S.inputs_nonfinite(r)
         absmax = max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0
         if isfinite(absmax):
             if best_absmax is None or absmax > best_absmax:
                 best_absmax = absmax
-        elif in_nonfinite != 0:
+        elif bad_inputs:
             absmax = nan
         rank_absmax.append(absmax)
         rank_seconds.append(r[S.LOCAL_SECONDS])
         sum_sq += r[S.IN_SUMSQ]
         numel += r[S.IN_NUMEL]
-        if r[S.LOSS_NONFINITE] > 0:
+        if bad_losses > 0:
             nonfinite_loss_ranks.append(i)
-        if in_nonfinite > 0:
+        if bad_inputs:
             nonfinite_input_ranks.append(i)
         if r[S.EXCEPTIONS] > 0:
             exception_ranks.append(i)
@@ -101,7 +101,7 @@ def build_stats(
         timestep_bucket_loss=buckets,
         # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
         input_absmax=0.0 if best_absmax is None else best_absmax,
-        input_nonfinite=int(in_nonfinite_total),
+        input_nonfinite=len(nonfinite_input_ranks),
         input_rms=_rms(sum_sq, numel),
     )
     s.overflow = bool(

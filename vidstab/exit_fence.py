@@ -13,8 +13,8 @@ work, so it opens on a busy machine. Upstream: pytorch/pytorch#179291 (an ``atex
 process groups; abandoned, unmerged). Destroying the groups is not enough here anyway: FSDP2's device mesh
 keeps the default group alive in torch's DTensor caches, so its threads outlive ``destroy_process_group``.
 
-What: an ``atexit`` handler, registered by the guard and the checkpoint manager of a multi-process run,
-that sleeps in short steps (releasing the GIL, so a worker waiting for it takes it now, while the
+What: an ``atexit`` handler, registered by every guard and by the checkpoint manager's gloo group, that
+(when this process has collective worker threads at exit; else it returns at once) sleeps in short steps (releasing the GIL, so a worker waiting for it takes it now, while the
 interpreter is whole) until no collective worker thread of this process is runnable, twice in a row, or a
 bound passes. Linux only (it reads ``/proc/self/task``); elsewhere it returns at once. A quiet run pays
 one or two 2 ms sleeps at exit. A worker blocked on a peer (a hung collective) sleeps in the kernel and

@@ -93,8 +93,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.model_spec, self.seed, self.checkpoint_fn = model_spec, seed, checkpoint_fn
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.events = EventLog(self.run_dir, self.rank)
-        if self.world_size > 1:
-            register_exit_fence()  # a multi-process run must not abort at exit (vidstab/exit_fence.py)
+        register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
         self.detectors = build_detectors(self.config)
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys

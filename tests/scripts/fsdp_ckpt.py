@@ -5,7 +5,8 @@
 - ``save2`` (2 processes, FSDP2 on a gloo CPU mesh): train, save sync and async, check that every rank
   wrote its own shard and that the state loads back bitwise (model, optimizer by parameter name, scheduler,
   JSON object); that an async save holds the state of its call; that a model of another shape is refused
-  naming the parameter. Writes ``OUT/full-2.safetensors`` (full weights and optimizer moments).
+  naming the parameter; that an async save with a NaN in one rank's shard at its call is unhealthy.
+  Writes ``OUT/full-2.safetensors`` (full weights and optimizer moments).
 - ``load1`` (1 process, a plain unsharded model): load that checkpoint (DCP reshards 2 -> 1), compare with
   ``full-2``, train a step, save (sharded) -> ``OUT/full-1.safetensors``.
 - ``load2`` (2 processes, FSDP2): load the 1-process checkpoint (1 -> 2) and compare with ``full-1``.
@@ -145,6 +146,26 @@ def main() -> None:
         except CheckpointError as e:
             assert "model.blocks.0.weight" in str(e) or "blocks.0.weight" in str(e), e
             print(f"rank {rank} refused: {e}", flush=True)
+        # An async save checks the parameters it staged, in its writer thread: a NaN in rank 1's shard at
+        # the call makes that checkpoint unhealthy on every rank's word, even once the live one is gone.
+        ck4 = manager(acc, os.path.join(out, "nan"), model, opt, sched, js, async_save=True)
+        ck4.save(3)
+        shard = model.blocks[0].weight.to_local()
+        kept = shard[0, 0].item()
+        with torch.no_grad():
+            if rank == 1:
+                shard[0, 0] = float("nan")
+            ck4.save(4)
+            shard[0, 0] = kept
+        ck4.wait()
+        if rank == 0:
+            import json
+
+            root = os.path.join(out, "nan", "vidstab", "checkpoints")
+            man = json.load(open(os.path.join(root, "step_000004", "manifest.json")))
+            assert man["params_finite"] is False and man["healthy"] is False, man
+            assert json.load(open(os.path.join(root, "step_000003", "manifest.json")))["params_finite"] is True
+            assert open(os.path.join(root, "last_good")).read().strip() == "step_000003"
     elif mode == "load1":
         ckpt = manager(acc, os.path.join(out, "two"), model, opt, sched, js, sharded=True, async_save=False)
         assert ckpt.load("latest")["_checkpoint"]["step"] == 3

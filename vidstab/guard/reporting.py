@@ -45,7 +45,7 @@ class GuardReporting:
             "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
             "input_mean": mean,
             "input_std": std,
-            "input_nonfinite": int(S.inputs_nonfinite(mine)),
+            "input_nonfinite": int(self.rank in s.nonfinite_input_ranks),  # build_stats read it off the row
             "loss_by_t": s.timestep_bucket_loss,
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": s.verdict.name,

@@ -67,7 +67,8 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
     guard._optimizer_step = w("original optimizer.step", guard._optimizer_step)
     guard._scheduler_step = w("original scheduler.step", guard._scheduler_step)
     guard.window.record = w("Window.record", guard.window.record)
-    guard.window.pack = w("Window.pack", guard.window.pack)
+    guard.window.pack = w("Window.pack", guard.window.pack)  # more than one process
+    guard.window.pack_for_host = w("Window.pack_for_host", guard.window.pack_for_host)  # one process
     judges, absorbs = [], []
     for det in guard.detectors:
         det.observe = w(f"judge {det.name}", det.observe)
@@ -89,7 +90,7 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
         "attach wrapper clip_grad_norm_": ("original clip_grad_norm_",),
         "attach wrapper scheduler.step": ("original scheduler.step",),
         "_apply": ("original optimizer.step",),
-        "guarded optimizer.step (rest)": ("Window.pack", "gather + host read", "_build_stats", "_apply",
+        "guarded optimizer.step (rest)": ("Window.pack", "Window.pack_for_host", "gather + host read", "_build_stats", "_apply",
                                           "_report (+events)", *judges, *absorbs),
     }
 

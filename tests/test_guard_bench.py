@@ -18,7 +18,7 @@ def test_bench_guard_overhead_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     mlp = summary["models"]["mlp"]
-    assert set(mlp["added_ms"]) == {"plain", "attached", "explicit", "seed"}
+    assert set(mlp["added_ms"]) == {"plain", "attached", "explicit", "seed", "plain_again"}
     reads = mlp["host_reads_per_step"]
     assert reads["attached"] - reads["plain"] == 1 and reads["explicit"] - reads["plain"] == 1  # the one read
     # the per-parameter check: one read per parameter tensor, plus its two finiteness checks

@@ -14,6 +14,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from vidstab import signals as S
 from vidstab.detectors import StepStats
@@ -112,3 +113,27 @@ def test_one_pass_build_stats_equals_the_per_field_reading(world):
         got, want = build_stats(trial, table, layout, **kw), reference_build_stats(trial, table, layout, **kw)
         g, w = dataclasses.asdict(got), dataclasses.asdict(want)
         assert repr(g) == repr(w), (trial, table)  # repr: NaN == NaN, and -0.0 != 0.0
+
+
+@pytest.mark.parametrize("micro_steps,tensors,buckets", [(1, 1, 10), (1, 0, 0), (3, 2, 10), (2, 1, 0), (1, 3, 4)])
+def test_a_one_process_row_finished_on_the_host_is_the_gathered_row(micro_steps, tensors, buckets):
+    """``Window.pack_for_host`` (one process: nothing gathered) gives the row ``Window.pack`` builds, NaN,
+    inf, bf16 inputs, several micro-steps and timestep buckets included."""
+    gen = torch.Generator().manual_seed(micro_steps * 10 + tensors)
+    w = S.Window(torch.device("cpu"), buckets, 1000)
+    for m in range(micro_steps):
+        batch = {}
+        for j in range(tensors):
+            x = torch.randn(2, 3, 4, generator=gen) * (j + 1)
+            if (m + j) % 3 == 1:
+                x[0, 1, 2] = float("nan") if j % 2 else float("inf")
+            batch[f"x{j}"] = x.bfloat16() if j == 2 else x
+        loss = torch.tensor(float("nan") if m == 1 else 0.25 + m)
+        per_sample, t = torch.rand(2, generator=gen), torch.tensor([10.0, 990.0])
+        w.record(loss, batch, per_sample if buckets else None, t if buckets else None, error=m == 2)
+    args = (torch.tensor(1.5), True, torch.tensor(4.0), None, None, 0.125)
+    expected = w.pack(*args).tolist()
+    got = S.gather_and_read(None, w.pack_for_host(*args))[0]
+    assert len(got) == len(expected) == S.Layout(buckets).width
+    for col, (a, b) in enumerate(zip(got, expected)):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (col, a, b)

@@ -187,7 +187,9 @@ class Guard(UserLoopWrapping, GuardReporting):
         stop, self._stop_requested = self._stop_requested, False
         scale = self._loss_scale_tensor()
         self._scale_known = scale is not None
-        row = self.window.pack(norm, stop, *self._pending, scale, self.clock.seconds())
+        # One process gathers nothing: its row is finished on the host after the read (Window.pack_for_host).
+        pack = self.window.pack if self.world_size > 1 else self.window.pack_for_host
+        row = pack(norm, stop, *self._pending, scale, self.clock.seconds())
         self._pending = (None, None)
         table = signals.gather_and_read(self.accelerator, row)
         self.clock.restart()

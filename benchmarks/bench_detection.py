@@ -424,8 +424,9 @@ def _step_record(rec, i: int):
                       int(S.inputs_nonfinite(row)), None)
 
 
-def judge_heldout(rec, vidstab_config=None) -> dict:
-    """Alarm steps of every baseline and of vidstab (any finding / actions / per detector) on one recording."""
+def judge_heldout(rec, vidstab_config=None, findings: list | None = None) -> dict:
+    """Alarm steps of every baseline and of vidstab (any finding / actions / per detector) on one recording;
+    ``findings``: a list to which every vidstab finding is appended as ``(run, step, Finding)``."""
     rules = B.new_baselines()
     vid = B.VidstabReplay(vidstab_config)
     alarms: dict[str, list[int]] = {r.name: [] for r in rules}
@@ -442,19 +443,25 @@ def judge_heldout(rec, vidstab_config=None) -> dict:
             alarms["vidstab[act]"].append(i)
         for f in found:
             alarms.setdefault(f"vidstab:{f.detector}", []).append(i)
+            if findings is not None:
+                findings.append((rec.name, i, f))
     vid.close()
     return alarms
 
 
 def heldout_figures(healthy: list, faults: list, vidstab_config=None) -> dict:
     """Per family: alarms and actions per 1k healthy steps (vidstab and baselines); on fault runs: detection,
-    first action before the failure (slow faults), lead vs the best quiet baseline on every run."""
+    first action before the failure (slow faults), lead vs the best quiet baseline on every run; every vidstab
+    finding on a healthy run (``healthy_findings``: what each false alarm was)."""
     from benchmarks.scenarios import heldout as H
 
     base = [cls().name for cls in B.BASELINES]
     fams = sorted({r.family for r in healthy + faults}, key=(*H.FAMILIES, H.SMALL_BATCH_FAMILY).index)
     out: dict = {"families": {}, "runs": [], "baselines": {}}
-    jh = [(rec, judge_heldout(rec, vidstab_config)) for rec in healthy]
+    found: list = []
+    jh = [(rec, judge_heldout(rec, vidstab_config, found)) for rec in healthy]
+    out["healthy_findings"] = [{"run": run, "step": step, "detector": f.detector, "verdict": f.verdict.name,
+                                "message": f.message} for run, step, f in found]
     steps_all = sum(len(r) for r, _ in jh)
     for name in base + ["vidstab", "vidstab[act]"]:
         fa = sum(len(a.get(name, [])) for _, a in jh)
@@ -538,6 +545,28 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         twin = next((h for hr, h in healthy.items() if (hr.family, hr.schedule, hr.seed, hr.steps) == (r.family, r.schedule, r.seed, r.steps)), None)
         faults.append(H.record(r, cache, healthy=twin))
     return heldout_figures(list(healthy.values()), faults, vidstab_config)
+
+
+def run_small_batch_tuning(vidstab_config=None, cache: Path = CACHE_DIR) -> dict:
+    """The tuning split's small-batch UNet (``catalogue.small_batch_runs``: healthy, seeds 0-19), recorded with
+    the held-out recorder (cached) and judged like a held-out family: where the small-batch defaults are chosen."""
+    from benchmarks.scenarios import heldout as H
+
+    return heldout_figures([H.record(r, cache) for r in C.small_batch_runs()], [], vidstab_config)
+
+
+def print_small_batch_tuning(fig: dict) -> None:
+    print("\n== Tuning split, small-batch UNet (healthy; seeds "
+          f"{', '.join(map(str, C.SMALL_BATCH_SEEDS))}): alarms per 1k healthy steps ==")
+    names = [cls().name for cls in B.BASELINES] + ["vidstab", "vidstab[act]"]
+    print(f"{'family':22s} {'steps':>6s}" + "".join(f" {n[:12]:>12s}" for n in names))
+    for fam, f in fig["families"].items():
+        print(f"{fam:22s} {f['healthy_steps']:>6d}" + "".join(f" {_fmt(f[n], 2):>12s}" for n in names))
+    print("vidstab findings on these healthy runs (every one a false alarm):")
+    for f in fig["healthy_findings"]:
+        print(f"  {f['run']} step {f['step']}: {f['detector']} {f['verdict']}: {f['message']}")
+    if not fig["healthy_findings"]:
+        print("  none")
 
 
 def print_heldout(fig: dict) -> None:
@@ -638,6 +667,11 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.quick:
             print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 
+        small = None
+        if not args.quick:
+            small = run_small_batch_tuning(vcfg, cache)
+            print_small_batch_tuning(small)
+
         if args.markdown:
             Path(args.markdown).write_text(markdown(fig, rows, e2e))
         t = fig["targets"]
@@ -652,6 +686,9 @@ def main(argv: list[str] | None = None) -> dict:
                           for k, v in fig["scenarios"].items()},
             "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
             "e2e": e2e,
+            "small_batch_tuning": None if small is None else {
+                "families": small["families"],
+                "healthy_findings": [{k: f[k] for k in ("run", "step", "detector", "verdict")} for f in small["healthy_findings"]]},
         })
     if args.split in ("heldout", "both"):
         held = run_heldout(quick=args.quick, vidstab_config=vcfg, cache=cache, draw=args.heldout_draw)

@@ -533,11 +533,12 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         seeds = H.DRAW_SEEDS[draw]
         fine = H.finetune_runs(seeds=seeds)
         healthy_runs = H.healthy_runs(seeds=seeds) + [r for r in fine if r.fault is None]
-        fault_runs = H.fault_runs(seeds=seeds, qk_growth=H.QK_GROWTH_C if draw == "C" else None)
+        c_like = draw in H.C_SCENARIO_DRAWS
+        fault_runs = H.fault_runs(seeds=seeds, qk_growth=H.QK_GROWTH_C if c_like else None)
         fault_runs += [r for r in fine if r.fault is not None]
-        if draw == "C":
+        if c_like:
             fault_runs += H.logit_growth_runs(seeds)
-        if draw == "C":  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
+        if c_like:  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
             healthy_runs += H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
     healthy = {r: H.record(r, cache) for r in healthy_runs}
     faults = []
@@ -597,9 +598,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--split", choices=("tuning", "heldout", "both"), default="both",
                     help="tuning: the DiT catalogue the defaults were chosen on; heldout: scenarios/heldout.py.")
-    ap.add_argument("--heldout-draw", choices=("A", "B", "C"), default="B",
-                    help="Held-out seeds: B (recorded after the defaults were frozen; default), A, or C (draw B's "
-                         "defaults, a logit growth that fails, the small-batch UNet; see RESULTS.md).")
+    ap.add_argument("--heldout-draw", choices=("A", "B", "C", "D"), default="B",
+                    help="Held-out seeds: B (recorded after the defaults were frozen; default), A, C (draw B's "
+                         "defaults, a logit growth that fails, the small-batch UNet) or D (C's scenarios, recorded "
+                         "after the small-batch changes were frozen); see RESULTS.md.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--e2e-steps", type=int, default=E2ESetup.steps)
     ap.add_argument("--e2e-fault-step", type=int, default=E2ESetup.fault_step)

@@ -579,6 +579,10 @@ def print_heldout(fig: dict) -> None:
         print(f"{fam:16s} {f['healthy_steps']:>6d}" + "".join(f" {_fmt(f[n], 2):>12s}" for n in names)
               + (f"   vidstab alarms from: {', '.join(f['vidstab_alarm_detectors'])}" if f["vidstab_alarm_detectors"] else ""))
     print(f"quiet baselines (<= {QUIET_PER_1K:g} alarm per 1k healthy steps): {fig['quiet_baselines']}")
+    found = fig.get("healthy_findings", [])
+    print(f"vidstab findings on the healthy runs (every one a false alarm): {len(found)}")
+    for f in found[:40]:
+        print(f"  {f['run']} step {f['step']}: {f['detector']} {f['verdict']}: {f['message']}")
     print("\n== Held-out fault runs: lead = failure step - first alarm (vidstab vs best quiet baseline) ==")
     print(f"{'run':52s} {'fail':>5s} {'alarm':>6s} {'act':>5s} {'lead':>5s} {'bestQ':>6s}  first detectors")
     for r in fig["runs"]:

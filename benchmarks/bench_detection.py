@@ -424,8 +424,9 @@ def _step_record(rec, i: int):
                       int(S.inputs_nonfinite(row)), None)
 
 
-def judge_heldout(rec, vidstab_config=None) -> dict:
-    """Alarm steps of every baseline and of vidstab (any finding / actions / per detector) on one recording."""
+def judge_heldout(rec, vidstab_config=None, findings: list | None = None) -> dict:
+    """Alarm steps of every baseline and of vidstab (any finding / actions / per detector) on one recording;
+    ``findings``: a list to which every vidstab finding is appended as ``(run, step, Finding)``."""
     rules = B.new_baselines()
     vid = B.VidstabReplay(vidstab_config)
     alarms: dict[str, list[int]] = {r.name: [] for r in rules}
@@ -442,19 +443,25 @@ def judge_heldout(rec, vidstab_config=None) -> dict:
             alarms["vidstab[act]"].append(i)
         for f in found:
             alarms.setdefault(f"vidstab:{f.detector}", []).append(i)
+            if findings is not None:
+                findings.append((rec.name, i, f))
     vid.close()
     return alarms
 
 
 def heldout_figures(healthy: list, faults: list, vidstab_config=None) -> dict:
     """Per family: alarms and actions per 1k healthy steps (vidstab and baselines); on fault runs: detection,
-    first action before the failure (slow faults), lead vs the best quiet baseline on every run."""
+    first action before the failure (slow faults), lead vs the best quiet baseline on every run; every vidstab
+    finding on a healthy run (``healthy_findings``: what each false alarm was)."""
     from benchmarks.scenarios import heldout as H
 
     base = [cls().name for cls in B.BASELINES]
     fams = sorted({r.family for r in healthy + faults}, key=(*H.FAMILIES, H.SMALL_BATCH_FAMILY).index)
     out: dict = {"families": {}, "runs": [], "baselines": {}}
-    jh = [(rec, judge_heldout(rec, vidstab_config)) for rec in healthy]
+    found: list = []
+    jh = [(rec, judge_heldout(rec, vidstab_config, found)) for rec in healthy]
+    out["healthy_findings"] = [{"run": run, "step": step, "detector": f.detector, "verdict": f.verdict.name,
+                                "message": f.message} for run, step, f in found]
     steps_all = sum(len(r) for r, _ in jh)
     for name in base + ["vidstab", "vidstab[act]"]:
         fa = sum(len(a.get(name, [])) for _, a in jh)
@@ -526,11 +533,12 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         seeds = H.DRAW_SEEDS[draw]
         fine = H.finetune_runs(seeds=seeds)
         healthy_runs = H.healthy_runs(seeds=seeds) + [r for r in fine if r.fault is None]
-        fault_runs = H.fault_runs(seeds=seeds, qk_growth=H.QK_GROWTH_C if draw == "C" else None)
+        c_like = draw in H.C_SCENARIO_DRAWS
+        fault_runs = H.fault_runs(seeds=seeds, qk_growth=H.QK_GROWTH_C if c_like else None)
         fault_runs += [r for r in fine if r.fault is not None]
-        if draw == "C":
+        if c_like:
             fault_runs += H.logit_growth_runs(seeds)
-        if draw == "C":  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
+        if c_like:  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
             healthy_runs += H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
     healthy = {r: H.record(r, cache) for r in healthy_runs}
     faults = []
@@ -538,6 +546,28 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         twin = next((h for hr, h in healthy.items() if (hr.family, hr.schedule, hr.seed, hr.steps) == (r.family, r.schedule, r.seed, r.steps)), None)
         faults.append(H.record(r, cache, healthy=twin))
     return heldout_figures(list(healthy.values()), faults, vidstab_config)
+
+
+def run_small_batch_tuning(vidstab_config=None, cache: Path = CACHE_DIR) -> dict:
+    """The tuning split's small-batch UNet (``catalogue.small_batch_runs``: healthy, seeds 0-19), recorded with
+    the held-out recorder (cached) and judged like a held-out family: where the small-batch defaults are chosen."""
+    from benchmarks.scenarios import heldout as H
+
+    return heldout_figures([H.record(r, cache) for r in C.small_batch_runs()], [], vidstab_config)
+
+
+def print_small_batch_tuning(fig: dict) -> None:
+    print("\n== Tuning split, small-batch UNet (healthy; seeds "
+          f"{', '.join(map(str, C.SMALL_BATCH_SEEDS))}): alarms per 1k healthy steps ==")
+    names = [cls().name for cls in B.BASELINES] + ["vidstab", "vidstab[act]"]
+    print(f"{'family':22s} {'steps':>6s}" + "".join(f" {n[:12]:>12s}" for n in names))
+    for fam, f in fig["families"].items():
+        print(f"{fam:22s} {f['healthy_steps']:>6d}" + "".join(f" {_fmt(f[n], 2):>12s}" for n in names))
+    print("vidstab findings on these healthy runs (every one a false alarm):")
+    for f in fig["healthy_findings"]:
+        print(f"  {f['run']} step {f['step']}: {f['detector']} {f['verdict']}: {f['message']}")
+    if not fig["healthy_findings"]:
+        print("  none")
 
 
 def print_heldout(fig: dict) -> None:
@@ -549,6 +579,10 @@ def print_heldout(fig: dict) -> None:
         print(f"{fam:16s} {f['healthy_steps']:>6d}" + "".join(f" {_fmt(f[n], 2):>12s}" for n in names)
               + (f"   vidstab alarms from: {', '.join(f['vidstab_alarm_detectors'])}" if f["vidstab_alarm_detectors"] else ""))
     print(f"quiet baselines (<= {QUIET_PER_1K:g} alarm per 1k healthy steps): {fig['quiet_baselines']}")
+    found = fig.get("healthy_findings", [])
+    print(f"vidstab findings on the healthy runs (every one a false alarm): {len(found)}")
+    for f in found[:40]:
+        print(f"  {f['run']} step {f['step']}: {f['detector']} {f['verdict']}: {f['message']}")
     print("\n== Held-out fault runs: lead = failure step - first alarm (vidstab vs best quiet baseline) ==")
     print(f"{'run':52s} {'fail':>5s} {'alarm':>6s} {'act':>5s} {'lead':>5s} {'bestQ':>6s}  first detectors")
     for r in fig["runs"]:
@@ -568,9 +602,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--split", choices=("tuning", "heldout", "both"), default="both",
                     help="tuning: the DiT catalogue the defaults were chosen on; heldout: scenarios/heldout.py.")
-    ap.add_argument("--heldout-draw", choices=("A", "B", "C"), default="B",
-                    help="Held-out seeds: B (recorded after the defaults were frozen; default), A, or C (draw B's "
-                         "defaults, a logit growth that fails, the small-batch UNet; see RESULTS.md).")
+    ap.add_argument("--heldout-draw", choices=("A", "B", "C", "D"), default="B",
+                    help="Held-out seeds: B (recorded after the defaults were frozen; default), A, C (draw B's "
+                         "defaults, a logit growth that fails, the small-batch UNet) or D (C's scenarios, recorded "
+                         "after the small-batch changes were frozen); see RESULTS.md.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--e2e-steps", type=int, default=E2ESetup.steps)
     ap.add_argument("--e2e-fault-step", type=int, default=E2ESetup.fault_step)
@@ -638,6 +673,11 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.quick:
             print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 
+        small = None
+        if not args.quick:
+            small = run_small_batch_tuning(vcfg, cache)
+            print_small_batch_tuning(small)
+
         if args.markdown:
             Path(args.markdown).write_text(markdown(fig, rows, e2e))
         t = fig["targets"]
@@ -652,6 +692,9 @@ def main(argv: list[str] | None = None) -> dict:
                           for k, v in fig["scenarios"].items()},
             "targets": {k: t[k] for k in ("all_detected", "fa_target_met", "false_alarms_per_1k", "lead_target_met", "lead_target_met_quiet")},
             "e2e": e2e,
+            "small_batch_tuning": None if small is None else {
+                "families": small["families"],
+                "healthy_findings": [{k: f[k] for k in ("run", "step", "detector", "verdict")} for f in small["healthy_findings"]]},
         })
     if args.split in ("heldout", "both"):
         held = run_heldout(quick=args.quick, vidstab_config=vcfg, cache=cache, draw=args.heldout_draw)

@@ -156,3 +156,18 @@ def test_clip_rate_rule_separates_mild_from_heavy_clipping():
 
     assert fired(1.3) == []
     assert len(fired(3.0)) == 1
+
+
+def test_small_batch_scenario_is_on_the_tuning_split_and_draw_d_is_new():
+    """The small-batch defaults are chosen on tuning seeds (0-19); every held-out draw has seeds of its own,
+    >= 100, and none uses 105 (the seed that sized the small-batch UNet)."""
+    from benchmarks.scenarios import catalogue as C
+    from benchmarks.scenarios import heldout as H
+
+    runs = C.small_batch_runs()
+    assert {r.family for r in runs} == {H.SMALL_BATCH_FAMILY} and all(r.fault is None for r in runs)
+    assert {r.seed for r in runs} == set(C.SMALL_BATCH_SEEDS) <= set(C.HEALTHY_SEEDS)
+    assert {r.schedule for r in runs} == set(H.SMALL_BATCH_SCHEDULES) and all(r.steps == H.SMALL_BATCH_STEPS for r in runs)
+    seeds = [s for draw in H.DRAW_SEEDS.values() for s in draw]
+    assert len(seeds) == len(set(seeds)) and min(seeds) >= 100 and 105 not in seeds
+    assert "D" in H.C_SCENARIO_DRAWS

@@ -22,6 +22,7 @@ from vidstab import StepStats, Verdict
 from vidstab.detectors import (ClipRateConfig, ClipRateDetector, Finding, GradGrowthConfig, GradGrowthDetector,
                                InputScaleConfig, InputScaleDetector, ParamGrowthConfig, ParamGrowthDetector,
                                StragglerConfig, StragglerDetector)
+from vidstab.detectors.input_scale import smooth_window
 from vidstab.detectors.windows import SlopeWindow, SortedWindow, median_without, slope
 
 
@@ -69,6 +70,7 @@ class BatchGradGrowth(GradGrowthDetector):
     def __init__(self, config):
         super().__init__(config)
         self.logs = deque(maxlen=config.window + 1)
+        self.logs_all = []  # every absorbed log norm (the changes' EMA is over their differences)
 
     def observe(self, s):
         x = s.grad_norm
@@ -83,7 +85,9 @@ class BatchGradGrowth(GradGrowthDetector):
         xm, ym = (n - 1) / 2, sum(ys) / n
         slope_ = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sum((i - xm) ** 2 for i in range(n))
         growth = math.exp(slope_ * self.config.window)
-        if rises < self.config.min_rises or growth < self.config.min_growth:
+        noise_std = math.sqrt(max(self.changes.var, 0.0) / 2.0)
+        bar = max(math.log(self.config.min_growth), self.config.noise_z * self.config.window * noise_std * math.sqrt(12.0 / (n * (n * n - 1))))
+        if rises < self.config.min_rises or slope_ * self.config.window < bar:
             return None
         return self.finding(
             f"gradient norm rose on {rises}/{self.config.window} steps, x{growth:.2f} over the window "
@@ -95,11 +99,15 @@ class BatchGradGrowth(GradGrowthDetector):
         if any(f.detector == self.name for f in s.findings):
             self.logs.clear()
         if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
+            if self.logs_all:
+                self.changes.add(math.log(s.grad_norm) - self.logs_all[-1])
+            self.logs_all.append(math.log(s.grad_norm))
             self.logs.append(math.log(s.grad_norm))
             self.seen += 1
 
     def state_dict(self):
-        return {"logs": list(self.logs), "seen": self.seen}
+        return {"logs": list(self.logs), "seen": self.seen, "changes": self.changes.state_dict(),
+                "last_log": self.logs_all[-1] if self.logs_all else None}
 
 
 class BatchInputScale(InputScaleDetector):
@@ -111,7 +119,7 @@ class BatchInputScale(InputScaleDetector):
         x = s.input_rms
         if x is None or not math.isfinite(x) or x <= 0 or self.reference is None:
             return None
-        window = list(self.recent)[1 - self.config.smooth_steps:] + [x] if self.config.smooth_steps > 1 else [x]
+        window = list(self.recent)[1 - self.smooth:] + [x] if self.smooth > 1 else [x]
         judged = statistics.median_low(window)
         if max(x / self.reference, self.reference / x) >= self.config.instant_ratio:
             judged, window = x, [x]
@@ -135,15 +143,19 @@ class BatchInputScale(InputScaleDetector):
         if x is None or not math.isfinite(x) or x <= 0:
             return
         self.recent.append(x)
-        if self.reference is None and s.applied:
+        if not self._measured and s.applied:
             self.early.append(x)
             if len(self.early) >= self.config.reference_steps:
-                self.reference = statistics.median(self.early)
+                if self.reference is None:
+                    self.reference = statistics.median(self.early)
+                self.smooth = smooth_window(self.early, self.config)
+                self.recent = deque(self.recent, maxlen=self.smooth)
+                self._measured = True
                 self.early = []
 
     def state_dict(self):
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent),
-                "quiet_until": self.quiet_until}
+                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None}
 
 
 class PlainWindow(deque):

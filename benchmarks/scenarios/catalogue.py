@@ -108,6 +108,21 @@ QUICK_HEALTHY_SEEDS = (0,)  # 1000 healthy steps: the smoke test's floor
 QUICK_HEALTHY_STEPS = HEALTHY_STEPS  # the same recordings as a full run (shared cache)
 
 
+#: The small-batch UNet on the tuning split: ``heldout.py``'s ``unet_eps_small_batch`` (a diffusers
+#: ``UNet2DModel``, batches of 2, heavy-tailed gradient norms), healthy, on the held-out split's two small-batch
+#: schedules, with tuning seeds. Where the small-batch behaviour of the defaults is chosen (RESULTS.md,
+#: "Small-batch UNet on the tuning split"); the held-out draws keep seeds >= 100.
+SMALL_BATCH_SEEDS = (0, 1)
+
+
+def small_batch_runs(seeds: tuple[int, ...] = SMALL_BATCH_SEEDS) -> list:
+    """The tuning split's small-batch UNet runs (``heldout.HeldoutRun``: recorded with the held-out recorder,
+    which keeps the input RMS the tuning recordings lack), ``SMALL_BATCH_STEPS`` healthy steps each."""
+    from . import heldout as H
+
+    return H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
+
+
 def get(name: str) -> Scenario:
     """The scenario called ``name`` (``"healthy"`` included)."""
     for s in (HEALTHY, *SCENARIOS):

@@ -13,6 +13,16 @@ scaling factor) is below its 10x. This detector judges the RMS of the step's inp
 The judged value is the median RMS of the last ``smooth_steps`` steps, so one unusual batch is not a
 trend, while a persistent change shows within ``smooth_steps // 2 + 1`` steps; a step whose own RMS is
 ``instant_ratio`` away (x4: no healthy batch of a latent pipeline is) is acted on at once.
+
+How many steps the median needs depends on how much one batch's RMS varies, and that grows as the batch
+shrinks (samples differ in scale: the log-RMS of a batch of two varies ~0.2 per step, of four ~0.15, of a
+video clip batch ~0.03). So the window is sized from the dispersion measured over the same first
+``reference_steps`` steps: the smallest window of at least ``smooth_steps`` steps whose median crosses
+``warn_ratio`` on healthy data with probability at most ``false_warn_rate`` per step (log-normal batch RMS,
+its std measured as the sample std of log RMS: an odd batch among the first steps only lengthens the window;
+the margin less the reference's own standard error), at most ``max_smooth_steps``. With batches of four and
+more this is ``smooth_steps`` itself; with batches of two, 7-9 steps (benchmarks/RESULTS.md, "Small-batch
+UNet on the tuning split").
 """
 
 from __future__ import annotations
@@ -98,8 +108,17 @@ class InputScaleConfig(DetectorConfig):
     delay for a rescale as large as a dropped VAE scaling factor, x5.5)."""
     quiet_steps: int = 50
     """After a warning, no new warning for this many steps (actions are never silenced)."""
+    false_warn_rate: float = 1e-5
+    """Probability per healthy step that the median crosses ``warn_ratio``, which sizes the median's window
+    from the measured dispersion (module docstring). 1e-5 is 0.01 per 1,000 steps: a thirtieth of the
+    benchmark's whole alarm budget (0.3 / 1k for all detectors together). 0: always ``smooth_steps``."""
+    max_smooth_steps: int = 25
+    """The window never grows beyond this many steps (a persistent change shows within half of it)."""
 
     def validate_fields(self, prefix: str) -> None:
+        check(0 <= self.false_warn_rate < 1, f"{prefix}.false_warn_rate", "must be in [0, 1)", self.false_warn_rate)
+        check(self.max_smooth_steps >= self.smooth_steps, f"{prefix}.max_smooth_steps",
+              f"must be >= smooth_steps={self.smooth_steps}", self.max_smooth_steps)
         check(self.reference_rms is None or self.reference_rms > 0, f"{prefix}.reference_rms", "must be > 0 or null",
               self.reference_rms)
         check(self.reference_steps >= 1, f"{prefix}.reference_steps", "must be >= 1", self.reference_steps)
@@ -123,9 +142,11 @@ class InputScaleDetector(Detector):
         super().__init__(config)
         self.early: list[float] = []
         self.reference: float | None = config.reference_rms
-        self.recent = SortedWindow(config.smooth_steps)  # RMS of the last steps, skipped ones included
+        self.smooth = config.smooth_steps  # the median's window, sized once the dispersion is measured
+        self.recent = SortedWindow(self.smooth)  # RMS of the last steps, skipped ones included
         self.quiet_until = -1
         self._warned_step: int | None = None
+        self._measured = False  # whether the window was sized (after ``reference_steps`` applied steps)
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.input_rms
@@ -157,19 +178,56 @@ class InputScaleDetector(Detector):
         if x is None or not math.isfinite(x) or x <= 0:
             return
         self.recent.push(x)  # every step: a skipped batch is still what the data pipeline produces
-        if self.reference is None and s.applied:
+        if not self._measured and s.applied:
             self.early.append(x)
             if len(self.early) >= self.config.reference_steps:
-                self.reference = statistics.median(self.early)
+                if self.reference is None:
+                    self.reference = statistics.median(self.early)
+                self.smooth = smooth_window(self.early, self.config)
+                self.recent = SortedWindow(self.smooth, self.recent.values)
+                self._measured = True
                 self.early = []
 
     def state_dict(self) -> dict:
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent.values),
-                "quiet_until": self.quiet_until}
+                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None}
 
     def load_state_dict(self, d: dict) -> None:
         self.early = [float(x) for x in d.get("early", [])]
         ref = d.get("reference")
         self.reference = float(ref) if ref is not None else self.config.reference_rms
-        self.recent = SortedWindow(self.config.smooth_steps, (float(x) for x in d.get("recent", [])))
+        smooth = d.get("smooth_steps")
+        # A state saved before the window was sized: measured already if its reference was learnt.
+        self._measured = smooth is not None or (ref is not None and self.config.reference_rms is None)
+        self.smooth = int(smooth) if smooth is not None else self.config.smooth_steps
+        self.recent = SortedWindow(self.smooth, (float(x) for x in d.get("recent", [])))
         self.quiet_until = int(d.get("quiet_until", -1))
+
+
+def smooth_window(early: list[float], config: InputScaleConfig) -> int:
+    """The median's window for batch RMS values like ``early`` (module docstring): the smallest
+    ``k >= smooth_steps`` with P(median of k healthy steps beyond ``warn_ratio``) <= ``false_warn_rate``."""
+    logs = [math.log(x) for x in early if x > 0 and math.isfinite(x)]
+    if config.false_warn_rate <= 0 or len(logs) < 3:
+        return config.smooth_steps
+    std = statistics.stdev(logs)
+    if std <= 0:
+        return config.smooth_steps
+    # One step beyond the bound on one side; the judged median_low of k is beyond it when k - (k-1)//2 of the
+    # k steps are above, or (k-1)//2 + 1 are below.
+    # The reference is itself the median of these len(logs) steps: its standard error (1.2533 std / sqrt(n))
+    # comes off the margin, or a reference that happens to sit low would put one side's bound within reach.
+    margin = math.log(config.warn_ratio) - 1.2533 * std / math.sqrt(len(logs))
+    if margin <= 0:
+        return config.max_smooth_steps
+    p = 0.5 * math.erfc(margin / (std * math.sqrt(2.0)))
+    for k in range(config.smooth_steps, config.max_smooth_steps + 1):
+        lo = (k - 1) // 2
+        if _tail(k, p, k - lo) + _tail(k, p, lo + 1) <= config.false_warn_rate:
+            return k
+    return config.max_smooth_steps
+
+
+def _tail(n: int, p: float, m: int) -> float:
+    """P(Binomial(n, p) >= m)."""
+    return sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(m, n + 1))

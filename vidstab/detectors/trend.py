@@ -8,6 +8,13 @@ This escalation detector turns that into an action while the weights are still g
 checkpoint, and that one predates the trend: a checkpoint taken within ``GuardConfig.health_window`` steps
 after a warning is no rollback target, and with ``window <= health_window`` (the defaults: 50 and 50)
 every step between the trend's first warning and the rollback is within that distance of a warning.
+
+A rollback restores weights, so the trend must include a *witness*: a warning from a detector that judges
+the optimizer's trajectory (the LR, the update, the weights), not only the batch just seen. Warnings that
+judge one batch (``loss_spike``, ``input_scale``, ``input_range``) and the gradient of a few batches
+(``grad_growth``) all fire together on a run of unlucky small batches (a batch of two samples at t < 100
+under an epsilon loss: benchmarks/RESULTS.md, "Small-batch UNet on the tuning split"), which is noise, and
+a data fault they see is refused by the skip detectors and escalated by ``consecutive_skips``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class TrendConfig(DetectorConfig):
         "input_range"))
     """Which detectors' WARN findings count (a finding that already skips has acted; ``repeated_spikes``
     escalates those). ``clip_rate`` and ``loss_scale`` describe a lasting regime, not a trend."""
+    witnesses: tuple[str, ...] = field(default_factory=lambda: ("lr_bound", "lr_jump", "update_ratio", "param_growth"))
+    """At least one counted warning must come from one of these (the detectors that judge the LR, the update or
+    the weights, module docstring); empty: any counted detector will do."""
 
     def validate_fields(self, prefix: str) -> None:
         check(self.window >= 1, f"{prefix}.window", "must be >= 1", self.window)
@@ -45,6 +55,8 @@ class TrendConfig(DetectorConfig):
         check(self.min_steps >= 1, f"{prefix}.min_steps", "must be >= 1", self.min_steps)
         check(all(isinstance(d, str) for d in self.detectors), f"{prefix}.detectors", "must be detector names",
               self.detectors)
+        check(all(isinstance(d, str) for d in self.witnesses), f"{prefix}.witnesses", "must be detector names",
+              self.witnesses)
 
 
 class TrendDetector(Detector):
@@ -70,6 +82,8 @@ class TrendDetector(Detector):
         names = sorted({d for _, d in recent})
         if len(names) < self.config.min_detectors or len({st for st, _ in recent}) < self.config.min_steps:
             return None
+        if self.config.witnesses and not set(names) & set(self.config.witnesses):
+            return None  # batch-side warnings only: noise of small batches or a data fault, not the weights
         start = min(st for st, _ in recent)
         return self.finding(
             f"{len(names)} detectors warned within {s.step - start + 1} steps ({', '.join(names)}), since step "

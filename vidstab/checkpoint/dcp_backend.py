@@ -319,6 +319,17 @@ class ShardedBackend(FullStateBackend):
         files.append(FileSpec(DCP_DIR, sharded=tensors))
         return files
 
+    def staged_finite(self, models: list[str]) -> bool:
+        """Whether the floating tensors of ``models`` in the last async save's staged copy are all finite
+        (this rank's shards; the manager joins every rank's answer). One sum per tensor, as the manager's
+        own check of the live parameters."""
+        from ..signals import local_tensor
+
+        cache = self._stager.cache if self._stager is not None else None
+        flags = [local_tensor(v).sum(dtype=torch.float32) for n in models for v in ((cache or {}).get(n) or {}).values()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
+        return not flags or bool(torch.isfinite(torch.stack(flags).sum()).item())
+
     def start_write(self, spec: FileSpec, tmp_dir: str, group, copy: bool):
         """Hand ``spec.sharded`` to DCP, writing into ``tmp_dir/dcp``. ``copy``: ``dcp.async_save`` (stages a
         host copy now, writes in DCP's thread; returns its future); else returns a callable that runs

@@ -162,9 +162,12 @@ class CheckpointManager:
         step = int(step)
         t0 = time.perf_counter()
         name = step_name(step)
-        finite_here = self._params_finite_here() if self.config.check_params_finite else True
         copy = self.config.async_save
         backend = self.backend
+        # An async sharded save checks the parameters on its staged copy, in the writer thread (the ranks'
+        # answers join the "files written" exchange): not on the loop's time.
+        check_staged = copy and self.config.check_params_finite and backend is self.sharded
+        finite_here = self._params_finite_here() if self.config.check_params_finite and not check_staged else True
         files = []
         error: Exception | None = None
         if prev_err is None:  # a failed previous save is reported below: no snapshot for a save that won't happen
@@ -188,6 +191,8 @@ class CheckpointManager:
         os.makedirs(tmp_dir, exist_ok=True)
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
         job.backend = backend.name
+        if check_staged:
+            job.check_staged = [n for n, o in self._objects.items() if isinstance(o, torch.nn.Module)]
         for spec in [f for f in files if f.sharded is not None]:
             # dcp.async_save stages its host copy here (the stall) and writes in its own thread.
             job.sharded_write = self.sharded.start_write(spec, tmp_dir, self.group, copy)
@@ -260,6 +265,8 @@ class CheckpointManager:
         """Write this rank's files, tell the main process their digests (or this rank's error), publish."""
         error: BaseException | None = None
         try:
+            if job.check_staged:  # DCP is writing from the staged copy meanwhile (read-only, both)
+                job.staged_finite = self.sharded.staged_finite(job.check_staged)
             sharded = job.sharded_write() if job.sharded_write is not None else {}
             job.sharded_write = None
             write_files(job, self.config.checksum, self.config.fsync)
@@ -285,6 +292,7 @@ class CheckpointManager:
                                               f"rank {r} failed to write its files ({rep['error']})")
                     if not self.node_local or rep["node"] == self.rank:  # node-local: this node's ranks' files
                         digests.update(rep["digests"])
+                job.params_finite = job.params_finite and all(rep["finite"] for rep in reports)
                 self._finalize(job, digests, job.unsynced)
             elif error is not None:
                 raise error
@@ -297,14 +305,14 @@ class CheckpointManager:
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
 
     def _exchange(self, job: SaveJob, error: BaseException | None) -> list[dict]:
-        """Every rank's ``{"ok", "error", "digests"}`` for ``job`` (all ranks, on the checkpoint group).
+        """Every rank's ``{"ok", "error", "digests", "node", "finite"}`` for ``job`` (all ranks, on the checkpoint group).
 
         This is the "all ranks finished writing" barrier of a save. It runs in the writer thread, so it
         uses the dedicated gloo group, whose collectives fail within seconds when a peer's connection
         closes (a dead rank) and after ``rank_timeout_s`` when a peer hangs; the main process then never
         publishes the folder. Raises :class:`_PeerLost`."""
         mine = {"ok": error is None, "digests": (job.digests or {}) if error is None else {}, "node": self.node,
-                "error": None if error is None else f"{type(error).__name__}: {error}"}
+                "error": None if error is None else f"{type(error).__name__}: {error}", "finite": job.staged_finite}
         if self.world_size == 1:
             return [mine]
         import torch.distributed as dist

@@ -74,6 +74,10 @@ class SaveJob:
     """Which backend wrote it (recorded in the manifest; the loader picks the same one)."""
     sharded_write: Callable[[], dict[str, dict]] | None = None
     """The sharded backend's DCP write (started or to run); returns its files' manifest entries."""
+    check_staged: list[str] | None = None
+    """Models whose parameters the writer checks for finiteness on the staged copy (async sharded saves)."""
+    staged_finite: bool = True
+    """This rank's answer to that check (True when there was nothing to check)."""
 
 
 def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:

@@ -211,6 +211,16 @@ def _check_coverage(ckpt: str, folder: str, reader, targets: dict[str, dict]) ->
                     "or copy every node's dcp/ files into one folder to reshard)")
 
 
+def all_finite(tensors) -> bool:
+    """Whether every value of ``tensors`` (their local shards) is finite: one sum per tensor, one host read.
+    A sum propagates NaN/Inf and is much cheaper than ``isfinite`` (no bool tensor per tensor); an fp32 sum
+    overflowing on finite weights would itself be a sick model."""
+    from ..signals import local_tensor
+
+    flags = [t.sum(dtype=torch.float32) for t in (local_tensor(x.detach()) for x in tensors) if t.numel()]
+    return not flags or bool(torch.isfinite(torch.stack(flags).sum()).item())
+
+
 def _reusing_stager(reuse: bool, pin: bool):
     """A ``dcp.async_save`` stager that copies the state to host memory, reusing last save's buffers when
     ``reuse`` and the state has the same keys and shapes (like the full-state backend's ``reuse_buffers``:
@@ -323,12 +333,9 @@ class ShardedBackend(FullStateBackend):
         """Whether the floating tensors of ``models`` in the last async save's staged copy are all finite
         (this rank's shards; the manager joins every rank's answer). One sum per tensor, as the manager's
         own check of the live parameters."""
-        from ..signals import local_tensor
-
-        cache = self._stager.cache if self._stager is not None else None
-        flags = [local_tensor(v).sum(dtype=torch.float32) for n in models for v in ((cache or {}).get(n) or {}).values()
-                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
-        return not flags or bool(torch.isfinite(torch.stack(flags).sum()).item())
+        cache = (self._stager.cache if self._stager is not None else None) or {}
+        return all_finite(v for n in models for v in (cache.get(n) or {}).values()
+                          if isinstance(v, torch.Tensor) and v.is_floating_point())
 
     def start_write(self, spec: FileSpec, tmp_dir: str, group, copy: bool):
         """Hand ``spec.sharded`` to DCP, writing into ``tmp_dir/dcp``. ``copy``: ``dcp.async_save`` (stages a

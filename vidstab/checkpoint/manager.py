@@ -31,7 +31,7 @@ from ..exit_fence import register_exit_fence
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
-from .dcp_backend import ShardedBackend, has_dtensor_params, is_optimizer
+from .dcp_backend import ShardedBackend, all_finite, has_dtensor_params, is_optimizer
 from .full_state import FullStateBackend
 from .layout import RESERVED, file_stem, rel, step_name
 from .reader import read_checkpoint
@@ -542,20 +542,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ collectives
     def _params_finite_here(self) -> bool:
         """Whether this rank's (local shards of the) registered models' parameters are all finite."""
-        flags = []
-        for obj in self._objects.values():
-            if isinstance(obj, torch.nn.Module):
-                for p in obj.parameters():
-                    t = p.detach()
-                    if hasattr(t, "to_local"):
-                        t = t.to_local()
-                    if t.numel():
-                        # A sum propagates NaN/Inf and is much cheaper than isfinite (no bool tensor per
-                        # parameter); an fp32 sum overflowing on finite weights would itself be a sick model.
-                        flags.append(t.sum(dtype=torch.float32))
-        if not flags:
-            return True
-        return bool(torch.isfinite(torch.stack(flags).sum()).item())  # one reduction, one host sync
+        return all_finite(p for o in self._objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters())
 
     def _all_ok(self, ok: bool) -> bool:
         return self._sum_ints([not ok])[0] == 0

@@ -221,3 +221,21 @@ def test_attach_forwards_every_guard_option_register_hooks_included(tmp_path):
     acc.save_state(str(tmp_path / "hooks"))
     assert json.loads((tmp_path / "hooks" / "vidstab_guard.json").read_text())["step_count"] == 0
     guard.close()
+
+
+def test_the_unmodified_loop_leaves_float_timesteps_out_of_the_input_statistics(tmp_path):
+    """Flow-matching loops pass float timesteps (``[B]``, up to 1000) to the model: they are not data, and
+    would otherwise be the inputs' absmax and RMS, hiding a drift of the latents (issue 11, item 4)."""
+    acc, model, opt, sched, guard = build(accum=1, guard_dir=tmp_path)
+    for latents, noise, t in batches(2):
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(latents + noise, t.float()), noise)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    first = next(iter(batches(1)))
+    metrics = read_events(tmp_path, "metrics")
+    ref = float((first[0] + first[1]).abs().max())
+    assert abs(metrics[0]["input_absmax"] - ref) < 1e-4 * ref  # the sample's, not the timesteps' (< 1000)
+    assert metrics[0]["input_absmax"] < 50

@@ -48,7 +48,9 @@ class GuardConfig:
     input_keys: tuple[str, ...] | None = None
     """Keys of the ``batch`` dict given to ``guard.backward`` whose statistics (absmax, mean, std,
     whether non-finite) are recorded; ``None`` (default): every floating tensor of the batch (latents,
-    images, noise ...; in the unmodified loop, the model's floating inputs)."""
+    images, noise ...; in the unmodified loop, the model's floating inputs of two or more dimensions:
+    per-sample scalars such as float timesteps or sigmas are left out). In the unmodified loop the keys
+    are the names of the model's ``forward`` arguments."""
     num_train_timesteps: int = 1000
     """Range of the ``timesteps`` given to ``guard.backward`` (``t / num_train_timesteps`` picks the
     bucket). Use 1 for continuous flow-matching times in [0, 1]."""

@@ -96,7 +96,7 @@ class UserLoopWrapping:
         self._backward(loss, **kwargs)
         batch = self._model_batch()
         self._model_inputs = None
-        self.window.record(loss, batch)
+        self.window.record(loss, _data_of(batch, self.config.input_keys))
         self._refs.append((batch if self.config.capture_incidents else None, None, None))
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
@@ -122,3 +122,13 @@ class UserLoopWrapping:
         if self._hold_scheduler and self.accelerator.sync_gradients:
             return None
         return self._scheduler_step(*args, **kwargs)
+
+
+def _data_of(batch: dict[str, torch.Tensor] | None, keys: Any) -> dict[str, torch.Tensor] | None:
+    """The model inputs whose statistics are recorded: with ``input_keys`` unset, those of two or more
+    dimensions. Per-sample scalars (flow-matching timesteps or sigmas, ``[B]`` with values up to 1000) are
+    not data: they would set the inputs' absmax and RMS and hide the latents' scale. The incident bundle
+    still holds every input."""
+    if batch is None or keys is not None:
+        return batch
+    return {k: v for k, v in batch.items() if v.dim() >= 2}

@@ -529,6 +529,12 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
                         H.HeldoutRun("plain_tf_flow", "long_warmup", 100, steps=150)]
         fault_runs = [H.HeldoutRun("unet_eps", "cosine_restarts", 100, "lr_bug@12=1e4", steps=30, tail=10),
                       H.HeldoutRun("plain_tf_flow", "long_warmup", 100, "input_scale@60=5.5", steps=150)]
+    elif draw in H.HEALTHY_ONLY_DRAWS:
+        seeds = H.DRAW_SEEDS[draw]
+        small = seeds[:H.HEALTHY_ONLY_DRAWS[draw]]
+        healthy_runs = H.healthy_runs(seeds=seeds) + H.healthy_runs(
+            (H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, small, H.SMALL_BATCH_STEPS)
+        fault_runs = []
     else:
         seeds = H.DRAW_SEEDS[draw]
         fine = H.finetune_runs(seeds=seeds)
@@ -602,10 +608,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-e2e", action="store_true", help="Skip the end-to-end trainer runs.")
     ap.add_argument("--split", choices=("tuning", "heldout", "both"), default="both",
                     help="tuning: the DiT catalogue the defaults were chosen on; heldout: scenarios/heldout.py.")
-    ap.add_argument("--heldout-draw", choices=("A", "B", "C", "D"), default="B",
+    ap.add_argument("--heldout-draw", choices=("A", "B", "C", "D", "E"), default="B",
                     help="Held-out seeds: B (recorded after the defaults were frozen; default), A, C (draw B's "
-                         "defaults, a logit growth that fails, the small-batch UNet) or D (C's scenarios, recorded "
-                         "after the small-batch changes were frozen); see RESULTS.md.")
+                         "defaults, a logit growth that fails, the small-batch UNet), D (C's scenarios, recorded "
+                         "after the small-batch changes were frozen) or E (healthy runs only, 11 seeds: >= 30,000 "
+                         "healthy steps per family); see RESULTS.md.")
     ap.add_argument("--e2e-seed", type=int, default=0)
     ap.add_argument("--e2e-steps", type=int, default=E2ESetup.steps)
     ap.add_argument("--e2e-fault-step", type=int, default=E2ESetup.fault_step)

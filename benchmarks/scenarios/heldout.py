@@ -46,7 +46,12 @@ SCHEDULES = ("cosine_warmup", "linear", "constant_nowarmup", "long_warmup", "cos
 #: point, the small-batch UNet); no detector default changed between draws B and C.
 #: Draw D (seed 103) has draw C's scenarios and was recorded only after the small-batch changes of the
 #: detectors (chosen on the tuning split's small-batch UNet, seeds 0-1: RESULTS.md) were frozen.
-DRAW_SEEDS = {"A": (100, 101), "B": (102,), "C": (110,), "D": (103,)}
+#: Draw E (seeds 111-121, healthy runs only) was recorded after draw D with every default unchanged, to
+#: give each family >= 30,000 healthy steps: what "<= 0.1 SKIPs per 1,000" needs to be shown at all (at 0
+#: SKIPs the 95% upper bound is 3 / n, the rule of three).
+DRAW_SEEDS = {"A": (100, 101), "B": (102,), "C": (110,), "D": (103,), "E": tuple(range(111, 122))}
+#: Draws without fault runs: how many of their seeds also run the small-batch UNet (6,000 steps each).
+HEALTHY_ONLY_DRAWS = {"E": 5}
 #: Draws with draw C's scenarios (logit growth x1.1 over 640 steps, the extra logit-growth runs, the
 #: small-batch UNet).
 C_SCENARIO_DRAWS = ("C", "D")

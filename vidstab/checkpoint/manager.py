@@ -102,7 +102,7 @@ class CheckpointManager:
         # One long-lived writer thread, started at the first async save: starting a thread per save made
         # ``save`` wait for the new thread's start-up while DCP's own thread held the GIL (~5-9 ms of the stall).
         self._writer: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[SaveJob] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[SaveJob, threading.Event]] = queue.SimpleQueue()
         self._job_done: threading.Event | None = None  # set by the writer when the pending async job is done
         self._job: SaveJob | None = None
         self.last_saved: str | None = None

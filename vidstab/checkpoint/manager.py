@@ -172,6 +172,7 @@ class CheckpointManager:
         error: Exception | None = None
         if prev_err is None:  # a failed previous save is reported below: no snapshot for a save that won't happen
             try:
+                os.makedirs(self.root, exist_ok=True)  # an unwritable folder fails here, where every rank learns of it
                 files = backend.snapshot(self._objects, copy, trainer_state or {})
             except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
                 error = e
@@ -187,8 +188,12 @@ class CheckpointManager:
                 raise CheckpointError(msg + f"{type(error).__name__}: {error}") from error
             raise CheckpointError(msg + "failed on another rank (see its log)")
         # Every rank makes the folder it writes into (no barrier needed after the main process's mkdir;
-        # node-local folders get theirs from their own ranks).
-        os.makedirs(tmp_dir, exist_ok=True)
+        # node-local folders get theirs from their own ranks). Should it still fail, this rank's writes fail
+        # and the writer's exchange reports it to every rank: no rank leaves the others waiting.
+        try:
+            os.makedirs(tmp_dir, exist_ok=True)
+        except OSError as e:
+            logger.warning("could not create %s: %s", tmp_dir, e)
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
         job.backend = backend.name
         if check_staged:

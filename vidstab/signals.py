@@ -6,8 +6,9 @@ the loss and a handful of 0-d reductions of each floating input tensor (no copie
 gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it with ONE host
 transfer. A run of one process gathers nothing: :meth:`Window.pack_for_host` stacks only the device values
 (one op) and the same row is finished on the host after the read, which saves the five or so small device
-ops of the packing (about 60-100 us per step on a CPU, where each costs 10-15 us after a training step). Per-micro-step details (which micro-batch was bad) stay on the device and are read only on the
-cold path of an incident (:meth:`Window.micro_flags`).
+ops of the packing (about 60-100 us per step on a CPU, where each costs 10-15 us after a training step).
+Per-micro-step details (which micro-batch was bad) stay on the device and are read only on the cold path
+of an incident (:meth:`Window.micro_flags`).
 
 Row layout, float32, every column a fixed position (``[world, k]`` must have the same k on every rank):
 first what the device computes (one ``torch.stack`` of scalars, four column reductions over the input

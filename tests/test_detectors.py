@@ -461,10 +461,13 @@ def test_guard_input_rms_is_the_reference_maths(tmp_path):
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
-    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
-    x = 3.0 * torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     seen = []
-    guard.detectors.append(type("Spy", (vidstab.Detector,), {"name": "spy", "observe": lambda self, s: seen.append(s.input_rms)})(None))
+    vidstab.register_detector(type("Spy", (vidstab.Detector,), {"name": "spy", "observe": lambda self, s: seen.append(s.input_rms)}))
+    try:
+        guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    finally:
+        vidstab.detectors.unregister_detector("spy")
+    x = 3.0 * torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     guard.backward(model(x).pow(2).mean(), batch={"latents": x})
     guard.step()
     assert seen[0] == pytest.approx(scale_reference([x]).rms, rel=1e-6)

@@ -8,6 +8,7 @@ verdict the others reached.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .base import ConfigError, Detector, DetectorConfig, EMAStat, Finding, StepStats, Verdict
@@ -102,8 +103,11 @@ def detector_order() -> list[str]:
     return [*STEP_DETECTORS, *_USER_STEP, *ESCALATION_DETECTORS, *_USER_ESCALATION]
 
 
-def build_detectors(config: Any) -> list[Detector]:
-    """Instantiate the enabled detectors of a :class:`vidstab.GuardConfig` in evaluation order."""
+def build_detectors(config: Any, world_size: int | None = None) -> list[Detector]:
+    """Instantiate the enabled detectors of a :class:`vidstab.GuardConfig` in evaluation order.
+
+    ``world_size``: the number of processes of the run; a detector that needs more
+    (:attr:`Detector.min_world_size`, e.g. ``straggler`` compares ranks) is left out. ``None``: keep all."""
     user = registered_detectors()
     custom = getattr(config, "custom", {}) or {}
     out = []
@@ -113,7 +117,7 @@ def build_detectors(config: Any) -> list[Detector]:
         else:
             cfg_cls, cls = user[name]
             cfg = custom.get(name) or cfg_cls()
-        if cfg.enabled:
+        if cfg.enabled and (world_size is None or world_size >= getattr(cls, "min_world_size", 1)):
             out.append(cls(cfg))
     return out
 
@@ -121,14 +125,41 @@ def build_detectors(config: Any) -> list[Detector]:
 _ABSENT = (None, [])  # what a field a detector ``needs`` holds on a step without it
 
 
-def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
+@dataclass(frozen=True)
+class DetectorPlan:
+    """Which detectors take part in each phase of a step, read once from their declarations
+    (:attr:`Detector.needs`, :attr:`~Detector.absorbs`, :attr:`~Detector.update_needs`,
+    :attr:`~Detector.publishes`) instead of on every step: right after a training step the CPU caches are
+    cold and every lookup per detector per step costs a miss (judge + absorb of the default detectors take
+    about 3x longer there than in a warm loop: ``benchmarks/profile_guard_step.py`` prints both). The
+    detectors are called through the objects, so a method replaced on an instance is still called.
+    """
+
+    observers: tuple[tuple[Detector, str | None], ...]
+    """``(detector, the field its observe needs)`` in evaluation order."""
+    absorbers: tuple[tuple[Detector, str | None], ...]
+    """``(detector, the field its update needs)`` of the detectors that keep statistics."""
+    publishers: tuple[Detector, ...]
+    """The detectors that publish thresholds for the dashboard."""
+
+    @classmethod
+    def of(cls, detectors: "list[Detector] | DetectorPlan") -> "DetectorPlan":
+        """The plan of ``detectors`` (a plan is returned as it is). Duck-typed detectors without the
+        :class:`Detector` base are always called."""
+        if isinstance(detectors, DetectorPlan):
+            return detectors
+        return cls(tuple((d, getattr(d, "needs", None)) for d in detectors),
+                   tuple((d, getattr(d, "update_needs", None)) for d in detectors if getattr(d, "absorbs", True)),
+                   tuple(d for d in detectors if getattr(d, "publishes", True)))
+
+
+def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepStats:
     """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``.
 
     A detector whose :attr:`Detector.needs` field is absent on this step is not called: it has nothing to
     judge (the escalations that need ``findings`` see those of the detectors before them)."""
     findings = stats.findings
-    for det in detectors:
-        need = getattr(det, "needs", None)
+    for det, need in DetectorPlan.of(detectors).observers:
         if need is not None and getattr(stats, need) in _ABSENT:
             continue
         finding = det.observe(stats)
@@ -139,29 +170,26 @@ def judge(detectors: list[Detector], stats: StepStats) -> StepStats:
     return stats
 
 
-def absorb(detectors: list[Detector], stats: StepStats) -> None:
+def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> None:
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
     that keep no statistics, i.e. do not override ``update``, or whose :attr:`Detector.update_needs` field
     is absent this step, cost nothing here)."""
-    for det in detectors:
-        if getattr(det, "absorbs", True):  # duck-typed detectors (no Detector base) are always called
-            need = getattr(det, "update_needs", None)
-            if need is None or getattr(stats, need) not in _ABSENT:
-                det.update(stats)
+    for det, need in DetectorPlan.of(detectors).absorbers:
+        if need is None or getattr(stats, need) not in _ABSENT:
+            det.update(stats)
 
 
-def published(detectors: list[Detector]) -> dict[str, float]:
+def published(detectors: "list[Detector] | DetectorPlan") -> dict[str, float]:
     """What the detectors publish about their next judgement (thresholds), merged; logged with the metrics."""
     out: dict[str, float] = {}
-    for det in detectors:
-        if getattr(det, "publishes", True):
-            out.update(det.published())
+    for det in DetectorPlan.of(detectors).publishers:
+        out.update(det.published())
     return out
 
 
 __all__ = [
     "DETECTORS", "STEP_DETECTORS", "ESCALATION_DETECTORS", "register_detector", "unregister_detector",
-    "registered_detectors", "detector_order", "build_detectors", "judge", "absorb", "published", "ConfigError",
+    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "judge", "absorb", "published", "ConfigError",
     "Detector", "DetectorConfig", "EMAStat", "Finding", "StepStats", "Verdict", "TRIAGE", "Timeline", "family",
     "ScaleReference", "scale_reference",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",

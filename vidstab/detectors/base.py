@@ -163,6 +163,12 @@ class StepStats:
     the guard does not count them on healthy steps, ``vidstab.signals``)."""
     input_rms: float | None = None
     """Root mean square of the finite input values over ranks (``None`` when no input was recorded)."""
+    @property
+    def lr_unplaced(self) -> float | None:
+        """``lr`` when the schedule's peak is unknown (``lr_peak`` is ``None``), else ``None``: an LR that no
+        rule can place against the schedule (``lr_jump``'s input; with the peak known ``lr_bound`` judges)."""
+        return self.lr if self.lr_peak is None else None
+
     # Filled in by the guard while judging (see module docstring).
     verdict: Verdict = Verdict.OK
     """Verdict reached so far (final verdict in :meth:`Detector.update`)."""
@@ -183,6 +189,10 @@ class Detector:
     update_needs: ClassVar[str | None] = None
     """The same for :meth:`update`: the field without which it has nothing to absorb, so
     :func:`vidstab.detectors.absorb` does not call it (``None``: called every step)."""
+
+    min_world_size: ClassVar[int] = 1
+    """The fewest processes a run needs for this detector to judge anything (``straggler``, which compares
+    the ranks, needs 2): with fewer the guard does not build it (:func:`vidstab.detectors.build_detectors`)."""
 
     absorbs: ClassVar[bool] = False
     """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""

@@ -69,6 +69,8 @@ class ClipRateDetector(Detector):
         if n < self.config.window:
             return None
         rate = self.norms.count_above_pushed(x, max_norm) / n
+        if rate <= self.config.max_rate:
+            return None  # the common case, decided without the median (``_heavy`` needs both)
         factor = self.norms.median_pushed(x) / max_norm if max_norm > 0 else math.inf
         if not self._heavy(rate, factor):
             return None

@@ -69,18 +69,20 @@ class LRBoundDetector(Detector):
         sched = s.lr_scheduled if s.lr_scheduled is not None and s.lr_scheduled > 0 else None
         vs_peak = lr / peak if peak else 0.0
         vs_sched = lr / sched if sched else 0.0
+        warn = vs_peak > self.config.warn_peak_ratio and s.step >= self.quiet_until
+        skip = vs_peak > self.config.skip_peak_ratio or vs_sched > self.config.skip_scheduled_ratio
+        if not (skip or warn):
+            return None  # the common case: the LR the schedule set, below its peak
         figures = {"lr": lr, "lr_peak": peak or math.nan, "lr_scheduled": sched or math.nan,
                    "ratio_to_peak": vs_peak, "ratio_to_scheduled": vs_sched}
-        if vs_peak > self.config.skip_peak_ratio or vs_sched > self.config.skip_scheduled_ratio:
+        if skip:
             what = (f"{vs_peak:.3g}x the schedule's peak {peak:.3g}" if vs_peak > self.config.skip_peak_ratio
                     else f"{vs_sched:.3g}x the {sched:.3g} the scheduler set for this step")
             return self.finding(f"learning rate {lr:.3g} is {what}: update refused before it was applied "
                                 "(a wrong LR in param_groups or a broken schedule)", figures)
-        if vs_peak > self.config.warn_peak_ratio and s.step >= self.quiet_until:
-            self._warned_step = s.step
-            return Finding(self.name, min(self.verdict, Verdict.WARN),
-                           f"learning rate {lr:.3g} is {vs_peak:.2f}x the schedule's peak {peak:.3g}", figures)
-        return None
+        self._warned_step = s.step
+        return Finding(self.name, min(self.verdict, Verdict.WARN),
+                       f"learning rate {lr:.3g} is {vs_peak:.2f}x the schedule's peak {peak:.3g}", figures)
 
     def update(self, s: StepStats) -> None:
         if self._warned_step == s.step:

@@ -43,15 +43,15 @@ class LRJumpDetector(EMAJumpDetector):
     """Ratio of the LR to its EMA after warm-up; the flagged step is not absorbed, the quiet period is."""
 
     name = "lr_jump"
-    needs = "lr"
-    update_needs = "lr"
+    # With the schedule's peak known, ``lr_bound`` judges the LR against it and without history; a rise below
+    # the peak is the schedule's own (warm-up, warm restart) and no news. This EMA rule is the fallback for
+    # LRs the guard cannot place (no base LR known): on every other step it is not called at all.
+    needs = "lr_unplaced"
+    update_needs = "lr_unplaced"
     reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:
-        # With the schedule's peak known, ``lr_bound`` judges the LR against it and without history; a rise
-        # below the peak is the schedule's own (warm-up, warm restart) and no news. This EMA rule is the
-        # fallback for LRs the guard cannot place (no base LR known).
-        return s.lr if s.lr_peak is None else None
+        return s.lr_unplaced
 
     def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
         return self.finding(f"learning rate {value:.3g} is {ratio:.1f}x its EMA {self.ema.mean:.3g}",

@@ -29,9 +29,9 @@ class NonFiniteDetector(Detector):
     def observe(self, s: StepStats) -> Finding | None:
         if s.overflow:
             return None
+        if not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks) and (math.isfinite(s.grad_norm) or not s.grad_norm_known):
+            return None  # the healthy step: nothing non-finite anywhere
         ranks = sorted(set(s.nonfinite_loss_ranks) | set(s.nonfinite_input_ranks))
-        if not ranks and (math.isfinite(s.grad_norm) or not s.grad_norm_known):
-            return None
         what = []
         if s.nonfinite_loss_ranks:
             what.append(f"loss on rank(s) {s.nonfinite_loss_ranks}")

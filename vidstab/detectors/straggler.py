@@ -54,6 +54,7 @@ class StragglerDetector(Detector):
     """Per-rank medians of the own compute time; see the module docstring."""
 
     name = "straggler"
+    min_world_size = 2  # one process has no other rank to be slower than
 
     def __init__(self, config: StragglerConfig) -> None:
         super().__init__(config)

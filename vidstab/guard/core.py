@@ -37,7 +37,7 @@ import torch
 from .. import signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import StepStats, Verdict, absorb, build_detectors, judge
+from ..detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
@@ -94,7 +94,10 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         self.events = EventLog(self.run_dir, self.rank)
         register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
-        self.detectors = build_detectors(self.config)
+        self.detectors = build_detectors(self.config, self.world_size)
+        # Who observes, absorbs and publishes, read once (vidstab.detectors.DetectorPlan): the list is fixed
+        # from here on; a user's own detector is added with vidstab.register_detector before the guard is built.
+        self._plan = DetectorPlan.of(self.detectors)
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys
         )
@@ -195,7 +198,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.clock.restart()
         # 3. Same table on every rank -> same verdict on every rank.
         stats = self._build_stats(step, table, max_grad_norm, norm is not None)
-        judge(self.detectors, stats)
+        judge(self._plan, stats)
         # 4. Apply or skip (nothing else before the optimizer step).
         stats.applied = self._apply(stats, self._measure_params(step) and stats.verdict < Verdict.ROLLBACK,
                                     step_scheduler)
@@ -208,7 +211,7 @@ class Guard(UserLoopWrapping, GuardReporting):
             self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
-        absorb(self.detectors, stats)
+        absorb(self._plan, stats)
         result = self._report(stats, table, stop=any(r[signals.STOP] > 0 for r in table))
         self._refs.clear()
         self.window.reset()

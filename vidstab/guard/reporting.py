@@ -19,6 +19,7 @@ from .result import StepResult
 
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
 EVENT_KIND = {Verdict.WARN: "warn", Verdict.SKIP: "skip", Verdict.ROLLBACK: "rollback_request"}
+VERDICT_NAME = tuple(v.name for v in Verdict)  # Verdict(i).name by index: the enum's property costs more, every step
 
 
 class GuardReporting:
@@ -48,9 +49,9 @@ class GuardReporting:
             "input_nonfinite": int(self.rank in s.nonfinite_input_ranks),  # build_stats read it off the row
             "loss_by_t": s.timestep_bucket_loss,
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
-            "verdict": s.verdict.name,
+            "verdict": VERDICT_NAME[s.verdict],
             "applied": s.applied,
-            **published(self.detectors),  # each detector's own thresholds for the next step (the dashboard's lines)
+            **published(self._plan),  # each detector's own thresholds for the next step (the dashboard's lines)
         }
         self.events.log("metrics", s.step, **metrics)
         if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):

@@ -67,11 +67,7 @@ def build_stats(
             exception_ranks.append(i)
     if first_bad is not None:
         grad_norm = first_bad
-    buckets = []
-    if layout.buckets:
-        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
-        cnts = [sum(col) for col in zip(*(r[layout.bucket_count] for r in table))]
-        buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
+    buckets = _bucket_means(table, layout) if layout.buckets else []
     param_norm = update_ratio = None
     if table[0][S.PARAM_PENDING] > 0:
         psq = sum(r[S.PARAM_SQ] for r in table) if sharded else table[0][S.PARAM_SQ]
@@ -122,6 +118,23 @@ def bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
     loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
     return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
             and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
+
+
+def _bucket_means(table: list[list[float]], layout: S.Layout) -> list[float | None]:
+    """Mean loss per timestep bucket over ranks (``None`` for an empty bucket). A loop that passes no
+    per-sample losses (the attached loop) leaves every count at 0: one look at the counts, no division."""
+    cnt_slice = layout.bucket_count
+    if len(table) == 1:
+        cnts = table[0][cnt_slice]
+        if not any(cnts):
+            return [None] * layout.buckets
+        sums = table[0][layout.bucket_sum]
+    else:
+        cnts = [sum(col) for col in zip(*(r[cnt_slice] for r in table))]
+        if not any(cnts):
+            return [None] * layout.buckets
+        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
+    return [x / c if c > 0 else None for x, c in zip(sums, cnts)]
 
 
 def _rms(sum_sq: float, count: float) -> float | None:

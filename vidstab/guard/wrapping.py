@@ -71,19 +71,27 @@ class UserLoopWrapping:
         if torch.is_grad_enabled():
             self._model_inputs = (args, kwargs)
 
-    def _model_batch(self) -> dict[str, torch.Tensor] | None:
-        """The tensors of the micro-step's model inputs, named after ``forward``'s parameters."""
-        if self._model_inputs is None:
-            return None
+    def _model_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """``(batch, data)`` of the micro-step's model inputs: ``batch`` holds every tensor, named after
+        ``forward``'s parameters (the incident bundle's evidence); ``data`` those whose statistics are
+        recorded. With ``input_keys`` unset that is the tensors of two or more dimensions: per-sample
+        scalars (flow-matching timesteps or sigmas, ``[B]`` with values up to 1000) are not data, they
+        would set the inputs' absmax and RMS and hide the latents' scale. One pass over the inputs."""
         args, kwargs = self._model_inputs
-        batch = {}
+        names, by_dims = self._forward_names, self.config.input_keys is None
+        batch, data = {}, {}
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                batch[self._forward_names[i] if i < len(self._forward_names) else f"arg{i}"] = a
+                name = names[i] if i < len(names) else f"arg{i}"
+                batch[name] = a
+                if by_dims and a.dim() >= 2:
+                    data[name] = a
         for k, v in kwargs.items():
             if isinstance(v, torch.Tensor):
                 batch[k] = v
-        return batch
+                if by_dims and v.dim() >= 2:
+                    data[k] = v
+        return batch, (data if by_dims else batch)
 
     def _user_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """The user's ``accelerator.backward(loss)``: the original, then the micro-step's on-device flags."""
@@ -94,9 +102,9 @@ class UserLoopWrapping:
         if self.accelerator.sync_gradients:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
         self._backward(loss, **kwargs)
-        batch = self._model_batch()
+        batch, data = self._model_batch()
         self._model_inputs = None
-        self.window.record(loss, _data_of(batch, self.config.input_keys))
+        self.window.record(loss, data)
         self._refs.append((batch if self.config.capture_incidents else None, None, None))
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
@@ -123,12 +131,3 @@ class UserLoopWrapping:
             return None
         return self._scheduler_step(*args, **kwargs)
 
-
-def _data_of(batch: dict[str, torch.Tensor] | None, keys: Any) -> dict[str, torch.Tensor] | None:
-    """The model inputs whose statistics are recorded: with ``input_keys`` unset, those of two or more
-    dimensions. Per-sample scalars (flow-matching timesteps or sigmas, ``[B]`` with values up to 1000) are
-    not data: they would set the inputs' absmax and RMS and hide the latents' scale. The incident bundle
-    still holds every input."""
-    if batch is None or keys is not None:
-        return batch
-    return {k: v for k, v in batch.items() if v.dim() >= 2}

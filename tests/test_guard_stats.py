@@ -92,8 +92,9 @@ def random_row(rng, layout):
     row[S.EXCEPTIONS] = float(rng.random() < 0.05)
     row[S.LOCAL_SECONDS] = rng.choice([-1.0, rng.uniform(0.001, 0.05)])
     row[S.LOSS_SCALE] = 65536.0
+    no_buckets = rng.random() < 0.2  # the attached loop passes no per-sample losses: every count 0
     for b in range(layout.buckets):
-        count = rng.choice([0.0, 1.0, 3.0])
+        count = 0.0 if no_buckets else rng.choice([0.0, 1.0, 3.0])
         row[layout.bucket_sum.start + b], row[layout.bucket_count.start + b] = count * rng.uniform(0, 2), count
     return row
 
@@ -137,3 +138,37 @@ def test_a_one_process_row_finished_on_the_host_is_the_gathered_row(micro_steps,
     assert len(got) == len(expected) == S.Layout(buckets).width
     for col, (a, b) in enumerate(zip(got, expected)):
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (col, a, b)
+
+
+def test_detectors_with_nothing_to_judge_are_not_built_or_not_called(tmp_path):
+    """A one-process guard has no ``straggler`` (no other rank to compare) and never calls ``lr_jump`` while
+    the schedule's peak is known (``lr_bound`` judges the LR then); both still judge where they can."""
+    from accelerate import Accelerator
+
+    import vidstab
+    from vidstab.config import GuardConfig
+    from vidstab.detectors import build_detectors, judge
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    names = [d.name for d in guard.detectors]
+    assert "straggler" not in names and "lr_jump" in names
+    assert "straggler" in [d.name for d in build_detectors(GuardConfig(), world_size=2)]
+    lr_jump = next(d for d in guard.detectors if d.name == "lr_jump")
+    calls = []
+    lr_jump.observe = lambda s, _observe=lr_jump.observe: calls.append(s.step) or _observe(s)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    assert guard.step_count == 3 and calls == []
+    guard.close()
+    # Without a known peak (a replayed row, an optimizer whose base LR the guard never saw) it judges.
+    s = StepStats(step=0, grad_norm=1.0, loss=1.0, lr=1e-3)
+    assert s.lr_unplaced == 1e-3 and StepStats(step=0, grad_norm=1.0, loss=1.0, lr=1e-3, lr_peak=1e-3).lr_unplaced is None
+    judge([lr_jump], s)
+    assert calls == [0]

@@ -26,6 +26,7 @@ class ConsecutiveSkipsDetector(Detector):
     """Reads the verdict reached by the step detectors; the count resets on an applied step or a rollback."""
 
     name = "consecutive_skips"
+    needs = "findings"  # a skipped step has a finding that skipped it
 
     def __init__(self, config: ConsecutiveSkipsConfig) -> None:
         super().__init__(config)

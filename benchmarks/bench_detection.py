@@ -576,9 +576,25 @@ def print_small_batch_tuning(fig: dict) -> None:
         print("  none")
 
 
-def print_heldout(fig: dict) -> None:
+def run_families_tuning(vidstab_config=None, cache: Path = CACHE_DIR) -> dict:
+    """The held-out families on tuning seeds (``catalogue.family_healthy_runs`` and ``catalogue.logit_growth_runs``
+    with their healthy twins), recorded with the held-out recorder (cached) and judged like a draw: where the
+    logit-growth behaviour of the defaults is chosen, and where a change is checked for false alarms on the
+    three batch-4 families before any draw is replayed."""
+    from benchmarks.scenarios import heldout as H
+
+    healthy = {r: H.record(r, cache) for r in C.family_healthy_runs()}
+    faults = []
+    for r in C.logit_growth_runs():
+        twin = H.HeldoutRun(r.family, r.schedule, r.seed, None, steps=r.steps, tail=0)
+        healthy[twin] = H.record(twin, cache)
+        faults.append(H.record(r, cache, healthy=healthy[twin]))
+    return heldout_figures(list(healthy.values()), faults, vidstab_config)
+
+
+def print_heldout(fig: dict, split: str = "Held-out") -> None:
     base = [cls().name for cls in B.BASELINES]
-    print("\n== Held-out split: alarms per 1k healthy steps, per model family (vidstab[act] = SKIP/ROLLBACK) ==")
+    print(f"\n== {split} split: alarms per 1k healthy steps, per model family (vidstab[act] = SKIP/ROLLBACK) ==")
     names = base + ["vidstab", "vidstab[act]"]
     print(f"{'family':16s} {'steps':>6s}" + "".join(f" {n[:12]:>12s}" for n in names))
     for fam, f in fig["families"].items():
@@ -589,16 +605,16 @@ def print_heldout(fig: dict) -> None:
     print(f"vidstab findings on the healthy runs (every one a false alarm): {len(found)}")
     for f in found[:40]:
         print(f"  {f['run']} step {f['step']}: {f['detector']} {f['verdict']}: {f['message']}")
-    print("\n== Held-out fault runs: lead = failure step - first alarm (vidstab vs best quiet baseline) ==")
+    print(f"\n== {split} fault runs: lead = failure step - first alarm (vidstab vs best quiet baseline) ==")
     print(f"{'run':52s} {'fail':>5s} {'alarm':>6s} {'act':>5s} {'lead':>5s} {'bestQ':>6s}  first detectors")
     for r in fig["runs"]:
         print(f"{r['run'][:52]:52s} {_fmt(r['failure_step']):>5s} {_fmt(r['first_alarm']):>6s} {_fmt(r['first_action']):>5s} "
               f"{_fmt(r['lead']):>5s} {_fmt(r['best_quiet_lead']):>6s}  {','.join(r['first_detectors'])}")
     s = fig["summary"]
-    print(f"\nheld-out: detected {s['detected']}/{s['divergent_runs']} divergent runs; slow faults acted on before the "
+    print(f"\n{split.lower()}: detected {s['detected']}/{s['divergent_runs']} divergent runs; slow faults acted on before the "
           f"failure {s['slow_action_in_time']}/{s['slow_divergent']}; lead >= best quiet baseline on "
           f"{s['lead_ge_best_quiet']}/{s['lead_compared']} runs; benign fault runs (no failure point) {s['benign_runs']}")
-    print(f"held-out targets: {s['targets']}")
+    print(f"{split.lower()} targets: {s['targets']}")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -680,10 +696,12 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.quick:
             print("\nnote: --quick skips the end-to-end trainer runs (run without --quick for them)")
 
-        small = None
+        small = fam = None
         if not args.quick:
             small = run_small_batch_tuning(vcfg, cache)
             print_small_batch_tuning(small)
+            fam = run_families_tuning(vcfg, cache)
+            print_heldout(fam, split="Tuning (held-out families on tuning seeds, logit growth)")
 
         if args.markdown:
             Path(args.markdown).write_text(markdown(fig, rows, e2e))
@@ -702,6 +720,9 @@ def main(argv: list[str] | None = None) -> dict:
             "small_batch_tuning": None if small is None else {
                 "families": small["families"],
                 "healthy_findings": [{k: f[k] for k in ("run", "step", "detector", "verdict")} for f in small["healthy_findings"]]},
+            "families_tuning": None if fam is None else {
+                "summary": fam["summary"], "families": fam["families"], "quiet_baselines": fam["quiet_baselines"],
+                "healthy_findings": [{k: f[k] for k in ("run", "step", "detector", "verdict")} for f in fam["healthy_findings"]]},
         })
     if args.split in ("heldout", "both"):
         held = run_heldout(quick=args.quick, vidstab_config=vcfg, cache=cache, draw=args.heldout_draw)

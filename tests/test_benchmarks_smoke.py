@@ -171,3 +171,19 @@ def test_small_batch_scenario_is_on_the_tuning_split_and_draw_d_is_new():
     seeds = [s for draw in H.DRAW_SEEDS.values() for s in draw]
     assert len(seeds) == len(set(seeds)) and min(seeds) >= 100 and 105 not in seeds
     assert "D" in H.C_SCENARIO_DRAWS
+
+
+def test_logit_growth_and_family_runs_are_on_the_tuning_split():
+    """The logit-growth behaviour of the defaults is chosen on tuning seeds (0-19) at onsets no draw uses; the
+    held-out families' healthy tuning runs use tuning seeds too."""
+    from benchmarks.scenarios import catalogue as C
+    from benchmarks.scenarios import heldout as H
+
+    runs = C.logit_growth_runs()
+    assert {r.kind for r in runs} == {"qk_growth"} and {r.family for r in runs} == {"plain_tf_flow"}
+    assert {r.seed for r in runs} == set(C.LOGIT_GROWTH_SEEDS) <= set(C.HEALTHY_SEEDS)
+    assert not {r.onset for r in runs} & set(H.FAULT_STEPS)
+    fam = C.family_healthy_runs()
+    assert {r.family for r in fam} == set(H.FAMILIES) and all(r.fault is None for r in fam)
+    assert {r.seed for r in fam} <= set(C.HEALTHY_SEEDS)
+    assert not {r.seed for r in runs + fam} & {s for draw in H.DRAW_SEEDS.values() for s in draw}

@@ -195,6 +195,11 @@ class BatchParamGrowth(ParamGrowthDetector):
         old = [(st, v) for st, v in self.samples if st <= step - self.config.window]
         return old[-1] if old else None
 
+    def _lowest(self, step):
+        ref = self._reference(step)
+        since = [(st, v) for st, v in self.samples if ref is None or st >= ref[0]]
+        return min(since, key=lambda x: x[1]) if since else None
+
 
 # ---------------------------------------------------------------- random runs
 def clip_run(n, rng):

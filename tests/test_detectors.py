@@ -164,6 +164,19 @@ def test_param_growth():
     assert not any("param_growth" in n for _, _, n in run(only("param_growth"), steady))
 
 
+def test_param_growth_judges_shorter_spans_from_the_second_measurement():
+    """A x1.6 jump 20 steps into a run is flagged at once (not at step 200, the default window), against the
+    lowest norm of the window; a slow healthy drift (x1.03 in 200 steps, the largest seen on the tuning split)
+    and a dip that only returns to its old level are not."""
+    fast = [stats(i, param_norm=10.0 if i < 20 else 16.0) for i in range(0, 60, 10)]
+    out = run(only("param_growth"), fast)
+    assert [st for st, _, n in out if "param_growth" in n] == [20]
+    drift = [stats(i, param_norm=10.0 * 1.03 ** (i / 200)) for i in range(0, 1000, 10)]
+    dip = [stats(i, param_norm=10.0 if not 100 <= i < 150 else 7.0) for i in range(0, 400, 10)]
+    for seq in (drift, dip):
+        assert not any("param_growth" in n for _, _, n in run(only("param_growth"), seq))
+
+
 def test_nonfinite_names_ranks_and_ignores_fp16_overflow():
     dets = only("nonfinite")
     out = run(dets, [stats(0, grad_norm=math.nan, loss=0.5, world_size=4, nonfinite_loss_ranks=[2],

@@ -123,6 +123,40 @@ def small_batch_runs(seeds: tuple[int, ...] = SMALL_BATCH_SEEDS) -> list:
     return H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
 
 
+#: Attention-logit growth on the tuning split: ``heldout.py``'s plain-softmax transformer without QK-norm
+#: (``plain_tf_flow``) with its query/key weights x1.1 per step (logits x1.21, draw C's rate: the logits
+#: overflow fp32 ~330 steps after the onset), on tuning seeds, at onsets and schedules of its own (the
+#: held-out draws use onsets 120 / 180 / 250). Tuning data: where the logit-growth behaviour of the
+#: defaults is chosen (RESULTS.md, "Logit growth on the tuning split"); no held-out draw is looked at for it.
+LOGIT_GROWTH_SEEDS = (0, 1, 2, 3)
+LOGIT_GROWTH_ONSETS = (90, 150, 220)
+LOGIT_GROWTH_SCHEDULES = ("cosine_warmup", "step_decay", "batch_change")
+
+
+def logit_growth_runs(seeds: tuple[int, ...] = LOGIT_GROWTH_SEEDS) -> list:
+    """The tuning split's logit-growth runs (``heldout.HeldoutRun``, recorded with the held-out recorder):
+    every seed x onset, the schedule rotating with the onset; each run's healthy twin (same family, schedule,
+    seed and length) is recorded with it and counts as tuning healthy steps."""
+    from . import heldout as H
+
+    arg, steps = H.QK_GROWTH_C
+    return [H.HeldoutRun("plain_tf_flow", sched, seed, f"qk_growth@{onset}={arg}", steps=steps)
+            for seed in seeds for onset, sched in zip(LOGIT_GROWTH_ONSETS, LOGIT_GROWTH_SCHEDULES)]
+
+
+#: Healthy runs of the held-out split's three batch-4 families on tuning seeds (every schedule, 400 steps):
+#: tuning data on which a default that acts on those families is checked for false alarms (the DiT
+#: catalogue above is one model and one schedule); the held-out draws keep seeds >= 100.
+FAMILY_HEALTHY_SEEDS = (0, 1)
+
+
+def family_healthy_runs(seeds: tuple[int, ...] = FAMILY_HEALTHY_SEEDS) -> list:
+    """``heldout.healthy_runs`` of the three batch-4 families, every held-out schedule, on tuning seeds."""
+    from . import heldout as H
+
+    return H.healthy_runs(H.FAMILIES, H.SCHEDULES, seeds)
+
+
 def get(name: str) -> Scenario:
     """The scenario called ``name`` (``"healthy"`` included)."""
     for s in (HEALTHY, *SCENARIOS):

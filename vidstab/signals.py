@@ -403,11 +403,11 @@ class Window:
         return [MicroFlags(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
 
 
-class HostRow(NamedTuple):
+@dataclass(frozen=True)
+class HostRow:
     """A one-process row still in two parts (:meth:`Window.pack_for_host`): ``raw`` on the device (the
     present scalars among grad_norm, param_sq, update_sq, loss_scale, then the micro-step losses, the
-    input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host. A
-    NamedTuple: built every step, and a frozen dataclass's ``__init__`` costs several times more."""
+    input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host."""
 
     raw: torch.Tensor
     present: tuple[bool, bool, bool, bool]

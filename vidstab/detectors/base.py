@@ -163,6 +163,7 @@ class StepStats:
     the guard does not count them on healthy steps, ``vidstab.signals``)."""
     input_rms: float | None = None
     """Root mean square of the finite input values over ranks (``None`` when no input was recorded)."""
+
     @property
     def lr_unplaced(self) -> float | None:
         """``lr`` when the schedule's peak is unknown (``lr_peak`` is ``None``), else ``None``: an LR that no

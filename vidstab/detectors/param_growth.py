@@ -46,6 +46,10 @@ class ParamGrowthDetector(Detector):
     def __init__(self, config: ParamGrowthConfig) -> None:
         super().__init__(config)
         self.samples: deque[tuple[int, float]] = deque()
+        # The candidates for "lowest since step t", for any t: the samples no later sample is lower than,
+        # oldest first, their norms rising (a sliding-window minimum), so judging costs the same at any
+        # window size or measuring cadence.
+        self.lows: deque[tuple[int, float]] = deque()
         self.quiet_until = -1
 
     def _reference(self, step: int) -> tuple[int, float] | None:
@@ -62,12 +66,13 @@ class ParamGrowthDetector(Detector):
 
     def _lowest(self, step: int) -> tuple[int, float] | None:
         """The lowest-norm sample (the oldest of equals) from the window's reference (``_reference``) on, or
-        of every sample while none is ``window`` steps old: at most ``window / param_norm_every + 1`` of them."""
+        of every sample while none is ``window`` steps old: the first of ``lows`` from there on (the few
+        before it aged past the window since the last ``update`` and are skipped, not removed)."""
         if not self.samples:
             return None
         ref = self._reference(step)
         start = -math.inf if ref is None else ref[0]
-        return min((x for x in self.samples if x[0] >= start), key=lambda x: x[1])
+        return next(x for x in self.lows if x[0] >= start)  # the newest sample is always in lows
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.param_norm is None or not math.isfinite(s.param_norm) or s.step < self.quiet_until:
@@ -88,14 +93,24 @@ class ParamGrowthDetector(Detector):
             self.quiet_until = s.step + self.config.window
         if s.param_norm is None or not math.isfinite(s.param_norm):
             return
-        self.samples.append((s.step, s.param_norm))
+        self._push((s.step, s.param_norm))
         ref = self._reference(s.step)
         while self.samples and ref is not None and self.samples[0][0] < ref[0]:
             self.samples.popleft()  # keep the newest sample older than the window, drop the rest
+        while self.lows and ref is not None and self.lows[0][0] < ref[0]:
+            self.lows.popleft()
+
+    def _push(self, sample: tuple[int, float]) -> None:
+        self.samples.append(sample)
+        while self.lows and self.lows[-1][1] > sample[1]:  # never the lowest again; equals keep the older
+            self.lows.pop()
+        self.lows.append(sample)
 
     def state_dict(self) -> dict:
         return {"samples": [list(x) for x in self.samples], "quiet_until": self.quiet_until}
 
     def load_state_dict(self, d: dict) -> None:
-        self.samples = deque((int(a), float(b)) for a, b in d["samples"])
+        self.samples, self.lows = deque(), deque()
+        for a, b in d["samples"]:
+            self._push((int(a), float(b)))
         self.quiet_until = int(d["quiet_until"])

@@ -71,7 +71,7 @@ class UserLoopWrapping:
         if torch.is_grad_enabled():
             self._model_inputs = (args, kwargs)
 
-    def _model_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    def _model_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(batch, data)`` of the micro-step's model inputs: ``batch`` holds every tensor, named after
         ``forward``'s parameters (the incident bundle's evidence); ``data`` those whose statistics are
         recorded. With ``input_keys`` unset that is the tensors of two or more dimensions: per-sample

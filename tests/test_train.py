@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import signal
@@ -16,6 +18,9 @@ from safetensors.torch import load_file
 from vidstab.strict_json import json_float
 
 from trainer_utils import FAST, REPO, TRAIN, events, losses_by_step, run_trainer, run_trainers
+
+sys.path.insert(0, str(REPO / "recipes"))
+import args as train_args  # noqa: E402  (recipes/args.py: the trainer's flags)
 
 
 def _finite(x):
@@ -69,12 +74,16 @@ def test_flow_matching_ema_accumulation_checkpointing_train_and_resume(tmp_path)
 def test_bad_config_value_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 1.0\n")
-    # Three independent invocations, started together (each a real trainer process).
-    zero, typo, fault = run_trainers((tmp_path / "run0", "--max_train_steps", "0"), (tmp_path / "run1", "--config", str(bad)),
-                                     (tmp_path / "run2", "--inject_fault", "nan_bach@3"), check=False)
-    assert zero.returncode != 0 and "--max_train_steps must be >= 1" in zero.stderr
+    # One real trainer process: the trainer itself exits on a bad key before building anything. The flag checks
+    # it runs (recipes/args.py) are the same function for every flag; the other two are checked in-process.
+    typo = run_trainer(tmp_path / "run1", "--config", str(bad), check=False)
     assert typo.returncode != 0 and "learning_rat" in typo.stderr
-    assert fault.returncode != 0 and "nan_bach" in (fault.stderr + fault.stdout)
+    for argv, expected in ((["--max_train_steps", "0"], "--max_train_steps must be >= 1"),
+                           (["--inject_fault", "nan_bach@3"], "nan_bach")):
+        err = io.StringIO()
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+            train_args.parse_args(argv)
+        assert expected in err.getvalue(), (argv, err.getvalue())
 
 
 def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
@@ -89,18 +98,6 @@ def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
     a, b = losses_by_step(full), losses_by_step(split)
     assert all(a[s] == b[s] for s in range(6, 10)), {s: (a[s], b[s]) for s in range(6, 10)}
     assert all(torch.equal(_weights(full, 10)[k], v) for k, v in _weights(split, 10).items())
-
-
-@pytest.mark.slow
-def test_two_processes_train_and_resume_exactly(tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
-    run_trainers((full, "--max_train_steps", "6", "--checkpointing_steps", "3"),
-                 (split, "--max_train_steps", "3", "--checkpointing_steps", "3"), nproc=2)
-    run_trainer(split, "--max_train_steps", "6", "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest", nproc=2)
-    for rank in (0, 1):
-        a, b = losses_by_step(full, rank), losses_by_step(split, rank)
-        assert [a[s] for s in range(3, 6)] == [b[s] for s in range(3, 6)]
-    assert all(torch.equal(_weights(full, 6)[k], v) for k, v in _weights(split, 6).items())
 
 
 @pytest.mark.slow

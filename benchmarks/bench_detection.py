@@ -577,17 +577,20 @@ def print_small_batch_tuning(fig: dict) -> None:
 
 
 def run_families_tuning(vidstab_config=None, cache: Path = CACHE_DIR) -> dict:
-    """The held-out families on tuning seeds (``catalogue.family_healthy_runs`` and ``catalogue.logit_growth_runs``
-    with their healthy twins), recorded with the held-out recorder (cached) and judged like a draw: where the
-    logit-growth behaviour of the defaults is chosen, and where a change is checked for false alarms on the
-    three batch-4 families before any draw is replayed."""
+    """The held-out families on tuning seeds (``catalogue.family_healthy_runs``, ``catalogue.logit_growth_runs`` and
+    ``catalogue.input_drift_runs`` with their healthy twins), recorded with the held-out recorder (cached) and
+    judged like a draw: where the logit-growth and input-drift behaviour of the defaults is chosen, and where a
+    change is checked for false alarms on the three batch-4 families before any draw is replayed."""
     from benchmarks.scenarios import heldout as H
 
     healthy = {r: H.record(r, cache) for r in C.family_healthy_runs()}
     faults = []
-    for r in C.logit_growth_runs():
-        twin = H.HeldoutRun(r.family, r.schedule, r.seed, None, steps=r.steps, tail=0)
-        healthy[twin] = H.record(twin, cache)
+    for r in C.logit_growth_runs() + C.input_drift_runs():
+        # The twin is the healthy run of the same family, schedule, seed and length (one recording, counted once).
+        twin = next((h for h in healthy if (h.family, h.schedule, h.seed, h.steps) == (r.family, r.schedule, r.seed, r.steps)),
+                    None) or H.healthy_runs((r.family,), (r.schedule,), (r.seed,), r.steps)[0]
+        if twin not in healthy:
+            healthy[twin] = H.record(twin, cache)
         faults.append(H.record(r, cache, healthy=healthy[twin]))
     return heldout_figures(list(healthy.values()), faults, vidstab_config)
 
@@ -701,7 +704,7 @@ def main(argv: list[str] | None = None) -> dict:
             small = run_small_batch_tuning(vcfg, cache)
             print_small_batch_tuning(small)
             fam = run_families_tuning(vcfg, cache)
-            print_heldout(fam, split="Tuning (held-out families on tuning seeds, logit growth)")
+            print_heldout(fam, split="Tuning (held-out families on tuning seeds, logit growth, input drift)")
 
         if args.markdown:
             Path(args.markdown).write_text(markdown(fig, rows, e2e))

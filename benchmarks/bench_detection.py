@@ -508,6 +508,12 @@ def heldout_figures(healthy: list, faults: list, vidstab_config=None) -> dict:
         "max_skips_per_1k_family": max((f["vidstab[act]"] or 0) for f in out["families"].values()) if fams else None,
         "max_alarms_per_1k_family": max((f["vidstab"] or 0) for f in out["families"].values()) if fams else None,
     }
+    out["summary"]["by_kind"] = {
+        kind: {"divergent_runs": len(rs), "detected": sum(r["detected"] for r in rs),
+               "action_in_time": sum(bool(r["action_in_time"]) for r in rs),
+               "lead_ge_best_quiet": sum(bool(r["lead_ge_best_quiet"]) for r in rs),
+               "lead_compared": sum(r["lead_ge_best_quiet"] is not None for r in rs)}
+        for kind in sorted({r["kind"] for r in div}) for rs in [[r for r in div if r["kind"] == kind]]}
     s_ = out["summary"]
     s_["targets"] = {
         "detection_rate>=0.95": (s_["detection_rate"] or 0) >= 0.95,
@@ -617,6 +623,9 @@ def print_heldout(fig: dict, split: str = "Held-out") -> None:
     print(f"\n{split.lower()}: detected {s['detected']}/{s['divergent_runs']} divergent runs; slow faults acted on before the "
           f"failure {s['slow_action_in_time']}/{s['slow_divergent']}; lead >= best quiet baseline on "
           f"{s['lead_ge_best_quiet']}/{s['lead_compared']} runs; benign fault runs (no failure point) {s['benign_runs']}")
+    print(f"{split.lower()} per fault kind (divergent runs): " + "; ".join(
+        f"{k} detected {v['detected']}/{v['divergent_runs']}, acted before the failure {v['action_in_time']}, "
+        f"lead >= best quiet {v['lead_ge_best_quiet']}/{v['lead_compared']}" for k, v in s["by_kind"].items()))
     print(f"{split.lower()} targets: {s['targets']}")
 
 

@@ -508,6 +508,12 @@ def heldout_figures(healthy: list, faults: list, vidstab_config=None) -> dict:
         "max_skips_per_1k_family": max((f["vidstab[act]"] or 0) for f in out["families"].values()) if fams else None,
         "max_alarms_per_1k_family": max((f["vidstab"] or 0) for f in out["families"].values()) if fams else None,
     }
+    out["summary"]["by_kind"] = {
+        kind: {"divergent_runs": len(rs), "detected": sum(r["detected"] for r in rs),
+               "action_in_time": sum(bool(r["action_in_time"]) for r in rs),
+               "lead_ge_best_quiet": sum(bool(r["lead_ge_best_quiet"]) for r in rs),
+               "lead_compared": sum(r["lead_ge_best_quiet"] is not None for r in rs)}
+        for kind in sorted({r["kind"] for r in div}) for rs in [[r for r in div if r["kind"] == kind]]}
     s_ = out["summary"]
     s_["targets"] = {
         "detection_rate>=0.95": (s_["detection_rate"] or 0) >= 0.95,
@@ -577,17 +583,20 @@ def print_small_batch_tuning(fig: dict) -> None:
 
 
 def run_families_tuning(vidstab_config=None, cache: Path = CACHE_DIR) -> dict:
-    """The held-out families on tuning seeds (``catalogue.family_healthy_runs`` and ``catalogue.logit_growth_runs``
-    with their healthy twins), recorded with the held-out recorder (cached) and judged like a draw: where the
-    logit-growth behaviour of the defaults is chosen, and where a change is checked for false alarms on the
-    three batch-4 families before any draw is replayed."""
+    """The held-out families on tuning seeds (``catalogue.family_healthy_runs``, ``catalogue.logit_growth_runs`` and
+    ``catalogue.input_drift_runs`` with their healthy twins), recorded with the held-out recorder (cached) and
+    judged like a draw: where the logit-growth and input-drift behaviour of the defaults is chosen, and where a
+    change is checked for false alarms on the three batch-4 families before any draw is replayed."""
     from benchmarks.scenarios import heldout as H
 
     healthy = {r: H.record(r, cache) for r in C.family_healthy_runs()}
     faults = []
-    for r in C.logit_growth_runs():
-        twin = H.HeldoutRun(r.family, r.schedule, r.seed, None, steps=r.steps, tail=0)
-        healthy[twin] = H.record(twin, cache)
+    for r in C.logit_growth_runs() + C.input_drift_runs():
+        # The twin is the healthy run of the same family, schedule, seed and length (one recording, counted once).
+        twin = next((h for h in healthy if (h.family, h.schedule, h.seed, h.steps) == (r.family, r.schedule, r.seed, r.steps)),
+                    None) or H.healthy_runs((r.family,), (r.schedule,), (r.seed,), r.steps)[0]
+        if twin not in healthy:
+            healthy[twin] = H.record(twin, cache)
         faults.append(H.record(r, cache, healthy=healthy[twin]))
     return heldout_figures(list(healthy.values()), faults, vidstab_config)
 
@@ -614,6 +623,9 @@ def print_heldout(fig: dict, split: str = "Held-out") -> None:
     print(f"\n{split.lower()}: detected {s['detected']}/{s['divergent_runs']} divergent runs; slow faults acted on before the "
           f"failure {s['slow_action_in_time']}/{s['slow_divergent']}; lead >= best quiet baseline on "
           f"{s['lead_ge_best_quiet']}/{s['lead_compared']} runs; benign fault runs (no failure point) {s['benign_runs']}")
+    print(f"{split.lower()} per fault kind (divergent runs): " + "; ".join(
+        f"{k} detected {v['detected']}/{v['divergent_runs']}, acted before the failure {v['action_in_time']}, "
+        f"lead >= best quiet {v['lead_ge_best_quiet']}/{v['lead_compared']}" for k, v in s["by_kind"].items()))
     print(f"{split.lower()} targets: {s['targets']}")
 
 
@@ -701,7 +713,7 @@ def main(argv: list[str] | None = None) -> dict:
             small = run_small_batch_tuning(vcfg, cache)
             print_small_batch_tuning(small)
             fam = run_families_tuning(vcfg, cache)
-            print_heldout(fam, split="Tuning (held-out families on tuning seeds, logit growth)")
+            print_heldout(fam, split="Tuning (held-out families on tuning seeds, logit growth, input drift)")
 
         if args.markdown:
             Path(args.markdown).write_text(markdown(fig, rows, e2e))

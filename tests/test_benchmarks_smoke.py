@@ -187,3 +187,16 @@ def test_logit_growth_and_family_runs_are_on_the_tuning_split():
     assert {r.family for r in fam} == set(H.FAMILIES) and all(r.fault is None for r in fam)
     assert {r.seed for r in fam} <= set(C.HEALTHY_SEEDS)
     assert not {r.seed for r in runs + fam} & {s for draw in H.DRAW_SEEDS.values() for s in draw}
+
+
+def test_input_drift_runs_are_on_the_tuning_split():
+    """input_scale's drift test is chosen on tuning seeds (0-19), at onsets no draw uses, on the three batch-4
+    held-out families and every held-out schedule."""
+    from benchmarks.scenarios import catalogue as C
+    from benchmarks.scenarios import heldout as H
+
+    runs = C.input_drift_runs()
+    assert {r.kind for r in runs} == {"input_drift"} and {r.family for r in runs} == set(H.FAMILIES)
+    assert {r.seed for r in runs} == set(C.INPUT_DRIFT_SEEDS) <= set(C.HEALTHY_SEEDS)
+    assert not {r.onset for r in runs} & set(H.FAULT_STEPS) and {r.schedule for r in runs} == set(H.SCHEDULES)
+    assert not {r.seed for r in runs} & {s for draw in H.DRAW_SEEDS.values() for s in draw}

@@ -22,7 +22,7 @@ from vidstab import StepStats, Verdict
 from vidstab.detectors import (ClipRateConfig, ClipRateDetector, Finding, GradGrowthConfig, GradGrowthDetector,
                                InputScaleConfig, InputScaleDetector, ParamGrowthConfig, ParamGrowthDetector,
                                StragglerConfig, StragglerDetector)
-from vidstab.detectors.input_scale import smooth_window
+from vidstab.detectors.input_scale import DriftCusum, smooth_window
 from vidstab.detectors.windows import SlopeWindow, SortedWindow, median_without, slope
 
 
@@ -155,7 +155,8 @@ class BatchInputScale(InputScaleDetector):
 
     def state_dict(self):
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent),
-                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None}
+                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None,
+                "drift": DriftCusum(self.config.drift_lag).state_dict()}  # off in these cases: it stays empty
 
 
 class PlainWindow(deque):
@@ -258,8 +259,11 @@ CASES = {
     "clip_rate": (ClipRateDetector, BatchClipRate, ClipRateConfig(window=30), clip_run),
     "clip_rate_window_1": (ClipRateDetector, BatchClipRate, ClipRateConfig(window=1, max_rate=0.5), clip_run),
     "grad_growth": (GradGrowthDetector, BatchGradGrowth, GradGrowthConfig(warmup_steps=10), growth_run),
-    "input_scale": (InputScaleDetector, BatchInputScale, InputScaleConfig(smooth_steps=6, quiet_steps=20), scale_run),
-    "input_scale_given": (InputScaleDetector, BatchInputScale, InputScaleConfig(reference_rms=1.0), scale_run),
+    # The level test (the median window); the drift test: test_input_drift_cusum_equals_its_batch_definition.
+    "input_scale": (InputScaleDetector, BatchInputScale, InputScaleConfig(smooth_steps=6, quiet_steps=20, drift_threshold=0),
+                    scale_run),
+    "input_scale_given": (InputScaleDetector, BatchInputScale, InputScaleConfig(reference_rms=1.0, drift_threshold=0),
+                          scale_run),
     "straggler": (StragglerDetector, BatchStraggler, StragglerConfig(window=7, patience=3, quiet_steps=60), straggler_seq),
     "param_growth": (ParamGrowthDetector, BatchParamGrowth, ParamGrowthConfig(window=100, max_growth=1.2), param_run),
 }
@@ -304,6 +308,57 @@ def test_incremental_detector_equals_its_batch_definition_through_wraps_and_a_re
     else:
         assert final_new == final_ref
     assert findings >= 3, f"the run should exercise findings, got {findings}"
+
+
+def test_input_drift_cusum_equals_its_batch_definition():
+    """input_scale's drift test (running baseline with a lag, Page's recursion) reaches what its definition
+    reaches re-read in full every step: baseline = mean and std of the log RMS of the applied steps except the
+    last ``drift_lag``; CUSUM = the largest sum of (z - allowance) over the steps since its last crossing,
+    ending at this one; it starts where that sum does. Through level changes, unknown RMS, skipped steps and
+    a save and reload."""
+    config = InputScaleConfig(warn_ratio=1e9, act_ratio=1e9, instant_ratio=1e9, quiet_steps=15, drift_threshold=6.0,
+                              drift_allowance=0.5, drift_lag=30)
+    rng = random.Random(5)
+    seq = scale_run(1500, rng)
+    applied_draws = [rng.random() > 0.1 for _ in seq]
+    new = InputScaleDetector(config)
+    applied_logs: list[float] = []
+    since_reset: list[tuple[int, float]] = []  # (step, z - allowance) since the last crossing
+    quiet_until, warned = -1, 0
+    for i, kw in enumerate(seq):
+        if i == 777:
+            saved = json.loads(json.dumps(new.state_dict()))
+            new = InputScaleDetector(config)
+            new.load_state_dict(saved)
+        s = StepStats(**kw)
+        f = new.observe(s)
+        x, expected = s.input_rms, None
+        base = applied_logs[:max(0, len(applied_logs) - config.drift_lag)]
+        if x is not None and len(base) >= max(2, config.reference_steps):
+            mean, std = statistics.fmean(base), max(statistics.stdev(base), config.drift_min_std)
+            z = (math.log(x) - mean) / std
+            since_reset.append((s.step, z - config.drift_allowance))
+            sums = [(sum(w for _, w in since_reset[j:]), since_reset[j][0]) for j in range(len(since_reset))]
+            downs = [(sum(-w - 2 * config.drift_allowance for _, w in since_reset[j:]), since_reset[j][0])
+                     for j in range(len(since_reset))]
+            up, down = max(sums), max(downs)
+            if max(up[0], down[0]) > config.drift_threshold:
+                since_reset = []
+                if s.step >= quiet_until:
+                    expected = up if up[0] > config.drift_threshold else down
+                    quiet_until = s.step + config.quiet_steps
+        assert (f is None) == (expected is None), f"step {i}: {f} vs {expected}"
+        if f is not None:
+            warned += 1
+            assert f.verdict == Verdict.WARN and f.figures["since_step"] == expected[1]
+            assert f.figures["cusum"] == pytest.approx(expected[0], rel=1e-9)
+            s.findings.append(f)
+            s.verdict = f.verdict
+        s.applied = applied_draws[i]
+        if x is not None and s.applied:
+            applied_logs.append(math.log(x))
+        new.update(s)
+    assert warned >= 5, warned
 
 
 def test_sorted_window_answers_what_statistics_would_on_the_pushed_window():

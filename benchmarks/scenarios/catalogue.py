@@ -144,6 +144,28 @@ def logit_growth_runs(seeds: tuple[int, ...] = LOGIT_GROWTH_SEEDS) -> list:
             for seed in seeds for onset, sched in zip(LOGIT_GROWTH_ONSETS, LOGIT_GROWTH_SCHEDULES)]
 
 
+#: Input drift on the tuning split: ``heldout.py``'s ``input_drift`` fault (every input x(1 + RATE) per step from
+#: the onset: a drifting VAE or data pipeline) on the three batch-4 held-out families, on tuning seeds, at onsets
+#: of its own (the held-out draws use onsets 120 / 180 / 250 and only the rate 0.01) and at half, once and twice
+#: the draws' rate, the schedule rotating over every held-out schedule. Tuning data: where the input-drift
+#: behaviour of the defaults is chosen (RESULTS.md, "Input drift on the tuning split"); no held-out draw is
+#: looked at for it.
+INPUT_DRIFT_SEEDS = (0, 1, 2, 3)
+INPUT_DRIFT_ONSETS = (90, 160, 230)
+INPUT_DRIFT_RATES = ("0.005", "0.01", "0.02")
+
+
+def input_drift_runs(seeds: tuple[int, ...] = INPUT_DRIFT_SEEDS) -> list:
+    """The tuning split's input-drift runs (``heldout.HeldoutRun``, recorded with the held-out recorder, 400
+    steps): every family x seed x onset x rate; each run's healthy twin (same family, schedule, seed and length)
+    is recorded with it and counts as tuning healthy steps."""
+    from . import heldout as H
+
+    combos = [(onset, rate) for onset in INPUT_DRIFT_ONSETS for rate in INPUT_DRIFT_RATES]
+    return [H.HeldoutRun(fam, H.SCHEDULES[(j + seed) % len(H.SCHEDULES)], seed, f"input_drift@{onset}={rate}")
+            for fam in H.FAMILIES for seed in seeds for j, (onset, rate) in enumerate(combos)]
+
+
 #: Healthy runs of the held-out split's three batch-4 families on tuning seeds (every schedule, 400 steps):
 #: tuning data on which a default that acts on those families is checked for false alarms (the DiT
 #: catalogue above is one model and one schedule); the held-out draws keep seeds >= 100.

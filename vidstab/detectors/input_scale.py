@@ -23,12 +23,25 @@ its std measured as the sample std of log RMS: an odd batch among the first step
 the margin less the reference's own standard error), at most ``max_smooth_steps``. With batches of four and
 more this is ``smooth_steps`` itself; with batches of two, 7-9 steps (benchmarks/RESULTS.md, "Small-batch
 UNet on the tuning split").
+
+A slow drift (inputs +1% per step) needs ~41 steps to carry the median to x1.5. A second test warns about
+it sooner: a two-sided CUSUM (Page, "Continuous inspection schemes", Biometrika 41, 1954: the sequential
+test with the shortest worst-case delay for a persistent shift at a given false-alarm rate, Lorden 1971,
+Moustakides 1986; a drift is a shift that keeps growing) on the step's log RMS standardised by the mean and std of the log RMS of the applied steps so far,
+except the last ``drift_lag`` ones, from ``reference_steps`` steps on. Its baseline grows with the run and
+is never an average over a window: it weighs every step since the start alike, so a drift that began
+``drift_lag`` steps ago is not in it, and an older one is in it only in proportion to its share of the
+run. Estimating it from the run itself is the self-starting scheme of Hawkins ("Self-starting cusum charts
+for location and scale", The Statistician 36, 1987): a baseline of only 20 steps would need a far higher
+bar (Jones, Champ and Rigdon, "The run length distribution of the CUSUM with estimated parameters",
+J. Quality Technology 36, 2004). The drift test only warns; acting stays with the level test above.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -114,6 +127,22 @@ class InputScaleConfig(DetectorConfig):
     benchmark's whole alarm budget (0.3 / 1k for all detectors together). 0: always ``smooth_steps``."""
     max_smooth_steps: int = 25
     """The window never grows beyond this many steps (a persistent change shows within half of it)."""
+    drift_threshold: float = 10.0
+    """Warn when the drift test's CUSUM (module docstring) of standardised log RMS exceeds this many
+    standard deviations; 0: no drift test. With ``drift_allowance`` 0.75 and ``drift_lag`` 50, simulated on
+    400-step runs of normal log RMS with the baseline measured as the detector does: 4.6e-6 false warnings
+    per step, and +1% per step at a log-RMS std of 0.13 (batches of four images) warned 23 steps after it
+    began (95%: within 30); benchmarks/RESULTS.md, "Input drift on the tuning split"."""
+    drift_allowance: float = 0.75
+    """The CUSUM's allowance, in standard deviations of the log RMS: each step adds its deviation less
+    this, so only a shift larger than it accumulates (Page's reference value, half the shift the test is
+    tuned to: here 1.5 standard deviations)."""
+    drift_lag: int = 50
+    """The drift test's baseline leaves out the most recent this many applied steps, so that a drift has
+    that long to be warned about before it enters the baseline."""
+    drift_min_std: float = 0.01
+    """Floor of the standard deviation the drift test divides by: a shift of the RMS by about this
+    fraction is never a drift on its own, however steady the inputs were (e.g. a normalised latent cache)."""
 
     def validate_fields(self, prefix: str) -> None:
         check(0 <= self.false_warn_rate < 1, f"{prefix}.false_warn_rate", "must be in [0, 1)", self.false_warn_rate)
@@ -129,10 +158,57 @@ class InputScaleConfig(DetectorConfig):
         check(self.instant_ratio >= self.act_ratio, f"{prefix}.instant_ratio", f"must be >= act_ratio={self.act_ratio}",
               self.instant_ratio)
         check(self.quiet_steps >= 0, f"{prefix}.quiet_steps", "must be >= 0", self.quiet_steps)
+        check(self.drift_threshold >= 0, f"{prefix}.drift_threshold", "must be >= 0 (0: no drift test)",
+              self.drift_threshold)
+        check(self.drift_allowance >= 0, f"{prefix}.drift_allowance", "must be >= 0", self.drift_allowance)
+        check(self.drift_lag >= 0, f"{prefix}.drift_lag", "must be >= 0", self.drift_lag)
+        check(self.drift_min_std > 0, f"{prefix}.drift_min_std", "must be > 0", self.drift_min_std)
+
+
+class DriftCusum:
+    """The drift test's state (module docstring): a two-sided CUSUM of standardised log RMS and its baseline,
+    the running mean and variance (Welford) of the log RMS of the applied steps except the last ``lag``."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.pending: deque[float] = deque()  # log RMS of the last ``lag`` applied steps, not yet in the baseline
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0  # Welford sums of the baseline
+        self.up = self.down = 0.0  # the two CUSUMs, in standard deviations
+        self.up_since = self.down_since = -1  # step at which each last rose from 0 (where the shift began)
+
+    def std(self, floor: float) -> float:
+        return max(math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0, floor)
+
+    def advance(self, log_rms: float, step: int, config: "InputScaleConfig") -> tuple[float, float, int, int]:
+        """(up, down, up_since, down_since) after this step's log RMS (nothing changes)."""
+        z = (log_rms - self.mean) / self.std(config.drift_min_std)
+        up, down = self.up + z - config.drift_allowance, self.down - z - config.drift_allowance
+        up_since = (self.up_since if self.up > 0 else step) if up > 0 else -1
+        down_since = (self.down_since if self.down > 0 else step) if down > 0 else -1
+        return max(up, 0.0), max(down, 0.0), up_since, down_since
+
+    def add_to_baseline(self, log_rms: float) -> None:
+        self.pending.append(log_rms)
+        while len(self.pending) > self.lag:
+            v = self.pending.popleft()
+            self.count += 1
+            d = v - self.mean
+            self.mean += d / self.count
+            self.m2 += d * (v - self.mean)
+
+    def state_dict(self) -> dict:
+        return {"pending": list(self.pending), "count": self.count, "mean": self.mean, "m2": self.m2,
+                "up": self.up, "down": self.down, "up_since": self.up_since, "down_since": self.down_since}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.pending = deque(float(x) for x in d.get("pending", []))
+        self.count, self.mean, self.m2 = int(d.get("count", 0)), float(d.get("mean", 0.0)), float(d.get("m2", 0.0))
+        self.up, self.down = float(d.get("up", 0.0)), float(d.get("down", 0.0))
+        self.up_since, self.down_since = int(d.get("up_since", -1)), int(d.get("down_since", -1))
 
 
 class InputScaleDetector(Detector):
-    """Median RMS of the recent steps against a frozen (or user-given) reference RMS."""
+    """Median RMS of the recent steps against a frozen (or user-given) reference RMS, and a CUSUM drift test."""
 
     name = "input_scale"
     needs = "input_rms"
@@ -147,6 +223,7 @@ class InputScaleDetector(Detector):
         self.quiet_until = -1
         self._warned_step: int | None = None
         self._measured = False  # whether the window was sized (after ``reference_steps`` applied steps)
+        self.drift = DriftCusum(config.drift_lag)
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.input_rms
@@ -161,7 +238,7 @@ class InputScaleDetector(Detector):
         far = max(ratio, 1.0 / ratio)
         act = far >= self.config.act_ratio
         if not act and not (far >= self.config.warn_ratio and s.step >= self.quiet_until):
-            return None
+            return self._drift_finding(s.step, x) if s.step >= self.quiet_until else None
         figures = {"input_rms": x, "judged_rms": judged, "reference_rms": ref, "ratio": ratio}
         source = "given" if self.config.reference_rms is not None else f"first {self.config.reference_steps} steps"
         msg = (f"input RMS {judged:.4g} ({'this step' if n == 1 else f'median of the last {n} steps'}) is x{ratio:.3g} the reference "
@@ -171,6 +248,28 @@ class InputScaleDetector(Detector):
         self._warned_step = s.step
         return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
 
+    def _drift_on(self) -> bool:
+        return self.config.drift_threshold > 0 and self.drift.count >= max(2, self.config.reference_steps)
+
+    def _drift_finding(self, step: int, x: float) -> Finding | None:
+        """The drift test's WARN for this step's RMS ``x``, or None."""
+        if not self._drift_on():
+            return None
+        d, h = self.drift, self.config.drift_threshold
+        up, down, up_since, down_since = d.advance(math.log(x), step, self.config)
+        if max(up, down) <= h:
+            return None
+        rising = up > h
+        since = up_since if rising else down_since
+        base = math.exp(d.mean)
+        figures = {"input_rms": x, "baseline_rms": base, "ratio": x / base, "cusum": up if rising else down,
+                   "since_step": float(since), "baseline_log_std": d.std(self.config.drift_min_std)}
+        msg = (f"input RMS drifting {'up' if rising else 'down'} since about step {since}: x{x / base:.3g} the "
+               f"baseline {base:.4g} (log-RMS mean of the applied steps before the last {self.config.drift_lag}), "
+               f"CUSUM {figures['cusum']:.3g} std > {h:g}: check the data pipeline / VAE scaling factor")
+        self._warned_step = step
+        return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
+
     def update(self, s: StepStats) -> None:
         if self._warned_step == s.step:
             self.quiet_until = s.step + self.config.quiet_steps
@@ -178,6 +277,14 @@ class InputScaleDetector(Detector):
         if x is None or not math.isfinite(x) or x <= 0:
             return
         self.recent.push(x)  # every step: a skipped batch is still what the data pipeline produces
+        if self._drift_on():  # every step is judged; a crossing restarts both sums (Page's scheme)
+            d = self.drift
+            d.up, d.down, d.up_since, d.down_since = d.advance(math.log(x), s.step, self.config)
+            if max(d.up, d.down) > self.config.drift_threshold:
+                d.up = d.down = 0.0
+                d.up_since = d.down_since = -1
+        if s.applied and self.config.drift_threshold > 0:
+            self.drift.add_to_baseline(math.log(x))
         if not self._measured and s.applied:
             self.early.append(x)
             if len(self.early) >= self.config.reference_steps:
@@ -190,7 +297,8 @@ class InputScaleDetector(Detector):
 
     def state_dict(self) -> dict:
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent.values),
-                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None}
+                "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None,
+                "drift": self.drift.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.early = [float(x) for x in d.get("early", [])]
@@ -202,6 +310,8 @@ class InputScaleDetector(Detector):
         self.smooth = int(smooth) if smooth is not None else self.config.smooth_steps
         self.recent = SortedWindow(self.smooth, (float(x) for x in d.get("recent", [])))
         self.quiet_until = int(d.get("quiet_until", -1))
+        self.drift = DriftCusum(self.config.drift_lag)
+        self.drift.load_state_dict(d.get("drift", {}))  # a state saved before the drift test: it starts afresh
 
 
 def smooth_window(early: list[float], config: InputScaleConfig) -> int:

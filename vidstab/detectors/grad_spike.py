@@ -99,7 +99,7 @@ class GradSpikeDetector(Detector):
             self.log_ema.add(math.log(s.grad_norm))
             if self.ema.count < self.config.warmup_steps:
                 self.early.append(s.grad_norm)
-            else:
+            elif self.early:
                 self.early = []
             self.ema.add(s.grad_norm)
 

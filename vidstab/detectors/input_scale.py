@@ -224,6 +224,7 @@ class InputScaleDetector(Detector):
         self._warned_step: int | None = None
         self._measured = False  # whether the window was sized (after ``reference_steps`` applied steps)
         self.drift = DriftCusum(config.drift_lag)
+        self._advanced: tuple | None = None  # (step, rms, log rms, the sums after it) computed by observe
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.input_rms
@@ -256,7 +257,9 @@ class InputScaleDetector(Detector):
         if not self._drift_on():
             return None
         d, h = self.drift, self.config.drift_threshold
-        up, down, up_since, down_since = d.advance(math.log(x), step, self.config)
+        log_x = math.log(x)
+        up, down, up_since, down_since = advanced = d.advance(log_x, step, self.config)
+        self._advanced = (step, x, log_x, advanced)  # update() commits the same numbers
         if max(up, down) <= h:
             return None
         rising = up > h
@@ -277,14 +280,18 @@ class InputScaleDetector(Detector):
         if x is None or not math.isfinite(x) or x <= 0:
             return
         self.recent.push(x)  # every step: a skipped batch is still what the data pipeline produces
-        if self._drift_on():  # every step is judged; a crossing restarts both sums (Page's scheme)
-            d = self.drift
-            d.up, d.down, d.up_since, d.down_since = d.advance(math.log(x), s.step, self.config)
-            if max(d.up, d.down) > self.config.drift_threshold:
-                d.up = d.down = 0.0
-                d.up_since = d.down_since = -1
-        if s.applied and self.config.drift_threshold > 0:
-            self.drift.add_to_baseline(math.log(x))
+        memo, self._advanced = self._advanced, None
+        if self.config.drift_threshold > 0:
+            seen = memo is not None and memo[0] == s.step and memo[1] == x  # observe computed this step's sums
+            log_x = memo[2] if seen else math.log(x)
+            if self._drift_on():  # every step is judged; a crossing restarts both sums (Page's scheme)
+                d = self.drift
+                d.up, d.down, d.up_since, d.down_since = memo[3] if seen else d.advance(log_x, s.step, self.config)
+                if max(d.up, d.down) > self.config.drift_threshold:
+                    d.up = d.down = 0.0
+                    d.up_since = d.down_since = -1
+            if s.applied:
+                self.drift.add_to_baseline(log_x)
         if not self._measured and s.applied:
             self.early.append(x)
             if len(self.early) >= self.config.reference_steps:
@@ -311,7 +318,8 @@ class InputScaleDetector(Detector):
         self.recent = SortedWindow(self.smooth, (float(x) for x in d.get("recent", [])))
         self.quiet_until = int(d.get("quiet_until", -1))
         self.drift = DriftCusum(self.config.drift_lag)
-        self.drift.load_state_dict(d.get("drift", {}))  # a state saved before the drift test: it starts afresh
+        self.drift.load_state_dict(d.get("drift", {}))
+        self._advanced = None  # a state saved before the drift test: it starts afresh
 
 
 def smooth_window(early: list[float], config: InputScaleConfig) -> int:

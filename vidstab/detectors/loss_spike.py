@@ -65,9 +65,11 @@ class LossSpikeDetector(Detector):
     def _batch_buckets(self, s: StepStats) -> list[tuple[int, float]]:
         return [(b, v) for b, v in enumerate(s.timestep_bucket_loss) if v is not None and math.isfinite(v)]
 
-    def timestep_factor(self, s: StepStats) -> float:
-        """``E[all buckets] / E[this batch's buckets]`` (1.0 when the buckets cannot tell: module docstring)."""
-        mine = self._batch_buckets(s)
+    def timestep_factor(self, s: StepStats, mine: list[tuple[int, float]] | None = None) -> float:
+        """``E[all buckets] / E[this batch's buckets]`` (1.0 when the buckets cannot tell: module docstring);
+        ``mine``: ``_batch_buckets(s)`` when the caller has it already."""
+        if mine is None:
+            mine = self._batch_buckets(s)
         if not mine or len(self.buckets) != len(s.timestep_bucket_loss):
             return 1.0
         warm = [e.mean for e in self.buckets if e.count >= self.config.min_bucket_samples and e.mean > 0]
@@ -98,14 +100,15 @@ class LossSpikeDetector(Detector):
     def update(self, s: StepStats) -> None:
         if not (s.applied and math.isfinite(s.loss)):
             return
+        mine = self._batch_buckets(s)
         if self._flagged_step != s.step:
-            self.ema.add(s.loss * self.timestep_factor(s))
+            self.ema.add(s.loss * self.timestep_factor(s, mine))
         # Every applied step teaches the buckets, flagged ones too: otherwise a bucket whose batches are flagged
         # while it is still unknown (the rare t < 100) would never become known. A fault that raises the loss
         # at every timestep leaves the buckets' ratios, hence the adjustment, as they were.
         if len(self.buckets) != len(s.timestep_bucket_loss):
             self.buckets = [EMAStat(beta=self.config.beta) for _ in s.timestep_bucket_loss]
-        for b, v in self._batch_buckets(s):
+        for b, v in mine:
             self.buckets[b].add(v)
 
     def state_dict(self) -> dict:

@@ -68,7 +68,6 @@ class Guard(UserLoopWrapping, GuardReporting):
         register_hooks: save/load the guard's state with ``accelerator.save_state``/``load_state``
             (``vidstab_guard.json``); False when the caller saves :meth:`state_dict` itself.
     """
-    """Detects trouble on every rank in lockstep; see the module docstring. Build it with :func:`attach`."""
 
     def __init__(
         self,

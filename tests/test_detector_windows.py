@@ -310,21 +310,22 @@ def test_incremental_detector_equals_its_batch_definition_through_wraps_and_a_re
     assert findings >= 3, f"the run should exercise findings, got {findings}"
 
 
-def test_input_drift_cusum_equals_its_batch_definition():
+@pytest.mark.parametrize("restart", [True, False])
+def test_input_drift_cusum_equals_its_batch_definition(restart):
     """input_scale's drift test (running baseline with a lag, Page's recursion) reaches what its definition
     reaches re-read in full every step: baseline = mean and std of the log RMS of the applied steps except the
-    last ``drift_lag``; CUSUM = the largest sum of (z - allowance) over the steps since its last crossing,
-    ending at this one; it starts where that sum does. Through level changes, unknown RMS, skipped steps and
-    a save and reload."""
+    last ``drift_lag`` (with ``drift_restart``: only those from the last crossing on); CUSUM = the largest sum
+    of (z - allowance) over the steps since its last crossing, ending at this one; it starts where that sum
+    does. Through level changes, unknown RMS, skipped steps and a save and reload."""
     config = InputScaleConfig(warn_ratio=1e9, act_ratio=1e9, instant_ratio=1e9, quiet_steps=15, drift_threshold=6.0,
-                              drift_allowance=0.5, drift_lag=30)
+                              drift_allowance=0.5, drift_lag=30, drift_restart=restart)
     rng = random.Random(5)
     seq = scale_run(1500, rng)
     applied_draws = [rng.random() > 0.1 for _ in seq]
     new = InputScaleDetector(config)
     applied_logs: list[float] = []
     since_reset: list[tuple[int, float]] = []  # (step, z - allowance) since the last crossing
-    quiet_until, warned = -1, 0
+    quiet_until, warned, base_from = -1, 0, 0  # base_from: where the baseline's steps begin in applied_logs
     for i, kw in enumerate(seq):
         if i == 777:
             saved = json.loads(json.dumps(new.state_dict()))
@@ -333,7 +334,7 @@ def test_input_drift_cusum_equals_its_batch_definition():
         s = StepStats(**kw)
         f = new.observe(s)
         x, expected = s.input_rms, None
-        base = applied_logs[:max(0, len(applied_logs) - config.drift_lag)]
+        base = applied_logs[base_from:max(base_from, len(applied_logs) - config.drift_lag)]
         if x is not None and len(base) >= max(2, config.reference_steps):
             mean, std = statistics.fmean(base), max(statistics.stdev(base), config.drift_min_std)
             z = (math.log(x) - mean) / std
@@ -344,6 +345,8 @@ def test_input_drift_cusum_equals_its_batch_definition():
             up, down = max(sums), max(downs)
             if max(up[0], down[0]) > config.drift_threshold:
                 since_reset = []
+                if restart:
+                    base_from = len(applied_logs)  # this step's RMS, if applied, is the new baseline's first
                 if s.step >= quiet_until:
                     expected = up if up[0] > config.drift_threshold else down
                     quiet_until = s.step + config.quiet_steps

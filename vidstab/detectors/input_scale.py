@@ -34,7 +34,9 @@ is never an average over a window: it weighs every step since the start alike, s
 run. Estimating it from the run itself is the self-starting scheme of Hawkins ("Self-starting cusum charts
 for location and scale", The Statistician 36, 1987): a baseline of only 20 steps would need a far higher
 bar (Jones, Champ and Rigdon, "The run length distribution of the CUSUM with estimated parameters",
-J. Quality Technology 36, 2004). The drift test only warns; acting stays with the level test above.
+J. Quality Technology 36, 2004). After a crossing the baseline starts afresh (``drift_restart``), so a
+lasting new level is warned about once, not until the older steps are outweighed. The drift test only
+warns; acting stays with the level test above.
 """
 
 from __future__ import annotations
@@ -140,6 +142,13 @@ class InputScaleConfig(DetectorConfig):
     drift_lag: int = 50
     """The drift test's baseline leaves out the most recent this many applied steps, so that a drift has
     that long to be warned about before it enters the baseline."""
+    drift_restart: bool = True
+    """After a crossing, the baseline starts afresh from the next applied steps (as Page's and Hawkins's
+    schemes restart after a signal): a lasting new level, such as a new data mix, is the baseline again once
+    ``reference_steps + drift_lag`` applied steps have passed, instead of being warned about until the old
+    steps are outweighed (measured on synthetic batch RMS, log-RMS std 0.028, x1.05 from step 1,000: 10-11
+    warnings in the next 700 steps without the restart, 1 with it). A drift that goes on is warned about
+    again once the new baseline is measured; the level test judges it meanwhile."""
     drift_min_std: float = 0.01
     """Floor of the standard deviation the drift test divides by: a shift of the RMS by about this
     fraction is never a drift on its own, however steady the inputs were (e.g. a normalised latent cache)."""
@@ -186,6 +195,13 @@ class DriftCusum:
         up_since = (self.up_since if self.up > 0 else step) if up > 0 else -1
         down_since = (self.down_since if self.down > 0 else step) if down > 0 else -1
         return max(up, 0.0), max(down, 0.0), up_since, down_since
+
+    def restart(self) -> None:
+        """Both sums and the baseline start afresh (``drift_restart``)."""
+        self.pending.clear()
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+        self.up = self.down = 0.0
+        self.up_since = self.down_since = -1
 
     def add_to_baseline(self, log_rms: float) -> None:
         self.pending.append(log_rms)
@@ -288,8 +304,11 @@ class InputScaleDetector(Detector):
                 d = self.drift
                 d.up, d.down, d.up_since, d.down_since = memo[3] if seen else d.advance(log_x, s.step, self.config)
                 if max(d.up, d.down) > self.config.drift_threshold:
-                    d.up = d.down = 0.0
-                    d.up_since = d.down_since = -1
+                    if self.config.drift_restart:
+                        d.restart()  # this step's RMS is the first of the new baseline (if applied)
+                    else:
+                        d.up = d.down = 0.0
+                        d.up_since = d.down_since = -1
             if s.applied:
                 self.drift.add_to_baseline(log_x)
         if not self._measured and s.applied:

@@ -4,8 +4,10 @@ plus the trainer-level ones (real processes, real files)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +49,12 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
     run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "2")
     latest = checkpoint_root(out) / "latest"
     assert latest.read_text().strip() == "step_000004"
+    # issue 13, in a copy of the run and alongside the failing run below (independent: started together).
+    typo = tmp_path / "typo"
+    shutil.copytree(out, typo)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    mistyped = pool.submit(run_trainer, typo, "--max_train_steps", "6", "--resume_from_checkpoint", "checkpoint-4",
+                           check=False)
     flags = [f for f in FAST if f != "--no_async_save"]  # async: a failure surfaces at the next interval
     cmd = [sys.executable, str(TRAIN), "--output_dir", str(out), *flags, "--max_train_steps", "10",
            "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"]
@@ -66,7 +74,8 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
     assert stop["exit_code"] == 4
     verify_checkpoint_files(checkpoint_root(out) / "step_000004")  # the earlier checkpoint is intact
     # issue 13: a mistyped --resume_from_checkpoint says what exists instead of "incomplete save"
-    proc = run_trainer(out, "--max_train_steps", "6", "--resume_from_checkpoint", "checkpoint-4", check=False)
+    proc = mistyped.result()
+    pool.shutdown()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "no such checkpoint 'checkpoint-4'" in proc.stdout and "step_000004" in proc.stdout
     assert "incomplete save" not in proc.stdout and "Traceback" not in proc.stderr

@@ -181,9 +181,7 @@ class DriftCusum:
     def __init__(self, lag: int) -> None:
         self.lag = lag
         self.pending: deque[float] = deque()  # log RMS of the last ``lag`` applied steps, not yet in the baseline
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0  # Welford sums of the baseline
-        self.up = self.down = 0.0  # the two CUSUMs, in standard deviations
-        self.up_since = self.down_since = -1  # step at which each last rose from 0 (where the shift began)
+        self.restart()
 
     def std(self, floor: float) -> float:
         return max(math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0, floor)
@@ -196,12 +194,16 @@ class DriftCusum:
         down_since = (self.down_since if self.down > 0 else step) if down > 0 else -1
         return max(up, 0.0), max(down, 0.0), up_since, down_since
 
+    def reset_sums(self) -> None:
+        """Both CUSUMs back to 0 (after a crossing: Page's scheme)."""
+        self.up = self.down = 0.0  # the two CUSUMs, in standard deviations
+        self.up_since = self.down_since = -1  # step at which each last rose from 0 (where the shift began)
+
     def restart(self) -> None:
         """Both sums and the baseline start afresh (``drift_restart``)."""
         self.pending.clear()
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
-        self.up = self.down = 0.0
-        self.up_since = self.down_since = -1
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0  # Welford sums of the baseline
+        self.reset_sums()
 
     def add_to_baseline(self, log_rms: float) -> None:
         self.pending.append(log_rms)
@@ -305,10 +307,9 @@ class InputScaleDetector(Detector):
                 d.up, d.down, d.up_since, d.down_since = memo[3] if seen else d.advance(log_x, s.step, self.config)
                 if max(d.up, d.down) > self.config.drift_threshold:
                     if self.config.drift_restart:
-                        d.restart()  # this step's RMS is the first of the new baseline (if applied)
+                        d.restart()  # this step's RMS (if applied) is the first of the new baseline
                     else:
-                        d.up = d.down = 0.0
-                        d.up_since = d.down_since = -1
+                        d.reset_sums()
             if s.applied:
                 self.drift.add_to_baseline(log_x)
         if not self._measured and s.applied:

@@ -65,3 +65,20 @@ def test_the_same_command_twice_is_refused_unless_it_resumes_or_overwrites(tmp_p
         assert (out / PREVIOUS_RUNS).is_dir() and not (out / "vidstab").exists()
         assert os.path.isfile(os.path.join(lock.moved_to, "vidstab", "events-rank0.jsonl"))
     assert vidstab.claim_run_dir is claim_run_dir
+
+
+def test_a_launch_whose_processes_did_not_join_is_refused_naming_the_launch(tmp_path):
+    """torchrun with 2 processes on a machine without a GPU and without ACCELERATE_USE_CPU=1: each process gets
+    an Accelerator of one process (measured). Both are refused before anything is written, with a message
+    naming the launch and the fix, not "in use by another trainer"."""
+    from trainer_utils import REPO, torchrun_cmd
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    proc = subprocess.run(torchrun_cmd(2, REPO / "examples" / "vidstab_loop.py", "--output_dir", str(out),
+                                       "--max_train_steps", "2"),
+                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "WORLD_SIZE=2" in proc.stderr and "ACCELERATE_USE_CPU=1 torchrun" in proc.stderr, proc.stderr[-3000:]
+    assert "in use by another trainer" not in proc.stderr
+    assert not (out / "vidstab").exists()  # refused before anything was written

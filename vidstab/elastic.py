@@ -68,6 +68,32 @@ class LaunchInfo:
         return self.restart_count > 0
 
 
+class LaunchMismatch(RuntimeError):
+    """The launcher started more processes than the ``Accelerator`` joined (each would train alone)."""
+
+
+def check_world_size(num_processes: int, environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`LaunchMismatch` when the launcher's ``WORLD_SIZE`` is larger than ``num_processes``.
+
+    Measured here: ``torchrun --nproc_per_node 2`` on a machine without a GPU and without
+    ``ACCELERATE_USE_CPU=1`` gives each process an ``Accelerator`` of ONE process, so two independent runs
+    train the same model into the same folder (vidstab's folder lock then refused the second with "in use by
+    another trainer", which names the symptom, not the launch). This names the launch."""
+    env = os.environ if environ is None else environ
+    raw = env.get("WORLD_SIZE")
+    try:
+        launched = int(raw) if raw is not None else 0
+    except ValueError:
+        raise LaunchMismatch(f"environment variable WORLD_SIZE={raw!r} is not an integer") from None
+    if launched > num_processes:
+        raise LaunchMismatch(
+            f"the launcher started WORLD_SIZE={launched} processes, but the Accelerator of this one runs "
+            f"{num_processes}: each process would train alone, into the same output folder. Without GPUs, "
+            f"Accelerate joins CPU processes only with ACCELERATE_USE_CPU=1 (ACCELERATE_USE_CPU=1 torchrun "
+            f"--nproc_per_node {launched} ..., or ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+            f"--num_processes {launched} ...); with GPUs, check that every process sees one.")
+
+
 def _last_attempt_events(path: Path, before: float) -> list[dict]:
     """The events of the last attempt written before ``before`` (from its last ``start`` event on)."""
     rows: list[dict] = []

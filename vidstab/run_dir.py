@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .elastic import check_world_size
+
 __all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirLock", "claim_run_dir", "LOCK_FILE", "PREVIOUS_RUNS"]
 
 logger = logging.getLogger("vidstab.run_dir")
@@ -124,7 +126,10 @@ def claim_run_dir(accelerator: Any, output_dir: str | os.PathLike, *, resume: An
     Raises:
         RunDirInUse: another live trainer holds the folder (the message names its host and pid).
         RunDirNotEmpty: an earlier run is there and the launch neither resumes nor overwrites it.
+        vidstab.elastic.LaunchMismatch: the launcher started more processes than the Accelerator joined.
     """
+    if accelerator is not None:
+        check_world_size(accelerator.num_processes)  # a launch that did not join: say so, not "folder in use"
     output_dir = os.path.abspath(os.fspath(output_dir))
     is_main = accelerator is None or accelerator.is_main_process
     error: RunDirError | None = None

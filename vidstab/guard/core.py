@@ -39,6 +39,7 @@ from ..atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
+from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
@@ -91,6 +92,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.run_dir = Path(run_dir)
         self.model_spec, self.seed, self.checkpoint_fn = model_spec, seed, checkpoint_fn
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        check_world_size(self.world_size)  # unjoined processes would write each other's rank-0 event log
         self.events = EventLog(self.run_dir, self.rank)
         register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
         self.detectors = build_detectors(self.config, self.world_size)

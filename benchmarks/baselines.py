@@ -282,9 +282,9 @@ class VidstabReplay:
                     lr_scheduled: float | None = None) -> list:
         """Judge one recorded row as the guard would; returns the findings (empty: no alarm)."""
         s = self.stats_of_row(step, row, lr, lr_peak, lr_scheduled)
-        self._judge(self.guard.detectors, s)
+        self._judge(self.guard._plan, s)  # the guard's plan: its detectors' promises included
         s.applied = s.verdict <= self._Verdict.WARN
-        self._absorb(self.guard.detectors, s)
+        self._absorb(self.guard._plan, s)
         return list(s.findings)
 
     def row_of_record(self, r: StepRecord) -> list[float]:

@@ -76,6 +76,9 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
         if type(det).update is not vidstab.detectors.Detector.update:
             det.update = w(f"absorb {det.name}", det.update)
             absorbs.append(f"absorb {det.name}")
+        if det.screens:  # its promise about the next steps, taken after its update
+            det.quiet_bounds = w(f"promise {det.name}", det.quiet_bounds)
+            absorbs.append(f"promise {det.name}")
     guard._build_stats = w("_build_stats", guard._build_stats)
     guard._report = w("_report (+events)", guard._report)
     guard._apply = w("_apply", guard._apply)
@@ -208,18 +211,18 @@ def main() -> None:
         exclusive[parent] = [t - sum(kid[i] for kid in kids) for i, t in enumerate(inclusive[parent])]
     # Medians per piece (a loaded machine's preemptions land in means); they need not add up exactly.
     means = {k: statistics.median(v) / 1e3 for k, v in exclusive.items() if not k.startswith("original")}
-    wrapped = sum(1 for k in timers.steps if k.startswith(("judge ", "absorb "))) + 6
+    wrapped = sum(1 for k in timers.steps if k.startswith(("judge ", "absorb ", "promise "))) + 6
     per_timer = timer_cost_us()
     load = os.getloadavg()[0]
     print(f"{description}, {args.steps} paired steps, load average {load:.1f}; plain step (thread CPU) "
           f"{statistics.median(plain_ms):.2f} ms")
     print(f"{'piece (exclusive, median over steps)':<40}{'us/step':>10}")
     judge_total = sum(v for k, v in means.items() if k.startswith("judge "))
-    absorb_total = sum(v for k, v in means.items() if k.startswith("absorb "))
+    absorb_total = sum(v for k, v in means.items() if k.startswith(("absorb ", "promise ")))
     for k in sorted(means, key=lambda k: -means[k]):
         print(f"{k:<40}{means[k]:>10.1f}")
     print(f"{'= all detectors judge':<40}{judge_total:>10.1f}")
-    print(f"{'= all detectors absorb':<40}{absorb_total:>10.1f}")
+    print(f"{'= all detectors absorb (+ promises)':<40}{absorb_total:>10.1f}")
     print(f"{'= sum of pieces':<40}{sum(means.values()):>10.1f}")
     print(f"{'  of which timers (~{0} x {1:.2f} us)'.format(wrapped, per_timer):<40}{wrapped * per_timer:>10.1f}")
     print(f"{'paired added step time, thread CPU (median)':<40}{statistics.median(added):>10.1f}")

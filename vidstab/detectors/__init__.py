@@ -8,7 +8,7 @@ verdict the others reached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ConfigError, Detector, DetectorConfig, EMAStat, Finding, StepStats, Verdict
@@ -28,6 +28,7 @@ from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
+from .screen import Screen
 from .straggler import StragglerConfig, StragglerDetector
 from .trend import TrendConfig, TrendDetector
 from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
@@ -137,10 +138,16 @@ class DetectorPlan:
 
     observers: tuple[tuple[Detector, str | None], ...]
     """``(detector, the field its observe needs)`` in evaluation order."""
-    absorbers: tuple[tuple[Detector, str | None], ...]
-    """``(detector, the field its update needs)`` of the detectors that keep statistics."""
+    absorbers: tuple[tuple[Detector, str | None, int], ...]
+    """``(detector, the field its update needs, its slot in the screen or -1)`` of the detectors that keep
+    statistics."""
     publishers: tuple[Detector, ...]
     """The detectors that publish thresholds for the dashboard."""
+    screen: Screen = field(default_factory=Screen)
+    """The promises of the detectors that make them (:meth:`Detector.promise`) about the next steps
+    (:mod:`vidstab.detectors.screen`): taken by :func:`absorb`, read by :func:`judge`. A plan kept across
+    steps (the guard's) carries them; a plain list of detectors gets a fresh plan, without promises, on
+    every call."""
 
     @classmethod
     def of(cls, detectors: "list[Detector] | DetectorPlan") -> "DetectorPlan":
@@ -148,19 +155,27 @@ class DetectorPlan:
         :class:`Detector` base are always called."""
         if isinstance(detectors, DetectorPlan):
             return detectors
+        # A detector that promises keeps statistics (a promise is about the state update leaves).
+        slots = [i for i, d in enumerate(detectors) if getattr(d, "screens", False) and getattr(d, "absorbs", True)]
+        slot_of = {i: k for k, i in enumerate(slots)}
         return cls(tuple((d, getattr(d, "needs", None)) for d in detectors),
-                   tuple((d, getattr(d, "update_needs", None)) for d in detectors if getattr(d, "absorbs", True)),
-                   tuple(d for d in detectors if getattr(d, "publishes", True)))
+                   tuple((d, getattr(d, "update_needs", None), slot_of.get(i, -1))
+                         for i, d in enumerate(detectors) if getattr(d, "absorbs", True)),
+                   tuple(d for d in detectors if getattr(d, "publishes", True)),
+                   Screen(slots))
 
 
 def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepStats:
     """Run ``observe`` of every detector in order; fills ``stats.findings`` and ``stats.verdict``.
 
     A detector whose :attr:`Detector.needs` field is absent on this step is not called: it has nothing to
-    judge (the escalations that need ``findings`` see those of the detectors before them)."""
+    judge (the escalations that need ``findings`` see those of the detectors before them); nor is one that
+    promised, after the last step, to find nothing on values like this step's (:mod:`vidstab.detectors.screen`)."""
     findings = stats.findings
-    for det, need in DetectorPlan.of(detectors).observers:
-        if need is not None and getattr(stats, need) in _ABSENT:
+    plan = DetectorPlan.of(detectors)
+    quiet = plan.screen.quiet(stats)
+    for i, (det, need) in enumerate(plan.observers):
+        if i in quiet or (need is not None and getattr(stats, need) in _ABSENT):
             continue
         finding = det.observe(stats)
         if finding is not None:
@@ -173,10 +188,17 @@ def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepS
 def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> None:
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
     that keep no statistics, i.e. do not override ``update``, or whose :attr:`Detector.update_needs` field
-    is absent this step, cost nothing here)."""
-    for det, need in DetectorPlan.of(detectors).absorbers:
+    is absent this step, cost nothing here), each followed by the detector's promise about the next step
+    (:class:`~vidstab.detectors.screen.Screen`)."""
+    plan = DetectorPlan.of(detectors)
+    bounds = plan.screen.bounds
+    for det, need, slot in plan.absorbers:
         if need is None or getattr(stats, need) not in _ABSENT:
             det.update(stats)
+            if slot >= 0:  # right after the update, while the detector's state is in the caches
+                bounds[slot] = det.quiet_bounds()
+        # else: the state did not change, nor did the promise made on it
+    plan.screen.step = stats.step + 1
 
 
 def published(detectors: "list[Detector] | DetectorPlan") -> dict[str, float]:
@@ -189,7 +211,7 @@ def published(detectors: "list[Detector] | DetectorPlan") -> dict[str, float]:
 
 __all__ = [
     "DETECTORS", "STEP_DETECTORS", "ESCALATION_DETECTORS", "register_detector", "unregister_detector",
-    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "judge", "absorb", "published", "ConfigError",
+    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "Screen", "judge", "absorb", "published", "ConfigError",
     "Detector", "DetectorConfig", "EMAStat", "Finding", "StepStats", "Verdict", "TRIAGE", "Timeline", "family",
     "ScaleReference", "scale_reference",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",

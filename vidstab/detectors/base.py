@@ -34,6 +34,30 @@ def check(cond: bool, name: str, requirement: str, value: Any) -> None:
         raise ConfigError(f"{name} {requirement}, got {value!r}")
 
 
+Bounds = tuple[tuple[str, float, float], ...]
+"""``((field, lo, hi), ...)``: closed intervals on :class:`StepStats` fields (:meth:`Detector.promise`)."""
+
+#: Relative margin of a promise (:meth:`Detector.promise`): a bound computed by other arithmetic than the
+#: test it stands for (``x <= ref * ratio`` for ``x / ref < ratio``) is off by a few ulps (~1e-16); 1e-9 screens
+#: out only values within a billionth of the line, which the detector then judges itself.
+MARGIN = 1e-9
+
+
+def below(h: float) -> float:
+    """``h`` moved towards -inf by the promise margin (an upper bound that holds despite rounding)."""
+    return h - MARGIN * abs(h) - 1e-300 if math.isfinite(h) else h
+
+
+def above(lo: float) -> float:
+    """``lo`` moved towards +inf by the promise margin (a lower bound that holds despite rounding)."""
+    return lo + MARGIN * abs(lo) + 1e-300 if math.isfinite(lo) else lo
+
+
+def exp_or_inf(v: float) -> float:
+    """``math.exp`` that is ``inf`` instead of raising on overflow."""
+    return math.exp(v) if v < 709.0 else math.inf
+
+
 class Verdict(enum.IntEnum):
     """What the guard does with an optimizer step; the worst finding wins."""
 
@@ -199,11 +223,16 @@ class Detector:
     """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""
     publishes: ClassVar[bool] = False
     """Whether this class overrides :meth:`published` (set for every subclass)."""
+    screens: ClassVar[bool] = False
+    """Whether this class overrides :meth:`promise` (set for every subclass)."""
+    _promise: "Bounds | None" = None
+    _promise_left = 0  # updates the kept promise still covers (quiet_bounds)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.absorbs = cls.update is not Detector.update
         cls.publishes = cls.published is not Detector.published
+        cls.screens = cls.promise is not Detector.promise
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -223,6 +252,35 @@ class Detector:
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict`."""
 
+    def promise(self) -> tuple[Bounds | None, int]:
+        """``(bounds, updates)``: a promise about the steps to come, from the state as :meth:`update` left it.
+
+        ``observe`` finds nothing on any step whose named :class:`StepStats` fields all lie in their closed
+        intervals, ``bounds = ((field, lo, hi), ...)`` (``()``: whatever the step; ``None``, the default: no
+        promise, ``observe`` is called), for as long as the state is this one or one that at most
+        ``updates - 1`` more calls of :meth:`update` made from it. A promise that covers several updates is
+        computed once for all of them (e.g. an EMA of positive values falls by at most ``(1 - a)^k`` in ``k``
+        updates), which is what makes the screen cheaper than judging (:mod:`vidstab.detectors.screen`). It
+        must hold exactly (margins for rounding: :func:`below`, :func:`above`); an update that leaves the
+        state beyond what it assumed calls :meth:`break_promise`; ``observe`` must have no side effect that
+        :meth:`update` relies on when it returns ``None``."""
+        return None, 1
+
+    def quiet_bounds(self) -> Bounds | None:
+        """The promise for the next step (:meth:`promise`), kept while it covers the updates made since. Called
+        once after each :meth:`update` (by :func:`vidstab.detectors.absorb`)."""
+        left = self._promise_left
+        if left > 0:
+            self._promise_left = left - 1
+            return self._promise
+        bounds, updates = self.promise()
+        self._promise, self._promise_left = bounds, updates - 1
+        return bounds
+
+    def break_promise(self) -> None:
+        """The state moved beyond what the kept promise assumed (or was replaced): make a new one next time."""
+        self._promise_left = 0
+
     def published(self) -> dict[str, float]:
         """Thresholds this detector applies to the next step, logged with the step's metrics so that the
         dashboard draws the detector's own line (e.g. ``{"grad_spike_threshold": 3.2}``); default none."""
@@ -231,6 +289,22 @@ class Detector:
     def finding(self, message: str, figures: dict[str, float], ranks: list[int] | None = None) -> Finding:
         """A finding of this detector with its configured verdict."""
         return Finding(self.name, self.verdict, message, dict(figures), list(ranks or []))
+
+
+PROMISE_UPDATES = 10
+"""Updates a promise computed from an EMA covers (:meth:`Detector.promise`): its line then sits at
+``(1 - a)^10`` of the EMA's, 0.82 of it at ``beta = 0.98``, far above healthy values, and it is computed once
+every 10 steps."""
+
+
+def ema_weight(e: "EMAStat") -> float:
+    """The weight ``a`` of the next value :meth:`EMAStat.add` absorbs (later ones weigh no more)."""
+    return max(1.0 - e.beta, 1.0 / (e.count + 1))
+
+
+def ema_floor(e: "EMAStat", updates: int) -> float:
+    """The lowest mean ``e`` can have after ``updates`` more non-negative values (each keeps ``1 - a`` of it)."""
+    return e.mean * (1.0 - ema_weight(e)) ** updates
 
 
 @dataclass
@@ -292,9 +366,29 @@ class EMAJumpDetector(Detector):
         self.quiet_until = -1
         self._flagged_step: int | None = None
 
+    screen_field: ClassVar[str | None] = None
+    """The :class:`StepStats` field :meth:`value` reads, when it reads one as it is: the detector then
+    promises quiet steps below ``ratio x EMA`` (:meth:`promise`); ``None``: no promise."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.screens = cls.screens and (cls.screen_field is not None or cls.promise is not EMAJumpDetector.promise)
+
     def value(self, s: StepStats) -> float | None:  # pragma: no cover - interface
         """The watched value of this step (``None`` when not measured)."""
         raise NotImplementedError
+
+    def promise(self) -> tuple[Bounds | None, int]:
+        """Quiet during the warm-up; then below ``ratio x`` the lowest EMA the next ``PROMISE_UPDATES`` updates
+        can leave (only positive values are absorbed: :func:`ema_floor`)."""
+        if self.screen_field is None:
+            return None, 1
+        if self.ema.count < self.warmup:
+            return (), self.warmup - self.ema.count
+        if not self.ema.mean > 0:  # the ratio is inf: any positive value is flagged
+            return None, 1
+        low = ema_floor(self.ema, PROMISE_UPDATES)
+        return ((self.screen_field, -math.inf, below(low * self.config.ratio)),), PROMISE_UPDATES
 
     @property
     def warmup(self) -> int:
@@ -320,6 +414,7 @@ class EMAJumpDetector(Detector):
             self.quiet_until = s.step + self.config.quiet_steps
             if self.reanchor and x is not None and math.isfinite(x):
                 self.ema.mean = x
+                self.break_promise()
             return
         if x is not None and x > 0 and (s.applied or self.absorb_skipped):
             self.ema.add(x)
@@ -330,3 +425,4 @@ class EMAJumpDetector(Detector):
     def load_state_dict(self, d: dict) -> None:
         self.ema.load_state_dict(d["ema"])
         self.quiet_until = int(d.get("quiet_until", -1))
+        self.break_promise()

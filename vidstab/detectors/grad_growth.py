@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check
+from .base import Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, below, check, exp_or_inf
 from .windows import SlopeWindow, slope
 
 
@@ -88,9 +88,34 @@ class GradGrowthDetector(Detector):
             {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(per_step)},
         )
 
+    def promise(self) -> tuple[Bounds | None, int]:
+        """Quiet before the window is judged (the counts grow by one per update at most) and while too few
+        rises remain possible (one more per update at most); otherwise, for one update, below the norm whose
+        log would fit a slope of exactly the growth a warning needs (the fitted slope rises with the newest
+        value: its coefficient in the least-squares sum is ``(n - 1) / 2 > 0``)."""
+        c, w = self.config, self.logs
+        if self.seen < c.warmup_steps or len(w) < c.window:
+            return (), max(c.warmup_steps - self.seen, c.window - len(w))
+        v, n, sy, siy, rises = w.values, len(w), w.sum_y, w.sum_iy, w.rises
+        if n == w.size:  # as SlopeWindow.pushed: the oldest leaves, every index moves down by one
+            sy -= v[0]
+            siy -= sy
+            if n > 1:
+                rises -= v[1] > v[0]
+            n -= 1
+        if rises + 1 < c.min_rises:  # even a rise on this step leaves too few
+            return (), c.min_rises - rises - 1
+        m = n + 1  # values in the judged window
+        need = self.min_log_growth() / c.window * (m * (m * m - 1) / 12)  # the slope's numerator a warning needs
+        y = (need - siy + (m - 1) / 2 * sy) / (n - (m - 1) / 2)  # log norm at which the numerator reaches it
+        if rises < c.min_rises:  # the warning needs this step to rise as well
+            y = max(y, v[-1])
+        return (("grad_norm", -math.inf, below(exp_or_inf(y - 1e-9 * (1.0 + abs(y))))),), 1
+
     def update(self, s: StepStats) -> None:
         if s.findings and any(f.detector == self.name for f in s.findings):
             self.logs.clear()  # warn once per window: the next warning needs a fresh window
+            self.break_promise()
         if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
             y = math.log(s.grad_norm)
             if self._last_log is not None:
@@ -110,3 +135,4 @@ class GradGrowthDetector(Detector):
             self.changes.load_state_dict(d["changes"])
         last = d.get("last_log")
         self._last_log = float(last) if last is not None else None
+        self.break_promise()

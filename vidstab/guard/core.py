@@ -365,6 +365,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         for det in self.detectors:
             if det.name in states:
                 det.load_state_dict(states[det.name])
+        self._plan.screen.clear()  # the promises were about the state just replaced
         # Anything measured on the weights before the load (a rollback) must not be judged after it.
         self._pending = (None, None)
         self._refs.clear()

@@ -1,0 +1,146 @@
+"""The healthy-step screen (vidstab/detectors/screen.py) changes nothing the detectors decide.
+
+The same stream of steps goes through two sets of the default detectors: one judged with a plan kept across
+steps (the guard's way: the detectors' promises about the next step are used), one judged with a fresh plan
+every step (no promises: every detector's ``observe`` runs). Findings, verdicts and every detector's state
+must be equal on every step, while the screened set skips most ``observe`` calls on healthy steps. The
+stream walks through what the promises are about: warm-ups, gradient and loss spikes, a gradient run-up,
+timestep buckets, heavy clipping at two clip values, input rescales and drifts, non-finite values, a
+rollback's state reload.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from vidstab import GuardConfig
+from vidstab.detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, judge
+
+
+def _stream(seed: int, steps: int):
+    rng = random.Random(seed)
+    growth = 0.0
+    for i in range(steps):
+        g = math.exp(rng.gauss(0, 0.25))
+        if 400 <= i < 430:  # a run-up of the gradient norm
+            growth += 0.12
+        elif i >= 430:
+            growth = max(0.0, growth - 0.2)
+        g *= math.exp(growth)
+        if rng.random() < 0.02:
+            g *= rng.choice([4.0, 12.0, 40.0])
+        loss = math.exp(rng.gauss(0, 0.15)) * (rng.uniform(2.0, 9.0) if rng.random() < 0.03 else 1.0)
+        clip = 1.0 if i < 900 else 0.5 if i < 1300 else None
+        if 600 <= i < 900:  # clipping hard for a long while, about at the rate the detector warns at
+            u = rng.random()
+            g = 3.0 * math.exp(rng.gauss(0, 0.1)) if u < 0.68 else 1.1 if u < 0.79 else 0.5
+        scale = 1.0 + (0.01 * (i - 1000) if 1000 <= i < 1060 else 0.6 if 1060 <= i < 1100 else 0.0)
+        if 1500 <= i < 1510:
+            scale = 3.0
+        elif i >= 1550:  # a lasting rescale down: every EMA falls, and with it every line
+            scale, g = 0.3, g * 0.3
+        rms = math.exp(rng.gauss(0, 0.03)) * scale
+        absmax = 4.0 * rms * (rng.uniform(5.0, 16.0) if rng.random() < 0.02 else 1.0)
+        buckets = None
+        if i >= 200:  # per-timestep losses from here on; some buckets missing on some steps
+            buckets = [None if rng.random() < 0.3 else loss * (3.0 if b == 0 else 1.0) * math.exp(rng.gauss(0, 0.1))
+                       for b in range(4)]
+        if rng.random() < 0.01:
+            g = math.nan
+        if rng.random() < 0.005:
+            loss = math.inf
+        yield dict(step=i, grad_norm=g, loss=loss, max_grad_norm=clip, lr=1e-3, lr_peak=1e-3, lr_scheduled=1e-3,
+                   input_rms=rms, input_absmax=absmax, timestep_bucket_loss=buckets or [],
+                   param_norm=10.0 if i % 10 == 0 else None, update_ratio=1e-3 if i % 10 == 0 else None,
+                   nonfinite_loss_ranks=[0] if not math.isfinite(loss) else [])
+
+
+def _observe_counter(detectors):
+    """Count the ``observe`` calls of the detectors that make promises."""
+    calls = {"n": 0}
+    for det in detectors:
+        if det.screens:
+            det.observe = (lambda fn: lambda s: calls.__setitem__("n", calls["n"] + 1) or fn(s))(det.observe)
+    return calls
+
+
+def test_screened_judge_finds_exactly_what_every_detector_finds_and_skips_most_calls():
+    config = GuardConfig()
+    screened, full = build_detectors(config, world_size=1), build_detectors(config, world_size=1)
+    plan = DetectorPlan.of(screened)
+    calls_screened, calls_full = _observe_counter(screened), _observe_counter(full)
+    kinds, saved = set(), None
+    quiet_healthy = healthy = 0  # healthy steps after the warm-ups, and those on which no promise broke
+    for kw in _stream(seed=3, steps=1800):
+        a, b = StepStats(**kw), StepStats(**kw)
+        before = calls_screened["n"]
+        judge(plan, a)
+        judge(list(full), b)  # a fresh plan: no promises
+        assert a.verdict == b.verdict, kw["step"]
+        assert [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings], kw["step"]
+        kinds.update(f.detector for f in a.findings)
+        if not a.findings and kw["step"] > 300:
+            healthy += 1
+            quiet_healthy += calls_screened["n"] == before
+        a.applied = b.applied = a.verdict <= Verdict.WARN
+        absorb(plan, a)
+        absorb(list(full), b)
+        assert [d.state_dict() for d in screened] == [d.state_dict() for d in full], kw["step"]
+        if kw["step"] == 1200:
+            saved = [d.state_dict() for d in screened]
+        if kw["step"] == 1400:  # a rollback: both sets reload the state of step 1200
+            for dets in (screened, full):
+                for d, st in zip(dets, saved):
+                    d.load_state_dict(st)
+            plan.screen.clear()
+    # The stream reached every promise-making detector's finding, and the screen did its job.
+    assert {"grad_spike", "grad_growth", "loss_spike", "clip_rate", "input_range", "input_scale", "nonfinite"} <= kinds
+    assert quiet_healthy >= 0.6 * healthy  # the stream is rough on purpose: heavy clipping, drifts, spikes
+    assert calls_screened["n"] < 0.25 * calls_full["n"]
+
+
+def test_a_promise_is_used_for_the_next_step_only():
+    """A plan whose promises were built on step t says nothing about any step but t + 1 (a rollback resumes
+    at an earlier step with other state: its first step is judged in full)."""
+    dets = build_detectors(GuardConfig(), world_size=1)
+    plan = DetectorPlan.of(dets)
+    for kw in _stream(seed=1, steps=120):
+        s = StepStats(**kw)
+        judge(plan, s)
+        s.applied = True
+        absorb(plan, s)
+    assert plan.screen.step == 120 and all(b is not None for b in plan.screen.bounds)
+    later = StepStats(**{**next(_stream(seed=1, steps=1)), "step": 50})
+    assert plan.screen.quiet(later) == frozenset()
+
+
+def test_every_promise_holds_at_its_edges_for_as_long_as_it_is_kept():
+    """A promise is checked where it is weakest: before every step, each detector's kept promise (made up to
+    ``PROMISE_UPDATES`` updates ago) is probed with the step's statistics moved to each end of its
+    intervals, on a copy of the detector as it is now; its ``observe`` must find nothing there."""
+    import copy
+
+    dets = build_detectors(GuardConfig(), world_size=1)
+    plan = DetectorPlan.of(dets)
+    probes = 0
+    for kw in _stream(seed=5, steps=1800):
+        screen = plan.screen
+        if screen.step == kw["step"]:
+            for slot, bounds in zip(screen.slots, screen.bounds):
+                if not bounds:
+                    continue
+                det = plan.observers[slot][0]
+                for edge in (1, 2):  # lo, hi
+                    values = {b[0]: b[edge] for b in bounds}
+                    if not all(math.isfinite(v) for v in values.values()):
+                        continue
+                    probe = StepStats(**{**kw, **values})
+                    finding = copy.deepcopy(det).observe(probe)
+                    assert finding is None, (kw["step"], det.name, values, finding)
+                    probes += 1
+        s = StepStats(**kw)
+        judge(plan, s)
+        s.applied = s.verdict <= Verdict.WARN
+        absorb(plan, s)
+    assert probes > 3000

@@ -5,7 +5,7 @@ steps (the guard's way: the detectors' promises about the next step are used), o
 every step (no promises: every detector's ``observe`` runs). Findings, verdicts and every detector's state
 must be equal on every step, while the screened set skips most ``observe`` calls on healthy steps. The
 stream walks through what the promises are about: warm-ups, gradient and loss spikes, a gradient run-up,
-timestep buckets, heavy clipping at two clip values, input rescales and drifts, non-finite values, a
+timestep buckets, heavy clipping at two clip values, an LR above the schedule's peak, input rescales and drifts, non-finite values, a
 rollback's state reload.
 """
 
@@ -50,7 +50,8 @@ def _stream(seed: int, steps: int):
             g = math.nan
         if rng.random() < 0.005:
             loss = math.inf
-        yield dict(step=i, grad_norm=g, loss=loss, max_grad_norm=clip, lr=1e-3, lr_peak=1e-3, lr_scheduled=1e-3,
+        lr = 1e-3 * (1.5 if 405 <= i < 415 else 1.0)  # above the schedule's peak during the run-up: a trend
+        yield dict(step=i, grad_norm=g, loss=loss, max_grad_norm=clip, lr=lr, lr_peak=1e-3, lr_scheduled=1e-3,
                    input_rms=rms, input_absmax=absmax, timestep_bucket_loss=buckets or [],
                    param_norm=10.0 if i % 10 == 0 else None, update_ratio=1e-3 if i % 10 == 0 else None,
                    nonfinite_loss_ranks=[0] if not math.isfinite(loss) else [])
@@ -144,3 +145,75 @@ def test_every_promise_holds_at_its_edges_for_as_long_as_it_is_kept():
         s.applied = s.verdict <= Verdict.WARN
         absorb(plan, s)
     assert probes > 3000
+
+
+def test_escalations_expire_lazily_and_reach_what_expiring_every_step_reaches():
+    """``trend``, ``repeated_spikes`` and ``consecutive_skips`` leave a quiet step's expiry of old findings to
+    their next use or save. Against copies that expire on every step (their update before this change):
+    the same findings on every step and the same saved state, through a rollback's reload."""
+    from vidstab.detectors import ConsecutiveSkipsDetector, RepeatedSpikesDetector, TrendDetector
+
+    class EagerTrend(TrendDetector):
+        def update(self, s):
+            if s.verdict >= Verdict.ROLLBACK:
+                self.warnings.clear()
+                self.timeline.clear()
+                return
+            self.timeline.add(s.step, s.findings)
+            self.warnings.extend(self._counted(s))
+            while self.warnings and self.warnings[0][0] <= s.step - self.config.window:
+                self.warnings.popleft()
+
+    class EagerSpikes(RepeatedSpikesDetector):
+        def update(self, s):
+            if s.verdict >= Verdict.ROLLBACK:
+                self.steps.clear()
+                self.timeline.clear()
+                return
+            self.timeline.add(s.step, s.findings)
+            if self._is_spike(s):
+                self.steps.append(s.step)
+            while self.steps and self.steps[0] <= s.step - self.config.window:
+                self.steps.popleft()
+
+    class EagerSkips(ConsecutiveSkipsDetector):
+        def update(self, s):
+            self.timeline.add(s.step, s.findings)
+            if s.verdict >= Verdict.ROLLBACK:
+                self.count = 0
+                self.timeline.clear()
+            elif s.verdict >= Verdict.SKIP:
+                self.count += 1
+            elif s.applied:
+                self.count = 0
+
+    config = GuardConfig()
+    step_detectors = build_detectors(config, world_size=1)[:-3]
+    lazy = [TrendDetector(config.trend), RepeatedSpikesDetector(config.repeated_spikes),
+            ConsecutiveSkipsDetector(config.consecutive_skips)]
+    eager = [EagerTrend(config.trend), EagerSpikes(config.repeated_spikes), EagerSkips(config.consecutive_skips)]
+    plan = DetectorPlan.of(step_detectors)
+    kinds, saved = set(), None
+    for kw in _stream(seed=11, steps=1800):
+        s = StepStats(**kw)
+        judge(plan, s)
+        a, b = StepStats(**kw), StepStats(**kw)
+        for x in (a, b):
+            x.findings, x.verdict = list(s.findings), s.verdict
+        judge(lazy, a)
+        judge(eager, b)
+        assert [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings], kw["step"]
+        kinds.update(f.detector for f in a.findings)
+        s.applied = a.applied = b.applied = a.verdict <= Verdict.WARN
+        absorb(plan, s)
+        absorb(lazy, a)
+        absorb(eager, b)
+        if kw["step"] % 7 == 0:
+            assert [d.state_dict() for d in lazy] == [d.state_dict() for d in eager], kw["step"]
+        if kw["step"] == 1200:
+            saved = [d.state_dict() for d in lazy]
+        if kw["step"] == 1400:
+            for dets in (lazy, eager):
+                for d, st in zip(dets, saved):
+                    d.load_state_dict(st)
+    assert {"trend", "repeated_spikes", "consecutive_skips"} <= kinds, kinds

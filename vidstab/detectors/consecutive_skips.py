@@ -32,6 +32,7 @@ class ConsecutiveSkipsDetector(Detector):
         super().__init__(config)
         self.count = 0
         self.timeline = Timeline()
+        self._now: int | None = None  # the last quiet step absorbed: its expiry is still to be applied
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.verdict < Verdict.SKIP or self.count + 1 < self.config.max_consecutive:
@@ -42,6 +43,11 @@ class ConsecutiveSkipsDetector(Detector):
         )
 
     def update(self, s: StepStats) -> None:
+        if not s.findings:  # a quiet step: no skip, and the timeline's expiry waits for its next use
+            self._now = s.step
+            if s.applied:
+                self.count = 0
+            return
         self.timeline.add(s.step, s.findings)
         if s.verdict >= Verdict.ROLLBACK:
             self.count = 0
@@ -52,8 +58,11 @@ class ConsecutiveSkipsDetector(Detector):
             self.count = 0
 
     def state_dict(self) -> dict:
+        if self._now is not None:
+            self.timeline.prune(self._now)
         return {"count": self.count, "timeline": self.timeline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        self._now = None  # the loaded state was expired when it was saved
         self.count = int(d["count"])
         self.timeline.load_state_dict(d.get("timeline", {}))

@@ -51,6 +51,10 @@ class Timeline:
             if signal == "nonfinite" and f.figures.get("input_nonfinite", 0):
                 signal = "nonfinite_input"
             self.events.append((int(step), signal))
+        self.prune(step)
+
+    def prune(self, step: int) -> None:
+        """Drop the findings that are ``horizon`` or more steps older than ``step``."""
         while self.events and self.events[0][0] <= step - self.horizon:
             self.events.popleft()
 

@@ -39,6 +39,7 @@ class RepeatedSpikesDetector(Detector):
         super().__init__(config)
         self.steps: deque[int] = deque()
         self.timeline = Timeline()
+        self._now: int | None = None  # the last quiet step absorbed: its expiry is still to be applied
 
     def _is_spike(self, s: StepStats) -> bool:
         return any(f.detector in self.config.detectors for f in s.findings)
@@ -55,6 +56,9 @@ class RepeatedSpikesDetector(Detector):
         )
 
     def update(self, s: StepStats) -> None:
+        if not s.findings:  # a quiet step adds nothing; what it expires goes at the next use (observe and
+            self._now = s.step  # explain_with filter by step) or the next save (state_dict)
+            return
         if s.verdict >= Verdict.ROLLBACK:
             self.steps.clear()
             self.timeline.clear()
@@ -62,12 +66,19 @@ class RepeatedSpikesDetector(Detector):
         self.timeline.add(s.step, s.findings)
         if self._is_spike(s):
             self.steps.append(s.step)
-        while self.steps and self.steps[0] <= s.step - self.config.window:
+        self._expire(s.step)
+
+    def _expire(self, step: int) -> None:
+        while self.steps and self.steps[0] <= step - self.config.window:
             self.steps.popleft()
+        self.timeline.prune(step)
 
     def state_dict(self) -> dict:
+        if self._now is not None:
+            self._expire(self._now)
         return {"steps": list(self.steps), "timeline": self.timeline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        self._now = None  # the loaded state was expired when it was saved
         self.steps = deque(int(x) for x in d["steps"])
         self.timeline.load_state_dict(d.get("timeline", {}))

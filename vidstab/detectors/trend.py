@@ -69,6 +69,7 @@ class TrendDetector(Detector):
         super().__init__(config)
         self.warnings: deque[tuple[int, str]] = deque()
         self.timeline = Timeline(horizon=config.window)
+        self._now: int | None = None  # the last quiet step absorbed: its expiry is still to be applied
 
     def _counted(self, s: StepStats) -> list[tuple[int, str]]:
         return [(s.step, f.detector) for f in s.findings
@@ -92,18 +93,28 @@ class TrendDetector(Detector):
         )
 
     def update(self, s: StepStats) -> None:
+        if not s.findings:  # a quiet step adds nothing; what it expires goes at the next use (observe and
+            self._now = s.step  # explain_with filter by step) or the next save (state_dict)
+            return
         if s.verdict >= Verdict.ROLLBACK:
             self.warnings.clear()
             self.timeline.clear()
             return
         self.timeline.add(s.step, s.findings)
         self.warnings.extend(self._counted(s))
-        while self.warnings and self.warnings[0][0] <= s.step - self.config.window:
+        self._expire(s.step)
+
+    def _expire(self, step: int) -> None:
+        while self.warnings and self.warnings[0][0] <= step - self.config.window:
             self.warnings.popleft()
+        self.timeline.prune(step)
 
     def state_dict(self) -> dict:
+        if self._now is not None:
+            self._expire(self._now)
         return {"warnings": [list(w) for w in self.warnings], "timeline": self.timeline.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        self._now = None  # the loaded state was expired when it was saved
         self.warnings = deque((int(a), str(b)) for a, b in d.get("warnings", []))
         self.timeline.load_state_dict(d.get("timeline", {}))

@@ -3,7 +3,8 @@
 :func:`detector_order` fixes the order in which they run on every rank: step detectors first (the
 built-in ones, then those a user registered with :func:`register_detector`), escalation detectors last
 (``trend``, ``consecutive_skips``, ``repeated_spikes``, then registered escalations) because they read the
-verdict the others reached.
+verdict the others reached. :func:`judge` calls only the detectors whose promise about the step the step
+breaks, or that made none (:mod:`vidstab.detectors.screen`); :func:`absorb` takes the promises.
 """
 
 from __future__ import annotations

@@ -263,7 +263,9 @@ class Detector:
         updates), which is what makes the screen cheaper than judging (:mod:`vidstab.detectors.screen`). It
         must hold exactly (margins for rounding: :func:`below`, :func:`above`); an update that leaves the
         state beyond what it assumed calls :meth:`break_promise`; ``observe`` must have no side effect that
-        :meth:`update` relies on when it returns ``None``."""
+        :meth:`update` relies on when it returns ``None``. A detector's config changed in the middle of a run
+        reaches the screen with its next promise, at most ``updates`` steps later (or at once after
+        :meth:`break_promise`)."""
         return None, 1
 
     def quiet_bounds(self) -> Bounds | None:

@@ -271,8 +271,8 @@ class InputScaleDetector(Detector):
     def promise(self) -> tuple[Bounds | None, int]:
         """Quiet until a reference exists. Then on RMS values inside the warn band whose pushed median stays
         inside it too, and, with the drift test on, inside the band where neither CUSUM can pass its
-        threshold. While every RMS in the median's window lies in the warn band, for up to
-        ``PROMISE_UPDATES`` updates at once (:meth:`_steady_promise`); else for one. An update whose RMS
+        threshold (:meth:`_drift_band`). While every RMS in the median's window lies in the warn band, for up
+        to ``PROMISE_UPDATES`` updates at once (the window then stays in it); else for one. An update whose RMS
         leaves the promised band breaks the promise. When this detector keeps no promise, ``update``
         computes the CUSUM step that ``observe`` would have left it (``_advanced``)."""
         ref, c = self.reference, self.config

@@ -124,10 +124,9 @@ class GradSpikeDetector(Detector):
         if n < warm:
             return (), warm - n
         if n < c.warmup_steps or n < c.ratio_warmup_steps:  # one test judges already, the other not yet
-            ref = self.reference()
+            ref, line = self._line()
             if not ref > 0:
                 return None, 1
-            line = ref * c.ratio if n >= c.ratio_warmup_steps else exp_or_inf(self.log_ema.mean + c.zscore * self._log_std())
             return (("grad_norm", -math.inf, below(line)),), 1
         ref, log, k = self.ema.mean, self.log_ema, PROMISE_UPDATES
         if not ref > 0:  # the ratio is inf: any finite norm is flagged
@@ -140,18 +139,22 @@ class GradSpikeDetector(Detector):
         line = min(ema_floor(self.ema, k) * c.ratio, exp_or_inf(mean_low + c.zscore * std_low))
         return (("grad_norm", -math.inf, below(line)),), k
 
+    def _line(self) -> tuple[float, float]:
+        """``(reference, the lowest norm the next step would be flagged at)`` once a test judges."""
+        n, c = self.ema.count, self.config
+        ref, line = self.reference(), math.inf
+        if n >= c.ratio_warmup_steps:
+            line = ref * c.ratio
+        if n >= c.warmup_steps:
+            line = min(line, exp_or_inf(self.log_ema.mean + c.zscore * self._log_std()))
+        return ref, line
+
     def published(self) -> dict[str, float]:
         """The reference and the lowest norm the next step would be flagged at (the dashboard's red line)."""
-        n = self.ema.count
-        if n < min(self.config.warmup_steps, self.config.ratio_warmup_steps):
+        if self.ema.count < min(self.config.warmup_steps, self.config.ratio_warmup_steps):
             return {}
-        ref = self.reference()
-        lines = []
-        if n >= self.config.ratio_warmup_steps:
-            lines.append(ref * self.config.ratio)
-        if n >= self.config.warmup_steps:
-            lines.append(math.exp(self.log_ema.mean + self.config.zscore * self._log_std()))
-        return {"grad_norm_ema": ref, "grad_spike_threshold": min(lines)}
+        ref, line = self._line()
+        return {"grad_norm_ema": ref, "grad_spike_threshold": line}
 
     def state_dict(self) -> dict:
         return {"ema": self.ema.state_dict(), "log_ema": self.log_ema.state_dict(), "early": list(self.early)}

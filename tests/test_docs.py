@@ -20,6 +20,8 @@ def test_every_cited_repository_path_exists(doc):
     missing = []
     for cited in sorted(set(CITED.findall(text))):
         path = cited.rstrip("./")
+        if path.startswith("benchmarks/.cache"):  # recordings the benchmarks write (git-ignored): absent on a fresh clone
+            continue
         if not (list(ROOT.glob(path)) or list(ROOT.glob(path + "*")) or (ROOT / path).exists()):
             missing.append(cited)
     assert not missing, f"{doc} cites paths that do not exist: {missing}"

@@ -3,7 +3,9 @@
 The same stream of steps goes through two sets of the default detectors: one judged with a plan kept across
 steps (the guard's way: the detectors' promises about the next step are used), one judged with a fresh plan
 every step (no promises: every detector's ``observe`` runs). Findings, verdicts and every detector's state
-must be equal on every step, while the screened set skips most ``observe`` calls on healthy steps. The
+must be equal on every step, while the screened set skips most ``observe`` calls on healthy steps. A third set
+makes the updates of steady promises later (the guard's deferring plan): the same findings and verdicts on
+every step, the same thresholds in every step's metrics record, the same state whenever it is caught up. The
 stream walks through what the promises are about: warm-ups, gradient and loss spikes, a gradient run-up,
 timestep buckets, heavy clipping at two clip values, an LR above the schedule's peak, input rescales and drifts, non-finite values, a
 rollback's state reload.
@@ -15,7 +17,7 @@ import math
 import random
 
 from vidstab import GuardConfig
-from vidstab.detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, judge
+from vidstab.detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge, published
 
 
 def _stream(seed: int, steps: int):
@@ -99,6 +101,59 @@ def test_screened_judge_finds_exactly_what_every_detector_finds_and_skips_most_c
     assert {"grad_spike", "grad_growth", "loss_spike", "clip_rate", "input_range", "input_scale", "nonfinite"} <= kinds
     assert quiet_healthy >= 0.6 * healthy  # the stream is rough on purpose: heavy clipping, drifts, spikes
     assert calls_screened["n"] < 0.25 * calls_full["n"]
+
+
+def test_updates_made_later_change_nothing_but_when_they_are_made():
+    """A deferring plan (the guard's) queues healthy steps' updates of steady promises and makes them before
+    anything reads the detector. Against a fresh plan on every step (every detector judging and updating on its
+    own step): the same findings and verdicts on every step, the same published thresholds in every step's
+    record (written when the update is made), the same state at every catch-up, through a rollback's reload;
+    and most healthy steps queue updates."""
+    config = GuardConfig()
+    deferred, full = build_detectors(config, world_size=1), build_detectors(config, world_size=1)
+    screened = build_detectors(config, world_size=1)
+    plan, screened_plan = DetectorPlan.of(deferred, defer=True), DetectorPlan.of(screened)
+    records, expected, saved = [], [], None
+    queued = healthy = 0
+    for kw in _stream(seed=7, steps=1800):
+        if kw["step"] in (350, 352, 1250):  # far below every norm so far: it would break grad_spike's promise
+            kw["grad_norm"] *= 1e-4
+        a, b, c = StepStats(**kw), StepStats(**kw), StepStats(**kw)
+        judge(plan, a)
+        judge(list(full), b)
+        judge(screened_plan, c)
+        assert a.verdict == b.verdict, kw["step"]
+        assert [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings], kw["step"]
+        a.applied = b.applied = c.applied = a.verdict <= Verdict.WARN
+        absorb(plan, a)
+        absorb(list(full), b)
+        absorb(screened_plan, c)
+        assert plan.screen.bounds == screened_plan.screen.bounds, kw["step"]  # a queued update broke no promise
+        waiting = sum(1 for q in plan.screen.pending if q and q[-1][0] is a)
+        queued += waiting
+        healthy += not a.findings and kw["step"] > 300
+        record = {"step": kw["step"]}
+        record.update(published(plan, record))
+        records.append(record)
+        expected.append({"step": kw["step"], **published(list(full))})
+        if kw["step"] % 37 == 0:  # what a checkpoint or a tracker would read
+            catch_up(plan)
+            assert [d.state_dict() for d in deferred] == [d.state_dict() for d in full], kw["step"]
+        if kw["step"] == 1200:
+            catch_up(plan)
+            saved = [d.state_dict() for d in deferred]
+        if kw["step"] == 1400:  # a rollback: catch up (the guard's load_state_dict does), reload step 1200's state
+            catch_up(plan)
+            for dets in (deferred, full, screened):
+                for d, st in zip(dets, saved):
+                    d.load_state_dict(st)
+            plan.screen.clear()
+            screened_plan.screen.clear()
+    catch_up(plan)
+    assert [d.state_dict() for d in deferred] == [d.state_dict() for d in full]
+    assert records == expected
+    assert any("grad_spike_threshold" in r for r in records)
+    assert queued >= 1.5 * healthy, (queued, healthy)  # grad_spike, input_range, input_scale, clip_rate wait
 
 
 def test_a_promise_is_used_for_the_next_step_only():

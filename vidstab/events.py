@@ -28,7 +28,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .strict_json import to_json_safe
 
@@ -71,25 +71,36 @@ class EventLog:
         # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
-        self._pending: list[str | dict] = []  # encoded lines, and metrics records encoded at the flush
+        self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
+        self.before_flush: Callable[[], None] | None = None
+        """Called before the buffered metrics lines are encoded (the guard completes them: log_metrics)."""
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
     def log(self, kind: str, step: int, **fields: Any) -> dict:
-        """Append one event and return its record. Anything but ``metrics`` is encoded and reaches the file at
-        once. A ``metrics`` record is encoded when the buffer is flushed, together with the others (after a
-        training step the encoder's code is cold in the CPU caches: one loop over the buffer pays for that
-        once per flush, not once per step), so its values must not be changed after this call."""
-        rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
+        """Append one event and return its record (of a ``metrics`` event: its fields, :meth:`log_metrics`).
+        Anything but ``metrics`` is encoded and reaches the file at once."""
         if kind == "metrics":
-            self._pending.append(rec)
-            if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
-                self.flush()
-            return rec
+            return self.log_metrics(step, fields)
+        rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
         self._pending.append(line)
         self.flush()
         return rec
+
+    def log_metrics(self, step: int, fields: dict) -> dict:
+        """Buffer one ``metrics`` line; returns ``fields``, which the log keeps (no copy). It is encoded, after the
+        line's header, when the buffer is flushed, together with the others: after a training step the
+        encoder's code is cold in the CPU caches, and one loop over the buffer pays for that once per flush,
+        not once per step. Until then its owner may still add to it (:attr:`before_flush` runs first)."""
+        self._pending.append((time.time(), int(step), fields))
+        if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+        return fields
+
+    def _metrics_line(self, entry: tuple) -> str:
+        t, step, fields = entry
+        return _encode({"schema": SCHEMA, "time": t, "step": step, "rank": self.rank, "kind": "metrics", **fields})[0]
 
     @property
     def closed(self) -> bool:
@@ -100,13 +111,21 @@ class EventLog:
         """Write the buffered lines now (one ``write`` call)."""
         if not self._pending or self._f.closed:
             return
-        lines = [p if p.__class__ is str else _encode(p)[0] for p in self._pending]
+        failed = None
+        if self.before_flush is not None:
+            try:
+                self.before_flush()
+            except Exception as exc:  # noqa: BLE001 - what is buffered is written first, then it is raised
+                failed = exc
+        lines = [p if p.__class__ is str else self._metrics_line(p) for p in self._pending]
         data = ("\n".join(lines) + "\n").encode("utf-8")
         self._pending = []
         self._last_flush = time.monotonic()
         view = memoryview(data)
         while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
             view = view[self._f.write(view):]
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         """Flush, fsync and close (further :meth:`log` calls raise)."""

@@ -137,13 +137,13 @@ class DetectorPlan:
     detectors are called through the objects, so a method replaced on an instance is still called.
     """
 
-    observers: tuple[tuple[Detector, str | None], ...]
-    """``(detector, the field its observe needs)`` in evaluation order."""
-    absorbers: tuple[tuple[Detector, str | None, int], ...]
-    """``(detector, the field its update needs, its slot in the screen or -1)`` of the detectors that keep
-    statistics."""
-    publishers: tuple[Detector, ...]
-    """The detectors that publish thresholds for the dashboard."""
+    observers: tuple[tuple[Detector, str | None, int], ...]
+    """``(detector, the field its observe needs, its slot in the screen or -1)`` in evaluation order."""
+    absorbers: tuple[tuple[Detector, str | None, int, int], ...]
+    """``(detector, the field its update needs, its slot in the screen or -1, its index among the observers)``
+    of the detectors that keep statistics."""
+    publishers: tuple[tuple[Detector, int], ...]
+    """``(detector, its slot in the screen or -1)`` of the detectors that publish thresholds for the dashboard."""
     screen: Screen = field(default_factory=Screen)
     """The promises of the detectors that make them (:meth:`Detector.promise`) about the next steps
     (:mod:`vidstab.detectors.screen`): taken by :func:`absorb`, read by :func:`judge`. A plan kept across
@@ -151,19 +151,21 @@ class DetectorPlan:
     every call."""
 
     @classmethod
-    def of(cls, detectors: "list[Detector] | DetectorPlan") -> "DetectorPlan":
+    def of(cls, detectors: "list[Detector] | DetectorPlan", defer: bool = False) -> "DetectorPlan":
         """The plan of ``detectors`` (a plan is returned as it is). Duck-typed detectors without the
-        :class:`Detector` base are always called."""
+        :class:`Detector` base are always called. ``defer``: updates of steady promises wait and are made
+        several at once (:mod:`vidstab.detectors.screen`); whoever reads the detectors' state then calls
+        :func:`catch_up` first."""
         if isinstance(detectors, DetectorPlan):
             return detectors
         # A detector that promises keeps statistics (a promise is about the state update leaves).
         slots = [i for i, d in enumerate(detectors) if getattr(d, "screens", False) and getattr(d, "absorbs", True)]
         slot_of = {i: k for k, i in enumerate(slots)}
-        return cls(tuple((d, getattr(d, "needs", None)) for d in detectors),
-                   tuple((d, getattr(d, "update_needs", None), slot_of.get(i, -1))
+        return cls(tuple((d, getattr(d, "needs", None), slot_of.get(i, -1)) for i, d in enumerate(detectors)),
+                   tuple((d, getattr(d, "update_needs", None), slot_of.get(i, -1), i)
                          for i, d in enumerate(detectors) if getattr(d, "absorbs", True)),
-                   tuple(d for d in detectors if getattr(d, "publishes", True)),
-                   Screen(slots))
+                   tuple((d, slot_of.get(i, -1)) for i, d in enumerate(detectors) if getattr(d, "publishes", True)),
+                   Screen(slots, defer=defer))
 
 
 def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepStats:
@@ -171,13 +173,17 @@ def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepS
 
     A detector whose :attr:`Detector.needs` field is absent on this step is not called: it has nothing to
     judge (the escalations that need ``findings`` see those of the detectors before them); nor is one that
-    promised, after the last step, to find nothing on values like this step's (:mod:`vidstab.detectors.screen`)."""
+    promised, after the last step, to find nothing on values like this step's (:mod:`vidstab.detectors.screen`);
+    one called while updates wait for it makes them first."""
     findings = stats.findings
     plan = DetectorPlan.of(detectors)
+    pending = plan.screen.pending
     quiet = plan.screen.quiet(stats)
-    for i, (det, need) in enumerate(plan.observers):
+    for i, (det, need, slot) in enumerate(plan.observers):
         if i in quiet or (need is not None and getattr(stats, need) in _ABSENT):
             continue
+        if slot >= 0 and pending[slot]:
+            _make_waiting_updates(plan, slot)
         finding = det.observe(stats)
         if finding is not None:
             findings.append(finding)
@@ -190,29 +196,76 @@ def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> None
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
     that keep no statistics, i.e. do not override ``update``, or whose :attr:`Detector.update_needs` field
     is absent this step, cost nothing here), each followed by the detector's promise about the next step
-    (:class:`~vidstab.detectors.screen.Screen`)."""
+    (:class:`~vidstab.detectors.screen.Screen`). With a deferring plan, on a step without findings, the
+    update of a detector the screen let through under a steady promise is queued instead (at most as many as
+    the promise covers)."""
     plan = DetectorPlan.of(detectors)
-    bounds = plan.screen.bounds
-    for det, need, slot in plan.absorbers:
+    screen = plan.screen
+    bounds, pending = screen.bounds, screen.pending
+    quiet = screen.judged_quiet if screen.judged is stats and not stats.findings else ()
+    for det, need, slot, i in plan.absorbers:
         if need is None or getattr(stats, need) not in _ABSENT:
+            if slot >= 0:
+                queue = pending[slot]
+                if i in quiet and det.promise_steady and len(queue) < det._promise_left:
+                    queue.append([stats, None])
+                    continue
+                if queue:
+                    _make_waiting_updates(plan, slot)
             det.update(stats)
             if slot >= 0:  # right after the update, while the detector's state is in the caches
                 bounds[slot] = det.quiet_bounds()
         # else: the state did not change, nor did the promise made on it
-    plan.screen.step = stats.step + 1
+    screen.step = stats.step + 1
+    screen.judged = None
 
 
-def published(detectors: "list[Detector] | DetectorPlan") -> dict[str, float]:
-    """What the detectors publish about their next judgement (thresholds), merged; logged with the metrics."""
+def published(detectors: "list[Detector] | DetectorPlan", record: dict | None = None) -> dict[str, float]:
+    """What the detectors publish about their next judgement (thresholds), merged; logged with the metrics.
+
+    ``record``: the step's metrics record. A detector whose update of this step waits (a deferring plan)
+    publishes into it when the update is made (:func:`catch_up`) instead; without a record it is caught up now."""
     out: dict[str, float] = {}
-    for det in DetectorPlan.of(detectors).publishers:
+    plan = DetectorPlan.of(detectors)
+    pending, step = plan.screen.pending, plan.screen.step
+    for det, slot in plan.publishers:
+        if slot >= 0 and pending[slot]:
+            last = pending[slot][-1]
+            if record is not None and last[0].step + 1 == step:  # this step's update waits: so does its line
+                last[1] = record
+                continue
+            _make_waiting_updates(plan, slot)
         out.update(det.published())
     return out
 
 
+def catch_up(detectors: "list[Detector] | DetectorPlan") -> None:
+    """Make every update a deferring plan holds back (:func:`absorb`), in step order, with what the detectors
+    publish after each written into that step's metrics record: call before reading the detectors' state."""
+    if isinstance(detectors, DetectorPlan):
+        for slot, queue in enumerate(detectors.screen.pending):
+            if queue:
+                _make_waiting_updates(detectors, slot)
+
+
+def _make_waiting_updates(plan: DetectorPlan, slot: int) -> None:
+    """The queued updates of the detector in ``slot``, each followed by its promise, as :func:`absorb` would
+    have made them on their steps (the promise is steady: it stays the one the screen used)."""
+    screen = plan.screen
+    det = plan.observers[screen.slots[slot]][0]
+    queue = screen.pending[slot]
+    for stats, record in queue:
+        det.update(stats)
+        screen.bounds[slot] = det.quiet_bounds()
+        if record is not None:
+            record.update(det.published())
+    queue.clear()
+
+
 __all__ = [
     "DETECTORS", "STEP_DETECTORS", "ESCALATION_DETECTORS", "register_detector", "unregister_detector",
-    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "Screen", "judge", "absorb", "published", "ConfigError",
+    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "Screen", "judge", "absorb", "published",
+    "catch_up", "ConfigError",
     "Detector", "DetectorConfig", "EMAStat", "Finding", "StepStats", "Verdict", "TRIAGE", "Timeline", "family",
     "ScaleReference", "scale_reference",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",

@@ -227,6 +227,11 @@ class Detector:
     """Whether this class overrides :meth:`promise` (set for every subclass)."""
     _promise: "Bounds | None" = None
     _promise_left = 0  # updates the kept promise still covers (quiet_bounds)
+    promise_steady: bool = False
+    """Set by :meth:`promise` (reset before each call): True when ``update`` of any step without findings
+    whose values lie in the promise's bounds cannot call :meth:`break_promise`, so that the state it leaves is
+    one the kept promise covers. A guard then makes such updates later, several at once
+    (:mod:`vidstab.detectors.screen`); the default, False, has every update made on its own step."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -275,6 +280,7 @@ class Detector:
         if left > 0:
             self._promise_left = left - 1
             return self._promise
+        self.promise_steady = False
         bounds, updates = self.promise()
         self._promise, self._promise_left = bounds, updates - 1
         return bounds
@@ -385,6 +391,7 @@ class EMAJumpDetector(Detector):
         can leave (only positive values are absorbed: :func:`ema_floor`)."""
         if self.screen_field is None:
             return None, 1
+        self.promise_steady = not self.reanchor  # an update without a flag only adds to the EMA
         if self.ema.count < self.warmup:
             return (), self.warmup - self.ema.count
         if not self.ema.mean > 0:  # the ratio is inf: any positive value is flagged

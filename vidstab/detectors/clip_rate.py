@@ -93,7 +93,8 @@ class ClipRateDetector(Detector):
         do not clip when the count without them cannot pass it."""
         c, w, m = self.config, self.norms, self._max_norm
         if not self.armed:
-            return (), MAX_PROMISE
+            return (), MAX_PROMISE  # not steady: the update that re-arms breaks it
+        self.promise_steady = True  # armed, an update without a finding only pushes a norm it counted
         n = w.pushed_len()
         if n < c.window:
             return (), c.window - n

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import (PROMISE_UPDATES, Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, below, check, ema_floor,
-                   ema_weight, exp_or_inf)
+from .base import (PROMISE_UPDATES, Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, above, below, check,
+                   ema_floor, ema_weight, exp_or_inf)
 
 
 @dataclass
@@ -137,7 +137,9 @@ class GradSpikeDetector(Detector):
         mean_low = self._log_envelope + keep * (log.mean - self._log_envelope)
         std_low = max(math.sqrt(max(log.var, 0.0) * keep), c.min_log_std, 1e-12)
         line = min(ema_floor(self.ema, k) * c.ratio, exp_or_inf(mean_low + c.zscore * std_low))
-        return (("grad_norm", -math.inf, below(line)),), k
+        # Norms below the envelope break the promise when absorbed: screening them out makes it steady.
+        self.promise_steady = True
+        return (("grad_norm", above(exp_or_inf(self._log_envelope)), below(line)),), k
 
     def _line(self) -> tuple[float, float]:
         """``(reference, the lowest norm the next step would be flagged at)`` once a test judges."""

@@ -302,6 +302,7 @@ class InputScaleDetector(Detector):
         if not lo <= hi:
             return None, 1
         self._band = (lo, hi)
+        self.promise_steady = self._measured  # until then, the update that completes the reference breaks it
         return (("input_rms", lo, hi),), updates
 
     def _drift_band(self, updates: int) -> tuple[float, float] | None:

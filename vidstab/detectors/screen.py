@@ -12,6 +12,17 @@ are those of calling every detector (``tests/test_detector_screen.py`` compares 
 
 A promise holds for one step: the screen is used only for the step right after the one it was taken on, and
 :meth:`Screen.clear` drops it when the detectors' state is replaced (a rollback's ``load_state_dict``).
+
+Updates made later (a plan built with ``defer=True``, the guard's). A promise that covers several updates and is
+*steady* (:attr:`~vidstab.detectors.Detector.promise_steady`: the update of a step without findings inside its
+bounds cannot break it) is the same after such an update as before it. So on a step without findings that the
+screen let through, :func:`vidstab.detectors.absorb` only queues the step for that detector (:attr:`Screen.pending`)
+and the update is made later, with the others queued: right after a training step the CPU caches are cold, and
+one loop over several updates pays for them once. The queue never outlives the promise (at most its updates) and is
+emptied, in step order, before anything reads the detector: its ``observe`` (a step outside the promise),
+``state_dict``/``load_state_dict``, ``published`` for a tracker, an event-log flush, ``Guard.detectors``
+(:func:`vidstab.detectors.catch_up`). Findings, verdicts, states and the published thresholds are those of
+updating every step (``tests/test_detector_screen.py``).
 """
 
 from __future__ import annotations
@@ -27,17 +38,25 @@ class Screen:
     ``slots`` holds, per promising detector, its index among the plan's observers; ``bounds[k]`` is that
     detector's latest promise (``None``: none), written by :func:`vidstab.detectors.absorb`."""
 
-    def __init__(self, slots: Sequence[int] = ()) -> None:
+    def __init__(self, slots: Sequence[int] = (), defer: bool = False) -> None:
         self.slots = tuple(slots)
+        self.defer = defer
+        """Whether :func:`vidstab.detectors.absorb` may queue steady detectors' updates (module docstring)."""
         self.clear()
 
     def clear(self) -> None:
-        """No promise: every detector is called on the next step."""
+        """No promise: every detector is called on the next step. Queued updates are dropped: catch the
+        detectors up first (:func:`vidstab.detectors.catch_up`) unless their state is being replaced."""
         self.step: int | None = None  # the step the promises are about
         self.bounds: list[Any] = [None] * len(self.slots)
+        self.pending: list[list[list[Any]]] = [[] for _ in self.slots]
+        """Per slot, the ``[stats, metrics record or None]`` of the steps whose update waits, oldest first."""
+        self.judged: Any = None  # the stats the last quiet() was asked about, and its answer (for absorb)
+        self.judged_quiet: "frozenset[int] | set[int]" = _NOTHING
 
     def quiet(self, stats: Any) -> "frozenset[int] | set[int]":
         """The observer indices whose ``observe`` is certain to find nothing on ``stats``."""
+        self.judged, self.judged_quiet = stats, _NOTHING
         if stats.step != self.step:
             return _NOTHING
         out = set()
@@ -50,4 +69,6 @@ class Screen:
                     break
             else:
                 out.add(slot)
+        if self.defer:
+            self.judged_quiet = out
         return out

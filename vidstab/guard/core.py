@@ -26,6 +26,7 @@ GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -37,7 +38,7 @@ import torch
 from .. import signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, judge
+from ..detectors import Detector, DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..events import EventLog
@@ -95,10 +96,13 @@ class Guard(UserLoopWrapping, GuardReporting):
         check_world_size(self.world_size)  # unjoined processes would write each other's rank-0 event log
         self.events = EventLog(self.run_dir, self.rank)
         register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
-        self.detectors = build_detectors(self.config, self.world_size)
+        self._detectors = build_detectors(self.config, self.world_size)
         # Who observes, absorbs and publishes, read once (vidstab.detectors.DetectorPlan): the list is fixed
         # from here on; a user's own detector is added with vidstab.register_detector before the guard is built.
-        self._plan = DetectorPlan.of(self.detectors)
+        # Healthy steps' updates of steady promises wait and are made several at once (detectors/screen.py);
+        # the event log completes their metrics lines first (their thresholds) when it flushes.
+        self._plan = DetectorPlan.of(self._detectors, defer=True)
+        self.events.before_flush = functools.partial(catch_up, self._plan)
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys
         )
@@ -280,6 +284,13 @@ class Guard(UserLoopWrapping, GuardReporting):
         return applied
 
     # ------------------------------------------------------------------ controls
+    @property
+    def detectors(self) -> list[Detector]:
+        """The guard's detectors in evaluation order, with every update they owe made (the guard makes a
+        healthy step's updates of some detectors later, several at once: :mod:`vidstab.detectors.screen`)."""
+        catch_up(self._plan)
+        return self._detectors
+
     def request_stop(self) -> None:
         """Ask every rank to stop at the next optimizer step (safe from a signal handler: sets a flag)."""
         self._stop_requested = True

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import capture, signals as S
-from ..detectors import Finding, StepStats, Verdict, published
+from ..detectors import Finding, StepStats, Verdict, catch_up, published
 from ..events import log_to_trackers
 from ..localize import locate_nonfinite
 from .result import StepResult
@@ -51,10 +51,15 @@ class GuardReporting:
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
             "verdict": VERDICT_NAME[s.verdict],
             "applied": s.applied,
-            **published(self._plan),  # each detector's own thresholds for the next step (the dashboard's lines)
         }
-        self.events.log("metrics", s.step, **metrics)
-        if s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None):
+        track = s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None)
+        if track:  # the trackers take the line now: with every threshold in it
+            catch_up(self._plan)
+        # Each detector's own thresholds for the next step (the dashboard's lines); one whose update of this
+        # step waits writes them into the line when it is made, before the event log encodes it.
+        metrics.update(published(self._plan, metrics))
+        self.events.log_metrics(s.step, metrics)
+        if track:
             log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
         bad_ranks, rollback = [], None
         if s.findings:  # a healthy step has none: nothing below to build

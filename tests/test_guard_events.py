@@ -77,3 +77,80 @@ def test_healthy_lines_are_buffered_and_every_other_event_flushes(tmp_path):
     assert len(path.read_text().splitlines()) >= 7 + 100  # the buffer never holds more than flush_lines
     log.close()
     assert len(path.read_text().splitlines()) == 7 + 194
+
+
+class _ListTracker:
+    """A tracker of our own (Accelerate's ``log_with`` takes instances): keeps what it is sent."""
+
+    def __new__(cls):
+        from accelerate.tracking import GeneralTracker
+
+        class ListTracker(GeneralTracker):
+            name = "list"
+            requires_logging_directory = False
+
+            def __init__(self):
+                super().__init__()
+                self.logged: list[tuple[int, dict]] = []
+
+            @property
+            def tracker(self):
+                return self
+
+            def store_init_configuration(self, values):
+                pass
+
+            def log(self, values, step=None, **kwargs):
+                self.logged.append((step, dict(values)))
+
+        return ListTracker()
+
+
+def _thresholds_of_a_run(run_dir, tracker) -> tuple[dict[int, dict], dict]:
+    """Train a small model under ``vidstab.attach`` for 160 steps (a checkpoint's ``state_dict`` at step 90);
+    returns each metrics line's published thresholds by step, and the guard's final state."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import vidstab
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, log_with=[tracker] if tracker is not None else None)
+    if tracker is not None:
+        accelerator.init_trackers("thresholds")
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    guard = vidstab.attach(accelerator, model, optimizer, run_dir=run_dir)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(160):
+        x = torch.randn(4, 8, generator=gen) * (3.0 if step % 23 == 0 else 1.0)
+        accelerator.backward(model(x).square().mean())
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 90:
+            guard.state_dict()  # what accelerator.save_state's hook reads mid-run
+    state = guard.state_dict()
+    guard.close()
+    keys = ("grad_norm_ema", "grad_spike_threshold")
+    lines = {e["step"]: {k: e[k] for k in keys if k in e} for e in read_events(run_dir) if e["kind"] == "metrics"}
+    return lines, state
+
+
+def test_thresholds_of_updates_made_later_reach_every_metrics_line(tmp_path):
+    """The guard makes a healthy step's updates of some detectors later (vidstab/detectors/screen.py); their
+    thresholds still reach that step's metrics line. Against the same run with a tracker, where every step is
+    caught up before its line is logged: the same thresholds on every line, the same final state, and the
+    tracker received them too."""
+    later, later_state = _thresholds_of_a_run(tmp_path / "later", None)
+    tracker = _ListTracker()
+    now, now_state = _thresholds_of_a_run(tmp_path / "now", tracker)
+    assert sorted(later) == list(range(160))
+    assert later == now
+    assert sum("grad_spike_threshold" in v for v in later.values()) > 100  # after grad_spike's warm-up
+    assert later_state["detectors"] == now_state["detectors"]
+    sent = {step: v for step, v in tracker.logged}
+    assert all(sent[s]["vidstab/grad_spike_threshold"] == v["grad_spike_threshold"] for s, v in now.items() if v)

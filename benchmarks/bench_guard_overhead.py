@@ -1,7 +1,12 @@
 """Claim: vidstab adds <= 0.3 ms per optimizer step to a plain Accelerate loop, and <= 1.01x on the DiT.
 
-Three models, chosen so a plain step takes about 3 ms, 10 ms and 100 ms on this machine's CPU: a small
-MLP, a small transformer encoder, and the reference video DiT (``vidstab.reference.model.VideoDiT``).
+Three models for the three step sizes issue 16 names (about 3 ms, 10 ms and 100 ms): a small MLP, a small
+transformer encoder, and the reference video DiT (``vidstab.reference.model.VideoDiT``). On this machine's CPU
+on 2026-12-02 their plain steps took 1.1-1.4 ms, 7-7.5 ms and 36-41 ms (48-55 ms on slower days). Each is
+shorter than its size class, which only makes the gates harder: the small models' gate is in absolute
+milliseconds, and the guard's fixed cost is a larger fraction of a shorter DiT step. The DiT on 8 latent
+frames (about 90 ms, ``--dit_frames 8``) is not the default: in 60 s it gets 130 rounds, and two identical plain
+variants then differed by up to 0.77 ms (the upper end of the A/A 95% interval), most of the 1% it would gate.
 For each, four variants of the same Accelerate training step (AdamW, clipping at 1.0, a constant LR
 scheduler):
 
@@ -22,9 +27,9 @@ forward pre-hook (removed and put back between steps, outside the timing); ``exp
 built before the attach and never wrapped. The variants run interleaved, one step each per round in a random
 order, so drift and the load of a shared machine hit all alike. Reported per model: the median step time,
 the median of the per-round paired difference to ``plain`` (the added time; wall clock, and this thread's CPU
-time, which the load of other processes on a shared machine inflates least), the mean of the thread-CPU
-differences (work done once every n steps, such as encoding the buffered metrics lines, is in the mean and not
-in the median) and the ratio of medians;
+time, which the load of other processes on a shared machine inflates least) with a 95% bootstrap interval, the
+mean of the thread-CPU differences (work done once every n steps, such as encoding the buffered metrics lines, is
+in the mean and not in the median), the paired ratio ``1 + added / plain median`` and the ratio of medians;
 host reads per optimizer step (``Tensor.item/tolist/...`` calls) for all variants. Last line: one JSON
 object.
 
@@ -108,8 +113,8 @@ class TransformerDenoiser(torch.nn.Module):
         return self.out(self.blocks(h)).transpose(1, 2).reshape(x.shape)
 
 
-def build(kind: str, quick: bool):
-    """(model factory, latent shape, description) of one size class."""
+def build(kind: str, quick: bool, dit_frames: int = 4):
+    """(model factory, latent shape, description) of one size class (``dit_frames``: the DiT's latent frames)."""
     if kind == "mlp":
         shape = (8, 4, 2, 8, 8)
         return lambda: MLPDenoiser(4 * 2 * 8 * 8, 128, 2), shape, "MLP 512-128-128-512"
@@ -118,9 +123,17 @@ def build(kind: str, quick: bool):
         return lambda: TransformerDenoiser(4, 64, 1), shape, "transformer encoder, hidden 64, 1 layer, 128 tokens"
     from vidstab.reference.model import VideoDiT
 
-    shape = (2, 4, 4, 8, 8) if quick else (2, 4, 4, 16, 16)
+    shape = (2, 4, 4, 8, 8) if quick else (2, 4, dit_frames, 16, 16)
     return (lambda: VideoDiT(in_channels=4, hidden_size=96, num_layers=4, num_heads=4, patch_size=(1, 2, 2)),
             shape, "reference VideoDiT, hidden 96, 4 blocks")
+
+
+def bootstrap_median_ci(diffs: list[float], resamples: int = 400, seed: int = 1) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``diffs`` (the paired differences of one variant)."""
+    rng = random.Random(seed)
+    n = len(diffs)
+    meds = sorted(statistics.median(rng.choices(diffs, k=n)) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
 def check_gradients(model, max_norm=1e4):
@@ -137,7 +150,7 @@ def check_gradients(model, max_norm=1e4):
 
 
 def measure(kind: str, args, run_dir: str) -> dict:
-    factory, shape, description = build(kind, args.quick)
+    factory, shape, description = build(kind, args.quick, args.dit_frames)
     # ONE model, optimizer, scheduler and Accelerator for all variants: the same tensors at the same
     # addresses. With one instance per variant, two *plain* copies of the DiT differed by 0.2-0.4 ms per step
     # (measured: an A/A variant, three runs), as much as the guard's whole cost.
@@ -247,7 +260,9 @@ def measure(kind: str, args, run_dir: str) -> dict:
     for guard in guards.values():
         guard.close()
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    added = {k: statistics.median(a - b for a, b in zip(times[k], times["plain"])) * 1e3 for k in VARIANTS}
+    paired = {k: [a - b for a, b in zip(times[k], times["plain"])] for k in VARIANTS}
+    added = {k: statistics.median(d) * 1e3 for k, d in paired.items()}
+    added_ci = {k: [round(x * 1e3, 3) for x in bootstrap_median_ci(paired[k])] for k in VARIANTS[1:]}
     added_cpu = {k: statistics.median(a - b for a, b in zip(cpu[k], cpu["plain"])) * 1e3 for k in VARIANTS}
     # The mean as well: work done once every n steps (the event log encodes its buffered metrics lines at a
     # flush, every 100 steps or 1 s) is outside the median but is still paid, n times rarer.
@@ -259,6 +274,11 @@ def measure(kind: str, args, run_dir: str) -> dict:
     return {"model": description, "params": params, "param_tensors": len(list(model.parameters())),
             "rounds": rounds, "seconds": round(elapsed, 1), "median_step_ms": med, "added_ms": added,
             "added_cpu_ms": added_cpu, "added_cpu_mean_ms": added_cpu_mean,
+            "added_ms_ci95": added_ci,
+            # The paired ratio is what the DiT's gate reads: on the DiT the ratio of medians of separately sampled
+            # variants read 0.987-0.999x for two identical plain variants (A/A, 2026-12-02), more than the 1% it
+            # would gate; the paired difference cancels the drift between rounds, as the small models' gate does.
+            "paired_ratio": {k: 1.0 + added[k] / med["plain"] for k in VARIANTS},
             "ratio": {k: med[k] / med["plain"] for k in VARIANTS}, "host_reads_per_step": reads,
             "findings_on_healthy_steps": findings}
 
@@ -273,6 +293,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps per variant before timing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)")
     ap.add_argument("--quick", action="store_true", help="smoke run: a few seconds per model")
+    ap.add_argument("--dit_frames", type=int, default=4,
+                    help="latent frames of the DiT (8: about 90 ms a step here, module docstring)")
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.min_rounds, args.warmup = 2.0, 5, 2
@@ -285,26 +307,30 @@ def main() -> None:
 
     print(f"device {args.device}, {args.threads} thread(s); load average {load:.1f} before, {load_after:.1f} after")
     print("+ms = median over rounds of (variant step - plain step in the same round), wall clock [thread CPU time];"
-          " x = ratio of median wall times; mean = mean of the thread-CPU differences (rare work included).")
+          " x = 1 + that / plain median (paired ratio); mean = mean of the thread-CPU differences (rare work included).")
     print(f"{'model':<14}{'plain ms':>10}" + "".join(f"{v + ' +ms [cpu]':>24}{'x':>7}" for v in VARIANTS[1:])
           + f"{'reads/step (plain, attached, explicit, seed)':>48}")
     for kind, r in results.items():
         line = f"{kind:<14}{r['median_step_ms']['plain']:>10.2f}"
         for v in VARIANTS[1:]:
-            line += f"{r['added_ms'][v]:>+15.3f} [{r['added_cpu_ms'][v]:+.3f}]{r['ratio'][v]:>7.3f}"
+            line += f"{r['added_ms'][v]:>+15.3f} [{r['added_cpu_ms'][v]:+.3f}]{r['paired_ratio'][v]:>7.3f}"
         reads = r["host_reads_per_step"]
         line += f"{reads['plain']:>18.1f}{reads['attached']:>10.1f}{reads['explicit']:>10.1f}{reads['seed']:>10.1f}"
         print(line)
     for kind, r in results.items():
         print(f"  {kind}: {r['model']}, {r['params'] / 1e6:.2f}M params in {r['param_tensors']} tensors, "
               f"{r['rounds']} rounds in {r['seconds']}s, findings on healthy steps: {r['findings_on_healthy_steps']}; "
-              "mean thread-CPU +ms: " + ", ".join(f"{v} {r['added_cpu_mean_ms'][v]:+.3f}" for v in VARIANTS[1:]))
+              "mean thread-CPU +ms: " + ", ".join(f"{v} {r['added_cpu_mean_ms'][v]:+.3f}" for v in VARIANTS[1:])
+              + "; 95% interval of +ms: " + ", ".join(f"{v} [{lo:+.3f}, {hi:+.3f}]" for v, (lo, hi) in r["added_ms_ci95"].items())
+              + "; ratio of medians: " + ", ".join(f"{v} {r['ratio'][v]:.3f}" for v in VARIANTS[1:]))
     small = [k for k in ("mlp", "transformer") if k in results]
     worst_small = max((results[k]["added_ms"][v] for k in small for v in ("attached", "explicit")), default=None)
     worst_small_cpu = max((results[k]["added_cpu_ms"][v] for k in small for v in ("attached", "explicit")), default=None)
     worst_small_cpu_mean = max((results[k]["added_cpu_mean_ms"][v] for k in small for v in ("attached", "explicit")),
                                default=None)
-    dit_ratio = max((results["dit"]["ratio"][v] for v in ("attached", "explicit")), default=None) if "dit" in results else None
+    dit_ratio = max((results["dit"]["paired_ratio"][v] for v in ("attached", "explicit")), default=None) if "dit" in results else None
+    dit_ratio_of_medians = (max(results["dit"]["ratio"][v] for v in ("attached", "explicit"))
+                            if "dit" in results else None)
     summary = {
         "benchmark": "guard_overhead", "device": args.device, "load_average": [round(load, 2), round(load_after, 2)],
         "models": {k: {"model": r["model"], "params": r["params"], "rounds": r["rounds"],
@@ -312,6 +338,8 @@ def main() -> None:
                        "added_ms": {v: round(x, 3) for v, x in r["added_ms"].items()},
                        "added_cpu_ms": {v: round(x, 3) for v, x in r["added_cpu_ms"].items()},
                        "added_cpu_mean_ms": {v: round(x, 3) for v, x in r["added_cpu_mean_ms"].items()},
+                       "added_ms_ci95": r["added_ms_ci95"],
+                       "paired_ratio": {v: round(x, 4) for v, x in r["paired_ratio"].items()},
                        "ratio": {v: round(x, 4) for v, x in r["ratio"].items()},
                        "host_reads_per_step": r["host_reads_per_step"],
                        "findings_on_healthy_steps": r["findings_on_healthy_steps"]} for k, r in results.items()},
@@ -319,6 +347,7 @@ def main() -> None:
         "worst_added_cpu_ms_small": None if worst_small_cpu is None else round(worst_small_cpu, 3),
         "worst_added_cpu_mean_ms_small": None if worst_small_cpu_mean is None else round(worst_small_cpu_mean, 3),
         "target_ratio_dit": 1.01, "worst_ratio_dit": None if dit_ratio is None else round(dit_ratio, 4),
+        "worst_ratio_of_medians_dit": None if dit_ratio_of_medians is None else round(dit_ratio_of_medians, 4),
         "meets_target": bool((worst_small is None or worst_small <= 0.3) and (dit_ratio is None or dit_ratio <= 1.01)),
     }
     print(json.dumps(summary))

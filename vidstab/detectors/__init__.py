@@ -192,17 +192,18 @@ def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepS
     return stats
 
 
-def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> None:
+def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats, defer: bool = True) -> None:
     """Run ``update`` of every detector once ``stats.verdict``/``stats.applied`` are final (detectors
     that keep no statistics, i.e. do not override ``update``, or whose :attr:`Detector.update_needs` field
     is absent this step, cost nothing here), each followed by the detector's promise about the next step
     (:class:`~vidstab.detectors.screen.Screen`). With a deferring plan, on a step without findings, the
     update of a detector the screen let through under a steady promise is queued instead (at most as many as
-    the promise covers)."""
+    the promise covers); ``defer=False`` makes this step's updates now, after those that wait (a step whose
+    thresholds a tracker takes at once)."""
     plan = DetectorPlan.of(detectors)
     screen = plan.screen
     bounds, pending = screen.bounds, screen.pending
-    quiet = screen.judged_quiet if screen.judged is stats and not stats.findings else ()
+    quiet = screen.judged_quiet if defer and screen.judged is stats and not stats.findings else ()
     for det, need, slot, i in plan.absorbers:
         if need is None or getattr(stats, need) not in _ABSENT:
             if slot >= 0:

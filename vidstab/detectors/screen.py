@@ -20,8 +20,8 @@ screen let through, :func:`vidstab.detectors.absorb` only queues the step for th
 and the update is made later, with the others queued: right after a training step the CPU caches are cold, and
 one loop over several updates pays for them once. The queue never outlives the promise (at most its updates) and is
 emptied, in step order, before anything reads the detector: its ``observe`` (a step outside the promise),
-``state_dict``/``load_state_dict``, ``published`` for a tracker, an event-log flush, ``Guard.detectors``
-(:func:`vidstab.detectors.catch_up`). Findings, verdicts, states and the published thresholds are those of
+``state_dict``/``load_state_dict``, an event-log flush, ``Guard.detectors`` (:func:`vidstab.detectors.catch_up`);
+a step whose line a tracker takes at once queues nothing (``absorb(..., defer=False)``). Findings, verdicts, states and the published thresholds are those of
 updating every step (``tests/test_detector_screen.py``).
 """
 

@@ -216,7 +216,7 @@ class Guard(UserLoopWrapping, GuardReporting):
             self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
-        absorb(self._plan, stats)
+        absorb(self._plan, stats, defer=not self._tracked(step))  # a tracker takes the thresholds now
         result = self._report(stats, table, stop=any(r[signals.STOP] > 0 for r in table))
         self._refs.clear()
         self.window.reset()

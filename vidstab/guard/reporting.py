@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import capture, signals as S
-from ..detectors import Finding, StepStats, Verdict, catch_up, published
+from ..detectors import Finding, StepStats, Verdict, published
 from ..events import log_to_trackers
 from ..localize import locate_nonfinite
 from .result import StepResult
@@ -52,14 +52,12 @@ class GuardReporting:
             "verdict": VERDICT_NAME[s.verdict],
             "applied": s.applied,
         }
-        track = s.step % self.config.log_every == 0 and getattr(self.accelerator, "trackers", None)
-        if track:  # the trackers take the line now: with every threshold in it
-            catch_up(self._plan)
         # Each detector's own thresholds for the next step (the dashboard's lines); one whose update of this
-        # step waits writes them into the line when it is made, before the event log encodes it.
+        # step waits writes them into the line when it is made, before the event log encodes it (on a step a
+        # tracker takes, absorb made every update: _tracked).
         metrics.update(published(self._plan, metrics))
         self.events.log_metrics(s.step, metrics)
-        if track:
+        if self._tracked(s.step):
             log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")}, s.step)
         bad_ranks, rollback = [], None
         if s.findings:  # a healthy step has none: nothing below to build
@@ -79,6 +77,10 @@ class GuardReporting:
             findings=list(s.findings), grad_norm=s.grad_norm, loss=s.loss, rollback=rollback, stop=stop,
             bad_ranks=bad_ranks, incident=incidents[0] if incidents else None, overflow=s.overflow, incidents=incidents,
         )
+
+    def _tracked(self, step: int) -> bool:
+        """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""
+        return step % self.config.log_every == 0 and bool(getattr(self.accelerator, "trackers", None))
 
     # ------------------------------------------------------------------ incidents (cold path)
     def _capture(self, s: StepStats) -> list[Path]:

@@ -2,7 +2,7 @@
 
 Three models for the three step sizes issue 16 names (about 3 ms, 10 ms and 100 ms): a small MLP, a small
 transformer encoder, and the reference video DiT (``vidstab.reference.model.VideoDiT``) on 8 latent frames. On
-this machine's CPU on 2026-12-02 their plain steps took 1.1-1.5 ms, 7-7.9 ms and about 90 ms. The small models
+this machine's CPU on 2026-12-02 their plain steps took 1.1-1.5 ms, 7-7.9 ms and 91-96 ms. The small models
 are shorter than their size class, which only makes their gate (in absolute milliseconds) harder. The DiT
 gets its own, longer budget (``--dit_seconds``, 240 s, about 500 rounds): with 60 s it got 130 rounds, and
 two identical plain variants then differed by up to 0.77 ms (the upper end of the A/A 95% interval), most of

@@ -43,7 +43,7 @@ if [[ $DRY_RUN == 1 ]]; then
   wait
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
-  piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda --seconds 25
+  piece guard_overhead 120 python benchmarks/bench_guard_overhead.py --device cuda --seconds 25 --dit_seconds 25
   piece model 180 python benchmarks/bench_model.py --device cuda
   piece fp16_overflow 60 python benchmarks/gpu_check_pieces.py fp16_overflow
   piece async_stall 60 python benchmarks/gpu_check_pieces.py async_stall

@@ -129,6 +129,22 @@ def build(kind: str, quick: bool, dit_frames: int = 4):
             shape, "reference VideoDiT, hidden 96, 4 blocks")
 
 
+def prepared_training(accelerator: Accelerator, factory):
+    """(model, optimizer, scheduler) of one size class, prepared: seeded weights, AdamW at 1e-4, a constant LR."""
+    torch.manual_seed(0)
+    model = factory()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return accelerator.prepare(model, opt, sched)
+
+
+def fixed_batches(shape: tuple[int, ...], device: torch.device | str = "cpu", n: int = 8) -> list[tuple[torch.Tensor, ...]]:
+    """``n`` seeded ``(latents, noise, timesteps)`` batches, cycled through by every variant."""
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device),
+             torch.randint(0, 1000, (shape[0],), generator=g).to(device)) for _ in range(n)]
+
+
 def bootstrap_median_ci(diffs: list[float], resamples: int = 400, seed: int = 1) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of ``diffs`` (the paired differences of one variant)."""
     rng = random.Random(seed)
@@ -156,11 +172,7 @@ def measure(kind: str, args, run_dir: str) -> dict:
     # addresses. With one instance per variant, two *plain* copies of the DiT differed by 0.2-0.4 ms per step
     # (measured: an A/A variant, three runs), as much as the guard's whole cost.
     accelerator = Accelerator(cpu=args.device == "cpu")
-    torch.manual_seed(0)
-    model = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    model, opt, sched = accelerator.prepare(model, opt, sched)
+    model, opt, sched = prepared_training(accelerator, factory)
     # The explicit guard is built first and not wrapped: it holds the original methods.
     explicit = vidstab.Guard(accelerator, model, opt, sched, run_dir=os.path.join(run_dir, f"{kind}-explicit"))
     attached = vidstab.attach(accelerator, model, opt, sched, run_dir=os.path.join(run_dir, f"{kind}-attached"))
@@ -179,9 +191,7 @@ def measure(kind: str, args, run_dir: str) -> dict:
 
     guards = {"attached": attached, "explicit": explicit}
     dev = accelerator.device
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(shape, generator=g).to(dev), torch.randn(shape, generator=g).to(dev),
-                torch.randint(0, 1000, (shape[0],), generator=g).to(dev)) for _ in range(8)]
+    batches = fixed_batches(shape, dev)
 
     def prepare_step(name: str) -> None:
         """Outside the timing: the attached guard's hook present only for its own steps."""

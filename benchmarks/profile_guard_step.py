@@ -164,16 +164,10 @@ def main() -> None:
     variants = {}
     for name in ("plain", "attached"):
         accelerator = Accelerator(cpu=True)
-        torch.manual_seed(0)
-        model = factory()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        model, opt, sched = accelerator.prepare(model, opt, sched)
+        model, opt, sched = bench.prepared_training(accelerator, factory)
         guard = vidstab.attach(accelerator, model, opt, sched, run_dir=run_dir) if name == "attached" else None
         variants[name] = (accelerator, model, opt, sched, guard)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g),
-                torch.randint(0, 1000, (shape[0],), generator=g)) for _ in range(8)]
+    batches = bench.fixed_batches(shape)
 
     def one_step(name: str, i: int) -> None:
         accelerator, model, opt, sched, _ = variants[name]

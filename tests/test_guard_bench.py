@@ -40,3 +40,14 @@ def test_profile_guard_step_names_every_piece():
     assert {"Window.record", "Window.pack", "gather + host read", "_build_stats", "_report (+events)",
             "judge grad_spike", "judge clip_rate", "absorb grad_growth", "attach wrapper backward"} <= set(pieces)
     assert all(isinstance(summary[k], float) for k in ("added_us_median", "judge_us", "absorb_us"))  # no timing asserted
+
+
+def test_ablate_guard_detectors_compares_the_default_detectors_with_none():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ablate_guard_detectors.py"), "--model", "mlp",
+                           "--rounds", "5", "--warmup", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = summary["detectors"]
+    assert counts["no_detectors"] == 0 and counts["default"] == counts["default_again"] > 10  # every one off vs the defaults
+    assert set(summary["us_vs_default"]) == {"default", "default_again", "no_detectors"}  # no timing asserted

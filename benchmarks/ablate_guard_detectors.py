@@ -1,12 +1,14 @@
-"""What the detectors cost in the guard's step: an explicit guard with the default detectors against the same
-guard with every detector disabled, on one model, paired per round.
+"""What parts of the guard's step cost: an explicit guard with the defaults against the same guard without
+one part, on one model, paired per round.
 
-Three explicit guards (``vidstab.Guard``) train ONE model, optimizer and scheduler of ``bench_guard_overhead.py``'s
-size classes: ``default`` twice (the second, ``default_again``, is the A/A noise floor) and ``no_detectors``
-(every detector's ``enabled=False``). Each round runs one step of each in a random order; reported: the median
-of the per-round differences of this thread's CPU time to ``default``. The difference ``no_detectors -
-default`` is what the detectors add (judging, updates, promises, published thresholds). Last line: one JSON
-object.
+Four explicit guards (``vidstab.Guard``) train ONE model, optimizer and scheduler of ``bench_guard_overhead.py``'s
+size classes: ``default`` twice (the second, ``default_again``, is the A/A noise floor), ``no_detectors``
+(every detector's ``enabled=False``) and ``inputs_at_backward`` (the last micro-step's input reductions made
+right after its backward, as the guard did before 2026-12-02, instead of at the packing after the clip:
+``Window.record``'s ``defer_inputs``). Each round runs one step of each in a random order; reported: the median
+of the per-round differences of this thread's CPU time to ``default``. ``no_detectors - default`` is what the
+detectors add (judging, updates, promises, published thresholds); ``inputs_at_backward - default`` what
+reducing the inputs at the packing saves. Last line: one JSON object.
 
     python benchmarks/ablate_guard_detectors.py                       # transformer, ~1 minute
     python benchmarks/ablate_guard_detectors.py --model mlp --rounds 3000
@@ -33,7 +35,7 @@ import bench_guard_overhead as bench  # noqa: E402  (same models, same batches)
 import vidstab  # noqa: E402
 from vidstab import GuardConfig  # noqa: E402
 
-VARIANTS = ("default", "default_again", "no_detectors")
+VARIANTS = ("default", "default_again", "no_detectors", "inputs_at_backward")
 
 
 def every_detector_off() -> GuardConfig:
@@ -57,6 +59,8 @@ def main() -> None:
     off = every_detector_off()
     guards = {name: vidstab.Guard(accelerator, model, opt, sched, config=off if name == "no_detectors" else None,
                                   run_dir=os.path.join(run_dir, name)) for name in VARIANTS}
+    record = guards["inputs_at_backward"].window.record  # the baseline: every micro-step reduced at once
+    guards["inputs_at_backward"].window.record = lambda *a, defer_inputs=False, **k: record(*a, **k)
     batches = bench.fixed_batches(shape)
 
     def one_step(name: str, i: int) -> None:
@@ -87,10 +91,12 @@ def main() -> None:
     for name in VARIANTS:
         print(f"{name:<16}{detectors[name]:>10}{diff_us[name]:>+26.1f}")
     print(f"the detectors cost {-diff_us['no_detectors']:.1f} us per step (A/A {diff_us['default_again']:+.1f} us)")
+    print(f"reducing the inputs at the packing instead of after the backward saves {diff_us['inputs_at_backward']:.1f} us per step")
     print(json.dumps({"benchmark": "ablate_guard_detectors", "model": description, "rounds": args.rounds,
                       "default_step_ms": round(default_ms, 3), "detectors": detectors,
                       "us_vs_default": {k: round(v, 1) for k, v in diff_us.items()},
-                      "detectors_us": round(-diff_us["no_detectors"], 1)}))
+                      "detectors_us": round(-diff_us["no_detectors"], 1),
+                      "inputs_at_packing_saves_us": round(diff_us["inputs_at_backward"], 1)}))
 
 
 if __name__ == "__main__":

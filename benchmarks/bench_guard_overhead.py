@@ -145,6 +145,19 @@ def fixed_batches(shape: tuple[int, ...], device: torch.device | str = "cpu", n:
              torch.randint(0, 1000, (shape[0],), generator=g).to(device)) for _ in range(n)]
 
 
+def user_loop_step(accelerator: Accelerator, model, opt, sched, batch: tuple[torch.Tensor, ...]) -> None:
+    """One optimizer step of the user's own Accelerate loop on one ``(latents, noise, timesteps)`` batch: what
+    ``vidstab.attach`` guards as it is (the profiling and revision-comparison benchmarks run it)."""
+    x, noise, t = batch
+    with accelerator.accumulate(model):
+        loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def bootstrap_median_ci(diffs: list[float], resamples: int = 400, seed: int = 1) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of ``diffs`` (the paired differences of one variant)."""
     rng = random.Random(seed)

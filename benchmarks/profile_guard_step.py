@@ -171,14 +171,7 @@ def main() -> None:
 
     def one_step(name: str, i: int) -> None:
         accelerator, model, opt, sched, _ = variants[name]
-        x, noise, t = batches[i % len(batches)]
-        with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+        bench.user_loop_step(accelerator, model, opt, sched, batches[i % len(batches)])
 
     for i in range(args.warmup):
         one_step("plain", i)

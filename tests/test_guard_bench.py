@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,7 @@ def test_profile_guard_step_names_every_piece():
     assert all(isinstance(summary[k], float) for k in ("added_us_median", "judge_us", "absorb_us"))  # no timing asserted
 
 
-def test_ablate_guard_detectors_compares_the_default_detectors_with_none():
+def test_ablate_guard_detectors_compares_the_defaults_with_a_part_left_out():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ablate_guard_detectors.py"), "--model", "mlp",
                            "--rounds", "5", "--warmup", "2"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
@@ -50,4 +52,20 @@ def test_ablate_guard_detectors_compares_the_default_detectors_with_none():
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     counts = summary["detectors"]
     assert counts["no_detectors"] == 0 and counts["default"] == counts["default_again"] > 10  # every one off vs the defaults
-    assert set(summary["us_vs_default"]) == {"default", "default_again", "no_detectors"}  # no timing asserted
+    assert set(summary["us_vs_default"]) == {"default", "default_again", "no_detectors", "inputs_at_backward"}
+    assert isinstance(summary["inputs_at_packing_saves_us"], float)  # no timing asserted
+    assert counts["inputs_at_backward"] == counts["default"]
+
+
+def test_compare_guard_revisions_runs_a_revision_beside_the_working_tree():
+    """The revision's guard is imported from a ``git archive`` copy beside the working tree's, both guard the
+    same model; the script reports both figures for every variant (no timing asserted)."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no revision to compare with")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_guard_revisions.py"), "--model", "mlp",
+                           "--rounds", "4", "--warmup", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary["step_us_vs_base"]) == {"base", "base_again", "new", "plain"}
+    assert set(summary["own_us"]) == {"base", "base_again", "new"} and all(v > 0 for v in summary["own_us"].values())

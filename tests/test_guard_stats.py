@@ -140,6 +140,34 @@ def test_a_one_process_row_finished_on_the_host_is_the_gathered_row(micro_steps,
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (col, a, b)
 
 
+@pytest.mark.parametrize("micro_steps", [1, 3])
+def test_the_last_micro_steps_inputs_reduced_at_pack_give_the_same_row(micro_steps):
+    """``record(..., defer_inputs=True)`` (the window's last micro-step, as the guard records it) leaves the
+    input reductions for the packing: the row, both packings and the cold path's per-micro-step flags are
+    those of reducing at once, NaN and bf16 inputs included."""
+    gen = torch.Generator().manual_seed(micro_steps)
+    steps = []
+    for m in range(micro_steps):
+        x = torch.randn(2, 3, 4, generator=gen) * (m + 1)
+        if m == micro_steps - 1:
+            x[1, 0, 3] = float("nan")
+        steps.append((torch.tensor(0.5 + m), {"x": x, "y": torch.randn(3, 5, generator=gen).bfloat16()}))
+    windows = {}
+    for defer in (False, True):
+        w = S.Window(torch.device("cpu"), 4, 1000)
+        for m, (loss, batch) in enumerate(steps):
+            w.record(loss, batch, defer_inputs=defer and m == micro_steps - 1)
+        windows[defer] = w
+    args = (torch.tensor(1.5), False, None, None, None, 0.25)
+    eager, deferred = windows[False], windows[True]
+    assert repr(deferred.micro_flags()) == repr(eager.micro_flags())  # the cold path reduces what waits, too (repr: NaN)
+    for pack in ("pack", "pack_for_host"):
+        want = S.gather_and_read(None, getattr(eager, pack)(*args))[0]
+        got = S.gather_and_read(None, getattr(deferred, pack)(*args))[0]
+        assert repr(got) == repr(want), pack
+    assert eager.micro_flags()[-1].input_nonfinite == 1
+
+
 def test_detectors_with_nothing_to_judge_are_not_built_or_not_called(tmp_path):
     """A one-process guard has no ``straggler`` (no other rank to compare) and never calls ``lr_jump`` while
     the schedule's peak is known (``lr_bound`` judges the LR then); both still judge where they can."""

@@ -1,7 +1,8 @@
 """On-device statistics of one accumulation window, packed into one small row per rank.
 
 Nothing here reads a value back to the host. :meth:`Window.record` keeps, per micro-step, references to
-the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync);
+the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync; those of
+the window's last micro-step are made at the packing, where the caches favour them: ``defer_inputs``);
 :meth:`Window.pack` stacks them once per optimizer step into the rank's row ``[k]``; :func:`gather_and_read`
 gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it with ONE host
 transfer. A run of one process gathers nothing: :meth:`Window.pack_for_host` stacks only the device values
@@ -263,6 +264,13 @@ class Window:
         self.in_micro: list[int] = []  # micro-step of each input tensor
         self.in_numel = 0
         self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._deferred: list[torch.Tensor] = []  # the last micro-step's inputs, reduced at pack (record)
+
+    def _reduce_deferred(self) -> None:
+        """The reductions :meth:`record` left for later, appended in recording order."""
+        for x in self._deferred:
+            self.in_values += _input_values(x)
+        self._deferred = []
 
     @property
     def micro_steps(self) -> int:
@@ -276,9 +284,23 @@ class Window:
         per_sample_loss: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
         error: bool = False,
+        defer_inputs: bool = False,
     ) -> None:
-        """Fold one micro-step into the window: three reductions per input tensor, no host sync."""
+        """Fold one micro-step into the window: three reductions per input tensor, no host sync.
+
+        ``defer_inputs``: the micro-step is the window's last (the optimizer step follows): its input tensors'
+        reductions wait for :meth:`pack`, where they run next to the packing's stack, after the user's
+        ``clip_grad_norm_``. Right after a backward the CPU's caches are cold and the three reductions cost
+        about 6x what they cost warm; after the clip, whose norm and stack kernels they share, the attached
+        guard's own time per step is 13-16 us shorter on the transformer of ``benchmarks/bench_guard_overhead.py``
+        (``benchmarks/compare_guard_revisions.py``; ``benchmarks/RESULTS.md``, "Reductions where the caches
+        favour them"). Only the last micro-step waits: an earlier one's input
+        buffer may be refilled in place by the next one; the last one's must hold its values until the
+        optimizer step (as the incident capture already requires).
+        """
         f32 = torch.float32
+        if self._deferred:
+            self._reduce_deferred()
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
             loss_d = self._zero
         else:
@@ -294,11 +316,10 @@ class Window:
         for x in floating_inputs(batch, self.input_keys):
             if x.requires_grad:  # inputs rarely do; a detach is a dispatched op
                 x = x.detach()
-            lo, hi = torch.aminmax(x)
-            if x.dtype == f32:  # the dtype argument costs a conversion check per call
-                self.in_values += (hi, lo, x.sum(), torch.linalg.vector_norm(x))
+            if defer_inputs:
+                self._deferred.append(x)
             else:
-                self.in_values += (hi.to(f32), lo.to(f32), x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32))
+                self.in_values += _input_values(x)
             self.in_tensors.append(x)
             self.in_micro.append(micro)
             self.in_numel += x.numel()
@@ -318,6 +339,8 @@ class Window:
     ) -> torch.Tensor:
         """The rank's row ``[k]`` for this step: six device ops in the common case (one micro-step, one
         input tensor), no host sync."""
+        if self._deferred:
+            self._reduce_deferred()
         dt, dev, zero = self.dtype, self.device, self._zero
         m, n = len(self.losses), len(self.in_values) // 4
         if m > 1:
@@ -356,6 +379,8 @@ class Window:
         """The same row as :meth:`pack` for a run with ONE process, where nothing is gathered: the device
         values stacked raw (one op in the common case) and the rest of the row composed on the host after
         the one read (:meth:`HostRow.finish`), so the host-known values never travel to the device."""
+        if self._deferred:
+            self._reduce_deferred()
         present = [v is not None for v in (grad_norm, param_sq, update_sq, loss_scale)]
         values = [self._scalar(v) for v in (grad_norm, param_sq, update_sq, loss_scale) if v is not None]
         values += self.losses
@@ -385,6 +410,8 @@ class Window:
 
         Cold path (an incident is being captured): this is an extra host read.
         """
+        if self._deferred:
+            self._reduce_deferred()
         n = len(self.losses)
         if n == 0:
             return []
@@ -401,6 +428,15 @@ class Window:
                 a = per_tensor[k + i]
                 absmax[m] = a if (math.isnan(a) or a > absmax[m]) else absmax[m]
         return [MicroFlags(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
+
+
+def _input_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, min, sum, L2 norm) of one input tensor, 0-d float32 each, on its device (no host sync)."""
+    lo, hi = torch.aminmax(x)
+    if x.dtype == torch.float32:  # the dtype argument costs a conversion check per call
+        return hi, lo, x.sum(), torch.linalg.vector_norm(x)
+    f32 = torch.float32
+    return hi.to(f32), lo.to(f32), x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32)
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         per-timestep-bucket loss; ``error``: an exception the caller caught for this micro-step (the caller
         still passes a zero loss through the wrapped model so DDP collectives match) -> ROLLBACK.
         """
-        if self.accelerator.sync_gradients:
+        last = self.accelerator.sync_gradients  # the window's last micro-step: the optimizer step follows
+        if last:
             self.clock.mark()
         self._backward(loss, **backward_kwargs)
         self._model_inputs = None
@@ -175,7 +176,7 @@ class Guard(UserLoopWrapping, GuardReporting):
             return
         if timesteps is None and batch is not None:
             timesteps = batch.get("timesteps")
-        self.window.record(loss, batch, per_sample_loss, timesteps, error is not None)
+        self.window.record(loss, batch, per_sample_loss, timesteps, error is not None, defer_inputs=last)
         # References only (no copies), dropped after the step; they keep the window's batches alive until then.
         self._refs.append((batch if self.config.capture_incidents else None, sample_ids, error))
 

@@ -99,12 +99,13 @@ class UserLoopWrapping:
             # This guard's model did not run since the last backward: another model's loss (a second
             # guard on the same accelerator, an unguarded model) passes straight through.
             return self._backward(loss, **kwargs)
-        if self.accelerator.sync_gradients:
+        last = self.accelerator.sync_gradients  # the window's last micro-step: the optimizer step follows
+        if last:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
         self._backward(loss, **kwargs)
         batch, data = self._model_batch()
         self._model_inputs = None
-        self.window.record(loss, data)
+        self.window.record(loss, data, defer_inputs=last)
         self._refs.append((batch if self.config.capture_incidents else None, None, None))
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:

@@ -1,0 +1,179 @@
+"""The attached guard of a git revision against the working tree's, paired per round in one process.
+
+A change to the guard's hot path is worth a few microseconds per step; two runs of ``bench_guard_overhead.py``
+differ by more than that. Here both versions guard ONE model, optimizer and scheduler of
+``bench_guard_overhead.py``'s size classes in the same process: the revision's ``vidstab`` package is copied
+(``git archive``) to a temporary folder as ``vidstab_base`` and imported beside the working tree's ``vidstab``.
+Four variants: ``base`` (the revision), ``base_again`` (a second guard of the revision: the A/A noise floor),
+``new`` (the working tree) and ``plain`` (no guard). One user loop (``accelerator.backward``, ``clip_grad_norm_``,
+``optimizer.step``, ``lr_scheduler.step``); before each step the variant's guard is attached (the others'
+patches undone, outside the timing). Each round runs one step of each in a random order.
+
+Two figures per variant, medians of the per-round differences to ``base``: this thread's CPU time of the whole
+step (what the user pays, noisy: the step itself varies), and the guard's own time (``perf_counter`` inside its
+wrappers minus the original calls they make: the guard's code only, much steadier; each wrapper's timer adds
+the same to every guard). Last line: one JSON object.
+
+    python benchmarks/compare_guard_revisions.py                          # HEAD vs working tree, transformer
+    python benchmarks/compare_guard_revisions.py --rev HEAD~3 --model mlp --rounds 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_guard_overhead as bench  # noqa: E402  (same models, same batches)
+
+import vidstab  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("base", "base_again", "new", "plain")
+WRAPPERS = ("_user_backward", "_user_clip_grad_norm", "_user_optimizer_step", "_user_scheduler_step", "_see_model_inputs")
+ORIGINALS = ("_backward", "_clip", "_optimizer_step", "_scheduler_step")
+
+
+def import_revision(rev: str, into: Path):
+    """``vidstab`` as it is at ``rev``, imported as the package ``vidstab_base`` from a copy under ``into``."""
+    archive = into / "base.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), rev, "vidstab"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    package = into / "vidstab_base"
+    (into / "vidstab").rename(package)
+    for path in package.rglob("*.py"):  # the few absolute imports inside the package
+        text = path.read_text(encoding="utf-8")
+        if "vidstab." in text:
+            path.write_text(text.replace("from vidstab.", "from vidstab_base."), encoding="utf-8")
+    sys.path.insert(0, str(into))
+    import vidstab_base
+
+    return vidstab_base
+
+
+def own_time(guard, clock: list[int]) -> None:
+    """Charge ``guard``'s wrappers (+) and the originals they call (-) to ``clock[0]``."""
+    def timed(fn, sign):
+        def call(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[0] += sign * (time.perf_counter_ns() - t0)
+        return call
+
+    for name in ORIGINALS:
+        setattr(guard, name, timed(getattr(guard, name), -1))
+    for name in WRAPPERS:
+        setattr(guard, name, timed(getattr(guard, name), +1))
+
+
+def unwrap(guard) -> None:
+    """``guard.detach()`` without its event-log flush (which would move the flushes out of the timed steps)."""
+    flush = guard.events.flush
+    guard.events.flush = lambda: None
+    try:
+        guard.detach()
+    finally:
+        guard.events.flush = flush
+
+
+def interval(diffs: list[float], resamples: int = 400) -> list[float]:
+    return [round(x, 1) for x in bench.bootstrap_median_ci(diffs, resamples)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default="HEAD", help="git revision of the baseline guard")
+    ap.add_argument("--model", default="transformer", choices=["mlp", "transformer", "dit"])
+    ap.add_argument("--rounds", type=int, default=1500)
+    ap.add_argument("--warmup", type=int, default=50, help="steps per variant before timing")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="vidstab-revisions-"))
+    base_pkg = import_revision(args.rev, tmp)
+    factory, shape, description = bench.build(args.model, quick=False)
+    accelerator = Accelerator(cpu=True)
+    model, opt, sched = bench.prepared_training(accelerator, factory)
+    clock = [0]
+    guards = {}
+    for name, pkg in (("base", base_pkg), ("base_again", base_pkg), ("new", vidstab)):
+        guards[name] = pkg.attach(accelerator, model, opt, sched, run_dir=tmp / name)
+        unwrap(guards[name])
+        own_time(guards[name], clock)
+    guards["plain"] = None
+    attached = [None]
+
+    def use(name: str) -> None:
+        if attached[0] is not None:
+            unwrap(guards[attached[0]])
+        attached[0] = None
+        if guards[name] is not None:
+            guards[name].wrap()
+            attached[0] = name
+
+    batches = bench.fixed_batches(shape)
+
+    def one_step(i: int) -> None:
+        bench.user_loop_step(accelerator, model, opt, sched, batches[i % len(batches)])
+
+    for i in range(args.warmup):
+        for name in VARIANTS:
+            use(name)
+            one_step(i)
+    cpu = {name: [] for name in VARIANTS}
+    own = {name: [] for name in VARIANTS}
+    shuffler = random.Random(0)
+    for r in range(args.rounds):
+        for name in shuffler.sample(VARIANTS, len(VARIANTS)):
+            use(name)
+            clock[0] = 0
+            c0 = time.thread_time_ns()
+            one_step(r)
+            cpu[name].append((time.thread_time_ns() - c0) / 1e3)
+            own[name].append(clock[0] / 1e3)
+    use("plain")
+    for guard in guards.values():
+        if guard is not None:
+            guard.close()
+    step_us = {k: [a - b for a, b in zip(cpu[k], cpu["base"])] for k in VARIANTS}
+    own_us = {k: [a - b for a, b in zip(own[k], own["base"])] for k in VARIANTS if k != "plain"}
+    out = {
+        "benchmark": "compare_guard_revisions", "rev": args.rev, "model": description, "rounds": args.rounds,
+        "plain_step_ms": round(statistics.median(cpu["plain"]) / 1e3, 3),
+        "added_vs_plain_us": {k: round(statistics.median(a - b for a, b in zip(cpu[k], cpu["plain"])), 1)
+                              for k in ("base", "new")},
+        "step_us_vs_base": {k: round(statistics.median(d), 1) for k, d in step_us.items()},
+        "step_us_vs_base_ci95": {k: interval(d) for k, d in step_us.items() if k != "base"},
+        "own_us": {k: round(statistics.median(own[k]), 1) for k in own_us},
+        "own_us_vs_base": {k: round(statistics.median(d), 1) for k, d in own_us.items()},
+        "own_us_vs_base_ci95": {k: interval(d) for k, d in own_us.items() if k != "base"},
+    }
+    print(f"{description}, {args.rounds} rounds, baseline {args.rev}; plain step {out['plain_step_ms']:.3f} ms (thread CPU)")
+    print(f"{'variant':<12}{'step us vs base':>18}{'95% interval':>20}{'own us':>10}{'own vs base':>13}{'95% interval':>20}")
+    for k in VARIANTS:
+        ci = out["step_us_vs_base_ci95"].get(k, [0.0, 0.0])
+        line = f"{k:<12}{out['step_us_vs_base'][k]:>+18.1f}{str(ci):>20}"
+        if k in own_us:
+            line += f"{out['own_us'][k]:>10.1f}{out['own_us_vs_base'][k]:>+13.1f}{str(out['own_us_vs_base_ci95'].get(k, [0.0, 0.0])):>20}"
+        print(line)
+    print(f"the working tree's guard: {out['own_us_vs_base']['new'] - out['own_us_vs_base']['base_again']:+.1f} us of own "
+          f"time per step against {args.rev}, net of the A/A difference")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

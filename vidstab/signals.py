@@ -292,11 +292,11 @@ class Window:
         reductions wait for :meth:`pack`, where they run next to the packing's stack, after the user's
         ``clip_grad_norm_``. Right after a backward the CPU's caches are cold and the three reductions cost
         about 6x what they cost warm; after the clip, whose norm and stack kernels they share, the attached
-        guard's own time per step is 13-16 us shorter on the transformer of ``benchmarks/bench_guard_overhead.py``
+        guard's own time per step is 13-18 us shorter on the transformer of ``benchmarks/bench_guard_overhead.py``
         (``benchmarks/compare_guard_revisions.py``; ``benchmarks/RESULTS.md``, "Reductions where the caches
-        favour them"). Only the last micro-step waits: an earlier one's input
-        buffer may be refilled in place by the next one; the last one's must hold its values until the
-        optimizer step (as the incident capture already requires).
+        favour them"). Only the last micro-step waits: an earlier one's input buffer may be refilled in place
+        by the next one; the last one's must hold its values until the optimizer step (as the incident
+        capture already requires).
         """
         f32 = torch.float32
         if self._deferred:

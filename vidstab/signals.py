@@ -338,7 +338,7 @@ class Window:
         local_seconds: float = -1.0,
     ) -> torch.Tensor:
         """The rank's row ``[k]`` for this step: six device ops in the common case (one micro-step, one
-        input tensor), no host sync."""
+        input tensor), after the reductions :meth:`record` left to it (``defer_inputs``); no host sync."""
         if self._deferred:
             self._reduce_deferred()
         dt, dev, zero = self.dtype, self.device, self._zero
@@ -377,8 +377,9 @@ class Window:
         local_seconds: float = -1.0,
     ) -> "HostRow":
         """The same row as :meth:`pack` for a run with ONE process, where nothing is gathered: the device
-        values stacked raw (one op in the common case) and the rest of the row composed on the host after
-        the one read (:meth:`HostRow.finish`), so the host-known values never travel to the device."""
+        values stacked raw (one op in the common case, after the reductions :meth:`record` left to it) and the
+        rest of the row composed on the host after the one read (:meth:`HostRow.finish`), so the host-known
+        values never travel to the device."""
         if self._deferred:
             self._reduce_deferred()
         present = [v is not None for v in (grad_norm, param_sq, update_sq, loss_scale)]

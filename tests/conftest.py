@@ -4,24 +4,22 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_SHARED_SCOPES = ("session", "package", "module")
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (.ci/run), keep the tests that share a module- or session-scoped
-    fixture (one real training run read by several tests) on one worker, so that run happens once."""
+    fixture (one real training run read by several tests) on one worker, so that run happens once. Reads
+    pytest's fixture resolution of each test (`_fixtureinfo`, not public API): if a pytest release moves it,
+    nothing is grouped and a shared run happens once per worker that needs it, slower but still correct."""
     for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
+        defs_by_name = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None) or {}
         shared = []
-        for name in item.fixturenames:
-            defs = info.name2fixturedefs.get(name)
-            if not defs or defs[-1].scope not in _SHARED_SCOPES or defs[-1].baseid == "":
+        for name in getattr(item, "fixturenames", ()):
+            defs = defs_by_name.get(name)
+            scope, where = (getattr(defs[-1], "scope", None), getattr(defs[-1], "baseid", "")) if defs else (None, "")
+            if scope not in ("session", "module") or not where:
                 continue  # pytest's own (tmp_path_factory, ...) are defined with an empty baseid
             # two modules may each define a module fixture of one name: they are different runs
-            shared.append(name if defs[-1].scope == "session" else f"{item.path.name}::{name}")
+            shared.append(name if scope == "session" else f"{item.path.name}::{name}")
         if shared and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(sorted(shared)[0]))
 

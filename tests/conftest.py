@@ -4,6 +4,7 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (.ci/run), keep the tests that share a module- or session-scoped

@@ -16,8 +16,11 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from vidstab import GuardConfig
-from vidstab.detectors import DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge, published
+from vidstab.detectors import (DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge, published,
+                               absorb_batch)
 
 
 def _stream(seed: int, steps: int):
@@ -171,6 +174,28 @@ def test_a_promise_is_used_for_the_next_step_only():
     assert plan.screen.quiet(later) == frozenset()
 
 
+def _edge_steps(kw: dict, bounds, edge: int) -> list[dict]:
+    """The step's fields moved to one end (``edge`` 1: lo, 2: hi) of a promise's finite intervals; a field
+    derived from others (``StepStats`` properties) is reached through what it is derived from, one at a time."""
+    plain = {f: b[edge] for f, *b in ((f, lo, lo, hi) for f, lo, hi in bounds)
+             if f not in DERIVED and math.isfinite(b[edge])}
+    out = [plain] if plain else []
+    for f, lo, hi in bounds:
+        v = (None, lo, hi)[edge]
+        if f in DERIVED and math.isfinite(v):
+            out.append({**plain, **DERIVED[f](kw, v)})
+    return out
+
+
+#: How to give a step a value of a derived field (a ``StepStats`` property some promise bounds).
+DERIVED = {
+    "lr_to_peak": lambda kw, v: {"lr": v * kw["lr_peak"]},
+    "lr_to_scheduled": lambda kw, v: {"lr": v * kw["lr_scheduled"]},
+    "timestep_buckets_filled": lambda kw, v: {"timestep_bucket_loss": [1.0] * int(v)},
+    "update_per_lr": lambda kw, v: {"update_ratio": v * kw["lr"]},
+}
+
+
 def test_every_promise_holds_at_its_edges_for_as_long_as_it_is_kept():
     """A promise is checked where it is weakest: before every step, each detector's kept promise (made up to
     ``PROMISE_UPDATES`` updates ago) is probed with the step's statistics moved to each end of its
@@ -188,13 +213,13 @@ def test_every_promise_holds_at_its_edges_for_as_long_as_it_is_kept():
                     continue
                 det = plan.observers[slot][0]
                 for edge in (1, 2):  # lo, hi
-                    values = {b[0]: b[edge] for b in bounds}
-                    if not all(math.isfinite(v) for v in values.values()):
-                        continue
-                    probe = StepStats(**{**kw, **values})
-                    finding = copy.deepcopy(det).observe(probe)
-                    assert finding is None, (kw["step"], det.name, values, finding)
-                    probes += 1
+                    for values in _edge_steps(kw, bounds, edge):
+                        probe = StepStats(**{**kw, **values})
+                        if not all(lo <= getattr(probe, f) <= hi for f, lo, hi in bounds):
+                            continue  # moving one derived field moved another out of its interval
+                        finding = copy.deepcopy(det).observe(probe)
+                        assert finding is None, (kw["step"], det.name, values, finding)
+                        probes += 1
         s = StepStats(**kw)
         judge(plan, s)
         s.applied = s.verdict <= Verdict.WARN
@@ -272,3 +297,107 @@ def test_escalations_expire_lazily_and_reach_what_expiring_every_step_reaches():
                 for d, st in zip(dets, saved):
                     d.load_state_dict(st)
     assert {"trend", "repeated_spikes", "consecutive_skips"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_does(buckets):
+    """The guard's batched healthy steps (``Screen.admits``, ``vidstab/guard/healthy.py``): a step the kept
+    promises clear is applied without judging and absorbed later, with the others queued, each with
+    ``absorb_batch`` before anything judges again. Against a fresh plan on every step:
+    the same findings and verdicts on every step (a cleared step has none), the same thresholds in every
+    step's record, the same state after every catch-up, through a rollback's reload; and, without timestep-bucket
+    losses (the attached loop), most healthy steps after the warm-ups are cleared (with them ``loss_spike``'s
+    promise is not steady: every such step is judged)."""
+    from vidstab.detectors import screen_values
+
+    config = GuardConfig()
+    batched, full = build_detectors(config, world_size=1), build_detectors(config, world_size=1)
+    plan = DetectorPlan.of(batched, defer=True)
+    queue: list[StepStats] = []
+    records, expected, saved = {}, {}, None
+    cleared = healthy = 0
+
+    def drain() -> None:
+        if queue:
+            for q, thresholds in zip(queue, absorb_batch(plan, queue)):
+                records[q.step] = {"step": q.step, **thresholds}
+        queue.clear()
+
+    for kw in _stream(seed=13, steps=1800):
+        if not buckets:
+            kw["timestep_bucket_loss"] = []
+        a, b = StepStats(**kw), StepStats(**kw)
+        judge(list(full), b)
+        b.applied = b.verdict <= Verdict.WARN
+        absorb(list(full), b)
+        expected[kw["step"]] = {"step": kw["step"], **published(list(full))}
+        healthy += not b.findings and kw["step"] > 300
+        room = plan.screen.admits(kw["step"], screen_values(a), len(queue))
+        if room >= 0:
+            assert not b.findings, kw["step"]  # a cleared step has no finding
+            a.applied = True
+            queue.append(a)
+            cleared += kw["step"] > 300
+            if room == 0:
+                drain()
+        else:
+            drain()
+            judge(plan, a)
+            assert a.verdict == b.verdict, kw["step"]
+            assert [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings], kw["step"]
+            a.applied = b.applied
+            absorb(plan, a, defer=False)
+            records[kw["step"]] = {"step": kw["step"], **published(plan)}
+        if kw["step"] % 37 == 0 or kw["step"] in (1200, 1400):  # a checkpoint, a tracker, a rollback read
+            drain()
+            catch_up(plan)
+            assert [d.state_dict() for d in batched] == [d.state_dict() for d in full], kw["step"]
+        if kw["step"] == 1200:
+            saved = [d.state_dict() for d in batched]
+        if kw["step"] == 1400:
+            for dets in (batched, full):
+                for d, st in zip(dets, saved):
+                    d.load_state_dict(st)
+            plan.screen.clear()
+    drain()
+    assert [d.state_dict() for d in batched] == [d.state_dict() for d in full]
+    assert records == expected
+    assert cleared >= (0.0 if buckets else 0.5) * healthy, (cleared, healthy)
+
+
+def test_grad_growth_band_holds_for_every_step_it_covers_at_its_worst():
+    """``grad_growth``'s band promise covers several updates: whatever in-band norms come in between, no
+    judged window of known and in-band values reaches the warning. Probed at its worst for each step it covers
+    (every unknown norm at the end of the band its coefficient in that step's fitted slope picks) and at random
+    ends, on rising, flat and noisy windows."""
+    import copy
+
+    from vidstab.detectors import GradGrowthDetector
+
+    config = GuardConfig().grad_growth
+    rng = random.Random(2)
+    bands = probes = 0
+    for trial in range(300):
+        det = GradGrowthDetector(config)
+        drift, noise = rng.choice([0.0, 0.02, 0.05, 0.09]), rng.choice([0.01, 0.05, 0.1, 0.2])
+        y = 0.0
+        for step in range(config.warmup_steps + rng.randrange(10, 40)):
+            y += drift + rng.gauss(0, noise)
+            s = StepStats(step=step, grad_norm=math.exp(y), loss=1.0, applied=True)
+            if det.observe(s) is None:
+                det.update(s)
+        band = det._band()
+        if band is None:
+            continue
+        bands += 1
+        ((_, lo, hi),), k = band
+        n = det.logs.size
+        worst = [[hi if n - u + i > (n - 1) / 2 else lo for i in range(u)] for u in range(1, k + 1)]
+        for seq in worst + [[rng.choice([lo, hi]) for _ in range(k)] for _ in range(10)]:
+            probe = copy.deepcopy(det)
+            for j, x in enumerate(seq):
+                s = StepStats(step=10**4 + j, grad_norm=x, loss=1.0, applied=True)
+                assert probe.observe(s) is None, (trial, j, k, lo, hi)
+                probe.update(s)
+                probes += 1
+    assert bands > 100 and probes > 10000, (bands, probes)

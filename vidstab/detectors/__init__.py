@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import ConfigError, Detector, DetectorConfig, EMAStat, Finding, StepStats, Verdict
+from .base import ConfigError, Detector, DetectorConfig, EMAStat, Finding, StepStats, Verdict, lr_ratios
 from .clip_rate import ClipRateConfig, ClipRateDetector
 from .consecutive_skips import ConsecutiveSkipsConfig, ConsecutiveSkipsDetector
 from .diagnosis import TRIAGE, Timeline, family
@@ -29,7 +29,7 @@ from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
-from .screen import Screen
+from .screen import SCREEN_FIELDS, Screen, screen_values
 from .straggler import StragglerConfig, StragglerDetector
 from .trend import TrendConfig, TrendDetector
 from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
@@ -161,11 +161,15 @@ class DetectorPlan:
         # A detector that promises keeps statistics (a promise is about the state update leaves).
         slots = [i for i, d in enumerate(detectors) if getattr(d, "screens", False) and getattr(d, "absorbs", True)]
         slot_of = {i: k for k, i in enumerate(slots)}
+        others = tuple(dict.fromkeys(getattr(d, "needs", None) for i, d in enumerate(detectors)
+                                     if i not in slot_of and not getattr(d, "finite_quiet", False)))
+        screen = Screen(slots, defer=defer, detectors=[detectors[i] for i in slots],
+                        needs=[getattr(detectors[i], "needs", None) for i in slots], others=others)
         return cls(tuple((d, getattr(d, "needs", None), slot_of.get(i, -1)) for i, d in enumerate(detectors)),
                    tuple((d, getattr(d, "update_needs", None), slot_of.get(i, -1), i)
                          for i, d in enumerate(detectors) if getattr(d, "absorbs", True)),
                    tuple((d, slot_of.get(i, -1)) for i, d in enumerate(detectors) if getattr(d, "publishes", True)),
-                   Screen(slots, defer=defer))
+                   screen)
 
 
 def judge(detectors: "list[Detector] | DetectorPlan", stats: StepStats) -> StepStats:
@@ -216,9 +220,12 @@ def absorb(detectors: "list[Detector] | DetectorPlan", stats: StepStats, defer: 
             det.update(stats)
             if slot >= 0:  # right after the update, while the detector's state is in the caches
                 bounds[slot] = det.quiet_bounds()
+        elif slot >= 0 and bounds[slot] is None:  # nothing to absorb, no promise yet: one about the state as it is
+            bounds[slot] = det.quiet_bounds()
         # else: the state did not change, nor did the promise made on it
     screen.step = stats.step + 1
     screen.judged = None
+    screen.changed()
 
 
 def published(detectors: "list[Detector] | DetectorPlan", record: dict | None = None) -> dict[str, float]:
@@ -238,6 +245,54 @@ def published(detectors: "list[Detector] | DetectorPlan", record: dict | None = 
             _make_waiting_updates(plan, slot)
         out.update(det.published())
     return out
+
+
+def absorb_batch(plan: DetectorPlan, steps: list[StepStats]) -> list[dict[str, float]]:
+    """:func:`absorb` of several consecutive steps without findings, whose verdicts and ``applied`` are final
+    (the guard's queued healthy steps), made detector by detector: each detector's updates of all the steps in
+    one loop, its code and state in the CPU's caches once (a detector's update reads only the step and its own
+    state, so the order across detectors changes nothing). Then every promise is renewed
+    (:func:`renew_promises`) and the screen is about the step after the last. Returns, per step, what the
+    detectors publish after its update (its metrics line's thresholds, as :func:`published` would give)."""
+    screen = plan.screen
+    pending = screen.pending
+    publishing = {id(det) for det, _ in plan.publishers}
+    after: dict[int, list[dict[str, float]]] = {}  # per publishing detector that absorbs: published, per step
+    for det, need, slot, _ in plan.absorbers:
+        if slot >= 0 and pending[slot]:
+            _make_waiting_updates(plan, slot)
+        out = after[id(det)] = [] if id(det) in publishing else None
+        for s in steps:
+            if need is None or getattr(s, need) not in _ABSENT:
+                det.update(s)
+            if out is not None:
+                out.append(det.published())
+    records: list[dict[str, float]] = [{} for _ in steps]
+    for det, slot in plan.publishers:  # merged in the order published() merges them
+        values = after.get(id(det))
+        if values is None:  # publishes without absorbing: the same after every step
+            if slot >= 0 and pending[slot]:
+                _make_waiting_updates(plan, slot)
+            values = [det.published()] * len(steps)
+        for record, v in zip(records, values):
+            record.update(v)
+    screen.step = steps[-1].step + 1 if steps else screen.step
+    screen.judged = None
+    renew_promises(plan)  # (which tells the screen they changed)
+    return records
+
+
+def renew_promises(plan: DetectorPlan) -> None:
+    """Every promising detector (with no update waiting) makes a fresh promise about the next step, from its
+    state as it is. After a batch of updates made at once (the guard's queued healthy steps) the kept promises
+    run out at different steps; renewed together, they next run out together, so the next batch is as long as
+    the promises allow (``vidstab/guard/healthy.py``)."""
+    screen = plan.screen
+    for slot, det in enumerate(screen.detectors):
+        if not screen.pending[slot]:
+            det.break_promise()
+            screen.bounds[slot] = det.quiet_bounds()
+    screen.changed()
 
 
 def catch_up(detectors: "list[Detector] | DetectorPlan") -> None:
@@ -261,13 +316,14 @@ def _make_waiting_updates(plan: DetectorPlan, slot: int) -> None:
         if record is not None:
             record.update(det.published())
     queue.clear()
+    screen.changed()
 
 
 __all__ = [
     "DETECTORS", "STEP_DETECTORS", "ESCALATION_DETECTORS", "register_detector", "unregister_detector",
-    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "Screen", "judge", "absorb", "published",
-    "catch_up", "ConfigError",
-    "Detector", "DetectorConfig", "EMAStat", "Finding", "StepStats", "Verdict", "TRIAGE", "Timeline", "family",
+    "registered_detectors", "detector_order", "build_detectors", "DetectorPlan", "Screen", "SCREEN_FIELDS", "screen_values", "judge", "absorb", "published",
+    "catch_up", "renew_promises", "absorb_batch", "ConfigError",
+    "Detector", "DetectorConfig", "EMAStat", "Finding", "StepStats", "Verdict", "lr_ratios", "TRIAGE", "Timeline", "family",
     "ScaleReference", "scale_reference",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
     "LossScaleConfig", "LossSpikeConfig", "LRBoundConfig", "LRJumpConfig", "UpdateRatioConfig", "InputRangeConfig",

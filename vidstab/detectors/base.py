@@ -58,6 +58,16 @@ def exp_or_inf(v: float) -> float:
     return math.exp(v) if v < 709.0 else math.inf
 
 
+def lr_ratios(lr: float | None, peak: float | None, scheduled: float | None) -> tuple[float, float]:
+    """``(lr / peak, lr / scheduled)``, each 0.0 where the reference is unknown or not positive, both 0.0 for
+    an LR that is unknown, not finite or not positive (``lr_bound`` judges nothing then). One function for the
+    detector, its promise and the guard's healthy-step path, so that all three divide alike."""
+    if lr is None or not math.isfinite(lr) or lr <= 0:
+        return 0.0, 0.0
+    return (lr / peak if peak is not None and peak > 0 else 0.0,
+            lr / scheduled if scheduled is not None and scheduled > 0 else 0.0)
+
+
 class Verdict(enum.IntEnum):
     """What the guard does with an optimizer step; the worst finding wins."""
 
@@ -194,6 +204,32 @@ class StepStats:
         rule can place against the schedule (``lr_jump``'s input; with the peak known ``lr_bound`` judges)."""
         return self.lr if self.lr_peak is None else None
 
+    @property
+    def lr_to_peak(self) -> float:
+        """``lr / lr_peak`` (0.0 when either is unknown or not positive): what ``lr_bound`` compares with its
+        peak ratios (:func:`lr_ratios`)."""
+        return lr_ratios(self.lr, self.lr_peak, self.lr_scheduled)[0]
+
+    @property
+    def lr_to_scheduled(self) -> float:
+        """``lr / lr_scheduled`` (0.0 when either is unknown or not positive): :func:`lr_ratios`."""
+        return lr_ratios(self.lr, self.lr_peak, self.lr_scheduled)[1]
+
+    @property
+    def update_per_lr(self) -> float | None:
+        """``update_ratio`` per unit of LR (``update_ratio`` itself when the LR is unknown; ``None`` when not
+        measured or the LR is not positive): ``update_ratio``'s input."""
+        if self.update_ratio is None:
+            return None
+        if self.lr is None:
+            return self.update_ratio
+        return self.update_ratio / self.lr if self.lr > 0 else None
+
+    @property
+    def timestep_buckets_filled(self) -> int:
+        """How many timestep buckets carry a loss this step (0: the loop passes no per-sample losses)."""
+        return sum(v is not None for v in self.timestep_bucket_loss)
+
     # Filled in by the guard while judging (see module docstring).
     verdict: Verdict = Verdict.OK
     """Verdict reached so far (final verdict in :meth:`Detector.update`)."""
@@ -218,6 +254,12 @@ class Detector:
     min_world_size: ClassVar[int] = 1
     """The fewest processes a run needs for this detector to judge anything (``straggler``, which compares
     the ranks, needs 2): with fewer the guard does not build it (:func:`vidstab.detectors.build_detectors`)."""
+
+    finite_quiet: ClassVar[bool] = False
+    """Whether :meth:`observe` finds nothing on every step whose gradient norm (and parameter norm, when measured)
+    is finite and on which no rank had a non-finite loss or input (``nonfinite``, ``nonfinite_params``): the
+    guard's batched healthy steps (:meth:`Screen.admits <vidstab.detectors.screen.Screen.admits>`) then need no
+    promise from it."""
 
     absorbs: ClassVar[bool] = False
     """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""

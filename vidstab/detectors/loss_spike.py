@@ -121,7 +121,8 @@ class LossSpikeDetector(Detector):
         a batch can have (the mean of the known buckets over the smallest of them), for ``PROMISE_UPDATES``
         updates at once: the EMA keeps ``(1 - a)`` of its mean and of its variance per update while the
         losses absorbed are not negative, and the buckets stay as they are while no step carries bucket
-        losses (a negative loss or bucket losses break the promise)."""
+        losses (a negative loss or bucket losses break the promise). Before any step carried bucket losses the
+        promise also asks for a loss >= 0 and no bucket losses, and is steady."""
         c = self.config
         if self.ema.count < c.warmup_steps:
             return (), c.warmup_steps - self.ema.count
@@ -132,9 +133,14 @@ class LossSpikeDetector(Detector):
         keep = (1.0 - ema_weight(e)) ** (k - 1)  # the state after this update and k - 1 more
         mean = e.mean * keep
         std = max(math.sqrt(max(e.var, 0.0) * keep), c.min_std_fraction * mean, 1e-12)
+        line = min(mean * c.ratio, mean + c.zscore * std)
+        if not any(b.count for b in self.buckets):  # no step carried bucket losses yet (the attached loop)
+            # Then an update of a quiet step with a loss in [0, line] and no bucket losses breaks nothing: steady.
+            self.promise_steady = True
+            return (("loss", 0.0, below(line)), ("timestep_buckets_filled", 0, 0)), k
         warm = [b.mean for b in self.buckets if b.count >= c.min_bucket_samples and b.mean > 0]
         factor = max(1.0, sum(warm) / len(warm) / min(warm)) if warm else 1.0
-        return (("loss", -math.inf, below(min(mean * c.ratio, mean + c.zscore * std) / factor)),), k
+        return (("loss", -math.inf, below(line / factor)),), k
 
     def state_dict(self) -> dict:
         return {"ema": self.ema.state_dict(), "buckets": [e.state_dict() for e in self.buckets]}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
+from .base import Bounds, Detector, DetectorConfig, Finding, StepStats, Verdict, check, lr_ratios
 
 
 @dataclass
@@ -67,8 +67,7 @@ class LRBoundDetector(Detector):
             return None
         peak = s.lr_peak if s.lr_peak is not None and s.lr_peak > 0 else None
         sched = s.lr_scheduled if s.lr_scheduled is not None and s.lr_scheduled > 0 else None
-        vs_peak = lr / peak if peak else 0.0
-        vs_sched = lr / sched if sched else 0.0
+        vs_peak, vs_sched = lr_ratios(lr, peak, sched)
         warn = vs_peak > self.config.warn_peak_ratio and s.step >= self.quiet_until
         skip = vs_peak > self.config.skip_peak_ratio or vs_sched > self.config.skip_scheduled_ratio
         if not (skip or warn):
@@ -83,6 +82,14 @@ class LRBoundDetector(Detector):
         self._warned_step = s.step
         return Finding(self.name, min(self.verdict, Verdict.WARN),
                        f"learning rate {lr:.3g} is {vs_peak:.2f}x the schedule's peak {peak:.3g}", figures)
+
+    def promise(self) -> tuple[Bounds | None, int]:
+        """Quiet, whatever the step and for good, on LRs at most ``warn_peak_ratio`` x the peak (below the
+        skip ratio too) and at most ``skip_scheduled_ratio`` x the scheduled LR: the test has no history (its
+        quiet period after a warning only narrows what it flags), so no update can break this; renewed every 1000 steps, for a config changed mid-run."""
+        self.promise_steady = True
+        c = self.config
+        return (("lr_to_peak", -math.inf, c.warn_peak_ratio), ("lr_to_scheduled", -math.inf, c.skip_scheduled_ratio)), 1000
 
     def update(self, s: StepStats) -> None:
         if self._warned_step == s.step:

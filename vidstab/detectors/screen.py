@@ -23,25 +23,56 @@ emptied, in step order, before anything reads the detector: its ``observe`` (a s
 ``state_dict``/``load_state_dict``, an event-log flush, ``Guard.detectors`` (:func:`vidstab.detectors.catch_up`);
 a step whose line a tracker takes at once queues nothing (``absorb(..., defer=False)``). Findings, verdicts, states and the published thresholds are those of
 updating every step (``tests/test_detector_screen.py``).
+
+Whole steps made later (the guard's batched healthy steps, ``vidstab/guard/healthy.py``). :meth:`Screen.admits`
+clears a step before its statistics are even built: every detector that would be called holds a steady promise
+that covers the updates not made yet and whose bounds the step's values (:data:`SCREEN_FIELDS`, which the guard
+reads off its row) lie in, and the detectors without one (``finite_quiet`` aside) would not be called. Such
+steps are absorbed several at once, detector by detector (:func:`vidstab.detectors.absorb_batch`), and every
+promise is then renewed together (:func:`vidstab.detectors.renew_promises`), so that the next batch is as long
+as the promises allow.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 _NOTHING: frozenset[int] = frozenset()
+_ABSENT = (None, [])  # what a field a detector needs holds on a step without it (as vidstab.detectors.judge)
+_MISSING = object()
+
+#: The :class:`~vidstab.detectors.StepStats` fields :meth:`Screen.admits` reads: what the promises bound, and
+#: the fields whose absence keeps the other detectors from being called at all.
+SCREEN_FIELDS = ("grad_norm", "loss", "max_grad_norm", "lr", "lr_to_peak", "lr_to_scheduled", "lr_unplaced",
+                 "input_absmax", "input_rms", "timestep_buckets_filled", "param_norm", "update_ratio", "update_per_lr",
+                 "loss_scale",
+                 "exception_ranks", "findings", "nonfinite_loss_ranks", "nonfinite_input_ranks")
+
+
+def screen_values(stats: Any) -> dict[str, Any]:
+    """The fields of ``stats`` that :meth:`Screen.admits` reads (the guard's healthy-step path computes the same
+    values from the gathered row without building the stats: ``vidstab/guard/healthy.py``)."""
+    return {f: getattr(stats, f) for f in SCREEN_FIELDS}
 
 
 class Screen:
     """The promises of the detectors that make them, for one step (module docstring).
 
     ``slots`` holds, per promising detector, its index among the plan's observers; ``bounds[k]`` is that
-    detector's latest promise (``None``: none), written by :func:`vidstab.detectors.absorb`."""
+    detector's latest promise (``None``: none), written by :func:`vidstab.detectors.absorb`. ``detectors`` and
+    ``needs`` are those detectors and the fields their ``observe`` needs, by slot; ``others`` the fields the
+    other observers need, except those that declare :attr:`~vidstab.detectors.Detector.finite_quiet` (what
+    :meth:`admits` reads)."""
 
-    def __init__(self, slots: Sequence[int] = (), defer: bool = False) -> None:
+    def __init__(self, slots: Sequence[int] = (), defer: bool = False, detectors: Sequence[Any] = (),
+                 needs: Sequence[str | None] = (), others: Sequence[str | None] = ()) -> None:
         self.slots = tuple(slots)
         self.defer = defer
         """Whether :func:`vidstab.detectors.absorb` may queue steady detectors' updates (module docstring)."""
+        self.detectors, self.needs, self.others = tuple(detectors), tuple(needs), tuple(others)
+        self.batchable = bool(self.detectors) and len(self.detectors) == len(self.slots) and None not in self.others
+        """Whether :meth:`admits` can ever clear a step: every detector that is called on every step promises."""
         self.clear()
 
     def clear(self) -> None:
@@ -53,6 +84,12 @@ class Screen:
         """Per slot, the ``[stats, metrics record or None]`` of the steps whose update waits, oldest first."""
         self.judged: Any = None  # the stats the last quiet() was asked about, and its answer (for absorb)
         self.judged_quiet: "frozenset[int] | set[int]" = _NOTHING
+        self.changed()
+
+    def changed(self) -> None:
+        """The promises, their coverage or the waiting updates changed (:func:`vidstab.detectors.absorb` and
+        everything else that makes updates or promises calls this): :meth:`admits` reads them afresh."""
+        self._gate: tuple | None = None
 
     def quiet(self, stats: Any) -> "frozenset[int] | set[int]":
         """The observer indices whose ``observe`` is certain to find nothing on ``stats``."""
@@ -72,3 +109,56 @@ class Screen:
         if self.defer:
             self.judged_quiet = out
         return out
+
+    def admits(self, step: int, values: Mapping[str, Any], queued: int) -> int:
+        """Whether a step with these :data:`SCREEN_FIELDS` values is certain to bring no finding while
+        ``queued`` steps before it (healthy ones, cleared by this method) are not absorbed yet: ``-1`` if not;
+        else how many more such steps the kept promises cover after this one (0: the next step needs the
+        updates made first). A guard then applies the step at once and absorbs and reports it later, with the
+        others it queued (``vidstab/guard/healthy.py``).
+
+        It is, for each detector ``judge`` would call: a promise kept from the last absorbed step that is
+        steady (:attr:`~vidstab.detectors.Detector.promise_steady`) and whose bounds hold on ``values``, every
+        kept promise covering the updates still to be made (``queued`` plus those the deferring plan holds,
+        :attr:`pending`); for the :attr:`~vidstab.detectors.Detector.finite_quiet` ones, a finite gradient norm (and
+        parameter norm, when measured) and no rank with a non-finite loss or input; the others must find the field they need absent. Steady
+        promises are what make this exact: each queued step lay inside them and had no finding, so its update
+        left a state they still cover."""
+        if not self.batchable or self.step is None:
+            return -1
+        gate = self._gate if self._gate is not None else self._compile()
+        first, room, checks = gate
+        room -= queued
+        if step != first + queued or room < 0:
+            return -1
+        get = values.get
+        for need in self.others:
+            if get(need, _MISSING) not in _ABSENT:
+                return -1  # a detector without a promise would be called
+        grad_norm, param_norm = get("grad_norm"), get("param_norm")
+        if (grad_norm is None or not math.isfinite(grad_norm) or get("nonfinite_loss_ranks") not in _ABSENT
+                or get("nonfinite_input_ranks") not in _ABSENT or (param_norm is not None and not math.isfinite(param_norm))):
+            return -1
+        for need, bounds in checks:
+            if need is not None and get(need, _MISSING) in _ABSENT:
+                continue  # not called on this step
+            if bounds is None:
+                return -1
+            for f, lo, hi in bounds:
+                v = get(f)
+                if v is None or not lo <= v <= hi:
+                    return -1
+        return room
+
+    def _compile(self) -> tuple:
+        """``(the step the promises are about, the updates all of them still cover, per promising detector
+        (the field it needs, its bounds or None when it has no steady promise))``, kept until :meth:`changed`."""
+        room, checks = 1 << 30, []
+        for det, need, bounds, queue in zip(self.detectors, self.needs, self.bounds, self.pending):
+            if bounds is None or not det.promise_steady:
+                checks.append((need, None))
+                continue
+            room = min(room, det._promise_left - len(queue))
+            checks.append((need, bounds))
+        self._gate = (self.step, room, tuple(checks))
+        return self._gate

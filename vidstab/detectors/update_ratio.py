@@ -47,15 +47,13 @@ class UpdateRatioDetector(EMAJumpDetector):
     def warmup(self) -> int:
         return self.config.warmup_samples
 
+    screen_field = "update_per_lr"  # what value() reads: the promise bounds it
+
     def value(self, s: StepStats) -> float | None:
         # Per unit of LR: an AdamW update scales with the LR, so the schedule itself (a warm restart, the end
         # of a warm-up) moves the raw ratio several-fold; per unit of LR only the optimizer state and the
         # weights move it. An LR that leaves its schedule is ``lr_bound``'s business.
-        if s.update_ratio is None:
-            return None
-        if s.lr is None:
-            return s.update_ratio
-        return s.update_ratio / s.lr if s.lr > 0 else None
+        return s.update_per_lr
 
     def describe(self, s: StepStats, value: float, ratio: float) -> Finding:
         per_lr = s.lr is not None

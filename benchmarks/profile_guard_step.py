@@ -5,7 +5,9 @@ same loop after ``vidstab.attach``, interleaved one step each per round. Every p
 wrapped with a ``time.perf_counter_ns`` timer (the wrappers themselves cost ~0.2 us each, included): the
 attach wrappers (minus the originals they call), ``Window.record``, ``Window.pack``, the gather + host read,
 ``_build_stats``, every detector's ``observe`` (judge) and ``update`` (absorb), ``_apply`` minus the
-optimizer step, ``_report`` (events included). Printed: per-piece median microseconds per step next to the
+optimizer step, ``_report`` (events included), and for the batched healthy steps (``vidstab/guard/healthy.py``)
+``Screen.admits`` and the metrics lines of the queued steps (their statistics and updates are in the pieces
+above, on the step that absorbs them: medians over steps then show the healthy step). Printed: per-piece median microseconds per step next to the
 paired added time of the whole step; last line one JSON object.
 
     python benchmarks/profile_guard_step.py                # ~30 s
@@ -79,8 +81,10 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
         if det.screens:  # its promise about the next steps, taken after its update
             det.quiet_bounds = w(f"promise {det.name}", det.quiet_bounds)
             absorbs.append(f"promise {det.name}")
-    guard._build_stats = w("_build_stats", guard._build_stats)
+    guard._build_stats = w("_build_stats", guard._build_stats)  # also of the queued healthy steps, when absorbed
     guard._report = w("_report (+events)", guard._report)
+    guard._log_queued = w("metrics lines of queued steps", guard._log_queued)
+    guard._plan.screen.admits = w("Screen.admits", guard._plan.screen.admits)
     guard._apply = w("_apply", guard._apply)
     signals.gather_and_read = w("gather + host read", signals.gather_and_read)
     acc = guard.accelerator
@@ -94,7 +98,8 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
         "attach wrapper scheduler.step": ("original scheduler.step",),
         "_apply": ("original optimizer.step",),
         "guarded optimizer.step (rest)": ("Window.pack", "Window.pack_for_host", "gather + host read", "_build_stats", "_apply",
-                                          "_report (+events)", *judges, *absorbs),
+                                          "_report (+events)", "metrics lines of queued steps", "Screen.admits",
+                                          *judges, *absorbs),
     }
 
 
@@ -127,10 +132,11 @@ def detectors_warm_and_cold(guard, one_step, rounds: int = 300, promises: bool =
     from vidstab.detectors import absorb, judge
 
     seen = []
-    build = guard._build_stats
+    build, batchable = guard._build_stats, guard._batchable
     guard._build_stats = lambda *a, **k: seen.append(build(*a, **k)) or seen[-1]
+    guard._batchable = False  # a step judged in full, whose stats are the template
     one_step("attached", 0)
-    guard._build_stats = build
+    guard._build_stats, guard._batchable = build, batchable
     template, step = seen[-1], 10**6 * (2 if promises else 1)
     detectors = guard._plan if promises else guard.detectors
 

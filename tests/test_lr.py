@@ -34,3 +34,26 @@ def test_scale_lrs_keeps_a_tensor_lr_object_and_works_without_scheduler():
     lr = optimizer.param_groups[0]["lr"]
     scale_lrs(optimizer, 2.0)
     assert optimizer.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("schedule", ["lambda", "onecycle", "none"])
+def test_lr_figures_are_the_three_readings_at_once(schedule):
+    """``LRMultiplier.figures()`` (read on every optimizer step) is ``(lr(), peak(), scheduled())``, through a
+    schedule, a back-off and an LR written by hand."""
+    from vidstab.lr import LRMultiplier
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = {"lambda": lambda: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)),
+                 "onecycle": lambda: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.3, total_steps=20),
+                 "none": lambda: None}[schedule]()
+    lr = LRMultiplier(optimizer, scheduler)
+    for step in range(8):
+        assert lr.figures() == (lr.lr(), lr.peak(), lr.scheduled()), step
+        if step == 3:
+            lr.scale(0.5)
+        if step == 5:
+            optimizer.param_groups[0]["lr"] = 7.0
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()

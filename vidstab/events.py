@@ -73,7 +73,8 @@ class EventLog:
         self._f = open(self.path, "ab", buffering=0)
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
         self.before_flush: Callable[[], None] | None = None
-        """Called before the buffered metrics lines are encoded (the guard completes them: log_metrics)."""
+        """Called before the buffered metrics lines are encoded (the guard completes them: log_metrics) and before
+        any other event is added (the guard first logs the healthy steps it holds back: vidstab/guard/healthy.py)."""
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
@@ -82,21 +83,34 @@ class EventLog:
         Anything but ``metrics`` is encoded and reaches the file at once."""
         if kind == "metrics":
             return self.log_metrics(step, fields)
+        failed = None
+        try:
+            self._complete()  # what the owner holds back comes first: the file stays in step order
+        except Exception as exc:  # noqa: BLE001 - the event is written first, then it is raised
+            failed = exc
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
         self._pending.append(line)
         self.flush()
+        if failed is not None:
+            raise failed
         return rec
 
-    def log_metrics(self, step: int, fields: dict) -> dict:
+    def log_metrics(self, step: int, fields: dict, when: float | None = None) -> dict:
         """Buffer one ``metrics`` line; returns ``fields``, which the log keeps (no copy). It is encoded, after the
         line's header, when the buffer is flushed, together with the others: after a training step the
         encoder's code is cold in the CPU caches, and one loop over the buffer pays for that once per flush,
-        not once per step. Until then its owner may still add to it (:attr:`before_flush` runs first)."""
-        self._pending.append((time.time(), int(step), fields))
+        not once per step. Until then its owner may still add to it (:attr:`before_flush` runs first).
+        ``when``: the line's ``time`` (default: now), for a line written after its step."""
+        self._pending.append((time.time() if when is None else when, int(step), fields))
         if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
         return fields
+
+    def _complete(self) -> None:
+        """Let the owner complete and add what it holds back (:attr:`before_flush`)."""
+        if self.before_flush is not None:
+            self.before_flush()
 
     def _metrics_line(self, entry: tuple) -> str:
         t, step, fields = entry
@@ -112,11 +126,10 @@ class EventLog:
         if not self._pending or self._f.closed:
             return
         failed = None
-        if self.before_flush is not None:
-            try:
-                self.before_flush()
-            except Exception as exc:  # noqa: BLE001 - what is buffered is written first, then it is raised
-                failed = exc
+        try:
+            self._complete()
+        except Exception as exc:  # noqa: BLE001 - what is buffered is written first, then it is raised
+            failed = exc
         lines = [p if p.__class__ is str else self._metrics_line(p) for p in self._pending]
         data = ("\n".join(lines) + "\n").encode("utf-8")
         self._pending = []

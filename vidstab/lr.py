@@ -67,6 +67,22 @@ class LRMultiplier:
             return [float(b) for b in sch.base_lrs]
         return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
 
+    def figures(self) -> tuple[float | None, float | None, float | None]:
+        """``(lr(), peak(), scheduled())`` in one call (every optimizer step reads all three)."""
+        groups = self.optimizer.param_groups
+        if not groups:
+            return None, None, self.scheduled()
+        group = groups[0]
+        lr = group.get("lr")
+        lr = float(lr) if isinstance(lr, (int, float)) else None
+        peak = None
+        if self.base_lrs:
+            peak = self.base_lrs[0] * self.multiplier
+            max_lr = group.get("max_lr")
+            if isinstance(max_lr, (int, float)):
+                peak = max(peak, float(max_lr) * self.multiplier)
+        return lr, peak, self.scheduled()
+
     def lr(self) -> float | None:
         """Group 0's LR now, or None when it is a tensor (reading it would need a device sync)."""
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None

@@ -12,7 +12,9 @@ The guarded step, on the last micro-step of an accumulation window (see :meth:`G
 
 1. the global pre-clip gradient norm (``accelerator.clip_grad_norm_``; FSDP2 DTensor made full);
 2. one packed row per rank -> one ``accelerator.gather`` -> one host read of a ``[world, k]`` table;
-3. the detectors on that table: the same verdict on every rank;
+3. the detectors on that table: the same verdict on every rank (a one-process step their promises clear is
+   not judged: applied at once, its statistics, updates and metrics line made later with the next ones,
+   :mod:`vidstab.guard.healthy`);
 4. apply (``optimizer.step`` + ``lr_scheduler.step``) or skip (grads to None, scheduler held,
    ``optimizer_step_was_skipped`` true) -- nothing else runs between the read and the optimizer step;
 5. after the step is enqueued: detector statistics, events, tracker metrics, incident bundles on the
@@ -26,10 +28,11 @@ GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import math
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,12 +41,14 @@ import torch
 from .. import signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import Detector, DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge
+from ..detectors import (Detector, DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge,
+                         absorb_batch)
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
+from .healthy import MAX_QUEUED, QueuedStep, row_values
 from .reporting import GuardReporting
 from .result import StepResult
 from .stats import bad_input_only, build_stats
@@ -102,7 +107,13 @@ class Guard(UserLoopWrapping, GuardReporting):
         # Healthy steps' updates of steady promises wait and are made several at once (detectors/screen.py);
         # the event log completes their metrics lines first (their thresholds) when it flushes.
         self._plan = DetectorPlan.of(self._detectors, defer=True)
-        self.events.before_flush = functools.partial(catch_up, self._plan)
+        # Healthy steps the promises clear are applied at once and absorbed later (vidstab/guard/healthy.py);
+        # one process only: a larger run's straggler detector judges every step.
+        self._queued: list[QueuedStep] = []
+        self._batchable = self._plan.screen.batchable and self.world_size == 1
+        self.steps_batched = 0
+        """Optimizer steps of this process applied at once and absorbed later, with others (not saved)."""
+        self.events.before_flush = _weak_catch_up(self)
         self.window = signals.Window(
             accelerator.device, self.config.timestep_buckets, self.config.num_train_timesteps, self.config.input_keys
         )
@@ -202,12 +213,22 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._pending = (None, None)
         table = signals.gather_and_read(self.accelerator, row)
         self.clock.restart()
-        # 3. Same table on every rank -> same verdict on every rank.
-        stats = self._build_stats(step, table, max_grad_norm, norm is not None)
+        lr = self._lr.figures()
+        # 3. Same table on every rank -> same verdict on every rank. A step the detectors' promises clear has
+        # nothing to judge: applied now, absorbed and reported with the next ones (vidstab/guard/healthy.py).
+        if self._batchable and not self._scale_known and not self._tracked(step):
+            values = row_values(table[0], self.window.layout, max_grad_norm, *lr)
+            if values is not None:
+                room = self._plan.screen.admits(step, values, len(self._queued))
+                if room >= 0:
+                    return self._healthy_step(step, table, values, max_grad_norm, lr, step_scheduler, room)
+        waiting = self._absorb_queued() if self._queued else ()  # the detectors judge from their current state
+        stats = self._build_stats(step, table, max_grad_norm, norm is not None, lr)
         judge(self._plan, stats)
         # 4. Apply or skip (nothing else before the optimizer step).
-        stats.applied = self._apply(stats, self._measure_params(step) and stats.verdict < Verdict.ROLLBACK,
+        stats.applied = self._apply(stats.verdict, self._measure_params(step) and stats.verdict < Verdict.ROLLBACK,
                                     step_scheduler)
+        self._count(stats)
         # 5. After the step is enqueued: statistics absorb only applied steps; evidence.
         # A skip of bad input data (finite weights) says nothing about the model's health.
         bad_data_only = bad_input_only(stats, self.config.health_ignore)
@@ -218,6 +239,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
         absorb(self._plan, stats, defer=not self._tracked(step))  # a tracker takes the thresholds now
+        if waiting:
+            self._log_queued(waiting)
         result = self._report(stats, table, stop=any(r[signals.STOP] > 0 for r in table))
         self._refs.clear()
         self.window.reset()
@@ -227,27 +250,81 @@ class Guard(UserLoopWrapping, GuardReporting):
         return result
 
     # ------------------------------------------------------------------ step parts
-    def _build_stats(self, step: int, table: list[list[float]], max_grad_norm: float | None, norm_known: bool) -> StepStats:
-        """Step 3's input from the gathered table (:func:`vidstab.guard.stats.build_stats`)."""
+    def _build_stats(self, step: int, table: list[list[float]], max_grad_norm: float | None, norm_known: bool,
+                     lr: tuple[float | None, float | None, float | None] | None = None) -> StepStats:
+        """Step 3's input from the gathered table (:func:`vidstab.guard.stats.build_stats`); ``lr``: the step's
+        ``(lr, lr_peak, lr_scheduled)`` (default: as they are now)."""
+        if lr is None:
+            lr = self._lr.figures()
         return build_stats(
             step, table, self.window.layout, max_grad_norm=max_grad_norm, norm_known=norm_known,
             sharded=self._sharded, scale_known=self._scale_known,
             has_scaler=getattr(self.accelerator, "scaler", None) is not None,
-            lr=self._lr.lr(), lr_peak=self._lr.peak(), lr_scheduled=self._lr.scheduled(),
+            lr=lr[0], lr_peak=lr[1], lr_scheduled=lr[2],
         )
+
+    def _healthy_step(self, step: int, table: list[list[float]], values: dict, max_grad_norm: float | None,
+                      lr: tuple, step_scheduler: bool, room: int) -> StepResult:
+        """A step the promises cleared (``room``: how many more they cover): applied now, queued for later."""
+        applied = self._apply(Verdict.OK, self._measure_params(step), step_scheduler)
+        self._last_verdict = Verdict.OK
+        if values["param_norm"] is not None:
+            self._params_finite = True  # admitted: finite
+        self._queued.append(QueuedStep(step, table, max_grad_norm, *lr, applied, time.time()))
+        self.steps_batched += 1
+        self._refs.clear()
+        self.window.reset()
+        self._user_norm = self._model_inputs = None
+        self.step_count += 1
+        self.last_result = result = StepResult(step, applied=applied, skipped=False, micro=False,
+                                               grad_norm=values["grad_norm"], loss=values["loss"])
+        if room == 0 or len(self._queued) >= MAX_QUEUED:  # the next step needs these updates made
+            self._catch_up()
+        return result
+
+    def _absorb_queued(self) -> list[tuple]:
+        """The queued healthy steps' statistics and detector updates, in step order, as their own steps would
+        have made them (:func:`vidstab.detectors.absorb_batch`); returns what their metrics lines need
+        (:meth:`_log_queued`)."""
+        queue, self._queued = self._queued, []
+        steps, rates = [], []
+        for q in queue:
+            s = self._build_stats(q.step, q.table, q.max_grad_norm, True, (q.lr, q.lr_peak, q.lr_scheduled))
+            s.applied = q.applied
+            if q.applied:
+                self._clip_flags.push(s.clipped)
+            rates.append(self._clip_flags.rate())
+            steps.append(s)
+        thresholds = absorb_batch(self._plan, steps)
+        counts = self.skipped_total, self.overflow_total  # no queued step skips or overflows
+        return [(q, s, rate, *counts, t) for q, s, rate, t in zip(queue, steps, rates, thresholds)]
+
+    def _log_queued(self, done: list[tuple]) -> None:
+        """The metrics lines of the steps :meth:`_absorb_queued` absorbed, as their own steps would have written them."""
+        for q, s, clip_rate, skipped, overflow, thresholds in done:
+            metrics = self._metrics(s, q.table[self.rank], clip_rate, skipped, overflow)
+            metrics.update(thresholds)
+            self.events.log_metrics(q.step, metrics, when=q.time)
+
+    def _catch_up(self) -> None:
+        """Everything held back made now, in step order: the queued healthy steps (absorbed, then their lines),
+        then the deferring plan's waiting updates. Before anything reads the detectors, the counters or the log."""
+        if self._queued:
+            self._log_queued(self._absorb_queued())
+        catch_up(self._plan)
 
     def _measure_params(self, step: int) -> bool:
         every = self.config.param_norm_every
         return every > 0 and step % every == 0 and bool(self._trainable)
 
-    def _apply(self, s: StepStats, measure: bool, step_scheduler: bool) -> bool:
-        """Step or skip; on measured steps leave (param_sq, update_sq) on device for the next read.
+    def _apply(self, verdict: Verdict, measure: bool, step_scheduler: bool) -> bool:
+        """Step or skip as ``verdict`` says; on measured steps leave (param_sq, update_sq) on device for the next read.
 
         ``step_scheduler``: the explicit ``guard.step`` steps the scheduler and zeroes the gradients; in the
         user's own loop (``step_scheduler=False``) the user's ``lr_scheduler.step()``/``zero_grad()`` follow.
         """
         opt = self.optimizer
-        if s.verdict <= Verdict.WARN or self._observe_only:
+        if verdict <= Verdict.WARN or self._observe_only:
             self._hold_scheduler = False
             before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
             _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
@@ -276,20 +353,25 @@ class Guard(UserLoopWrapping, GuardReporting):
                 torch._foreach_sub_(before, cur)
                 update_sq = signals.sum_of_squares(before)
             self._pending = (signals.sum_of_squares(cur), update_sq)
-        if applied:
+        return applied
+
+    def _count(self, s: StepStats) -> None:
+        """The counters of a judged step, once it is applied or skipped (a queued healthy step's clip flag is
+        pushed when it is absorbed: :meth:`_absorb_queued`)."""
+        if s.applied:
             self._clip_flags.push(s.clipped)
         if s.verdict >= Verdict.SKIP and not self._observe_only:
             self.skipped_total += 1
         if s.overflow:
             self.overflow_total += 1
-        return applied
 
     # ------------------------------------------------------------------ controls
     @property
     def detectors(self) -> list[Detector]:
         """The guard's detectors in evaluation order, with every update they owe made (the guard makes a
-        healthy step's updates of some detectors later, several at once: :mod:`vidstab.detectors.screen`)."""
-        catch_up(self._plan)
+        healthy step's updates of some detectors later, several at once: :mod:`vidstab.detectors.screen`,
+        :mod:`vidstab.guard.healthy`)."""
+        self._catch_up()
         return self._detectors
 
     def request_stop(self) -> None:
@@ -345,6 +427,7 @@ class Guard(UserLoopWrapping, GuardReporting):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """JSON-serialisable state: counters, LR multiplier, detector statistics."""
+        self._catch_up()
         return {
             "schema": 1,
             "step_count": self.step_count,
@@ -361,6 +444,7 @@ class Guard(UserLoopWrapping, GuardReporting):
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (detectors missing from ``d`` keep their fresh state)."""
+        self._catch_up()  # the steps held back are this run's, absorbed and logged before the state is replaced
         self.step_count = int(d["step_count"])
         # Event counters never go backward: an in-process rollback to an older checkpoint keeps what this
         # run already skipped and wrote (the incident disk budget included); a fresh process takes the file's.
@@ -421,6 +505,17 @@ class Guard(UserLoopWrapping, GuardReporting):
             self.events.log("stop", self.step_count, reason="closed")
         self.detach()
         self.events.close()
+
+
+def _weak_catch_up(guard: Guard) -> Callable[[], None]:
+    """``guard._catch_up`` for its event log's ``before_flush``, without the log keeping the guard alive."""
+    ref = weakref.ref(guard)
+
+    def before_flush() -> None:
+        g = ref()
+        if g is not None:
+            g._catch_up()
+    return before_flush
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:

@@ -26,32 +26,7 @@ class GuardReporting:
     """The :class:`~vidstab.guard.Guard` methods that turn a judged step into evidence and a result."""
 
     def _report(self, s: StepStats, table: list[list[float]], stop: bool) -> StepResult:
-        mine = table[self.rank]
-        n = mine[S.IN_NUMEL]
-        mean = mine[S.IN_SUM] / n if n > 0 else None
-        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if mean is not None and math.isfinite(mean) else None
-        metrics = {
-            "loss": s.loss,
-            "loss_rank": s.rank_loss[self.rank],
-            "lr": s.lr,
-            "grad_norm": s.grad_norm,
-            "clipped": s.clipped,
-            "clip_ratio": s.grad_norm / s.max_grad_norm if s.max_grad_norm else None,
-            "clip_rate": self._clip_flags.rate(),
-            "loss_scale": s.loss_scale,
-            "param_norm": s.param_norm,
-            "update_ratio": s.update_ratio,
-            "skipped_total": self.skipped_total,
-            "overflow_total": self.overflow_total,
-            "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
-            "input_mean": mean,
-            "input_std": std,
-            "input_nonfinite": int(self.rank in s.nonfinite_input_ranks),  # build_stats read it off the row
-            "loss_by_t": s.timestep_bucket_loss,
-            "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
-            "verdict": VERDICT_NAME[s.verdict],
-            "applied": s.applied,
-        }
+        metrics = self._metrics(s, table[self.rank], self._clip_flags.rate(), self.skipped_total, self.overflow_total)
         # Each detector's own thresholds for the next step (the dashboard's lines); one whose update of this
         # step waits writes them into the line when it is made, before the event log encodes it (on a step a
         # tracker takes, absorb made every update: _tracked).
@@ -77,6 +52,36 @@ class GuardReporting:
             findings=list(s.findings), grad_norm=s.grad_norm, loss=s.loss, rollback=rollback, stop=stop,
             bad_ranks=bad_ranks, incident=incidents[0] if incidents else None, overflow=s.overflow, incidents=incidents,
         )
+
+    def _metrics(self, s: StepStats, mine: list[float], clip_rate: float, skipped_total: int,
+                 overflow_total: int) -> dict:
+        """The step's ``metrics`` line (before the detectors' thresholds), from its stats, this rank's row and
+        the counters as they stood right after the step."""
+        n = mine[S.IN_NUMEL]
+        mean = mine[S.IN_SUM] / n if n > 0 else None
+        std = math.sqrt(max(mine[S.IN_SUMSQ] / n - mean * mean, 0.0)) if mean is not None and math.isfinite(mean) else None
+        return {
+            "loss": s.loss,
+            "loss_rank": s.rank_loss[self.rank],
+            "lr": s.lr,
+            "grad_norm": s.grad_norm,
+            "clipped": s.clipped,
+            "clip_ratio": s.grad_norm / s.max_grad_norm if s.max_grad_norm else None,
+            "clip_rate": clip_rate,
+            "loss_scale": s.loss_scale,
+            "param_norm": s.param_norm,
+            "update_ratio": s.update_ratio,
+            "skipped_total": skipped_total,
+            "overflow_total": overflow_total,
+            "input_absmax": s.rank_input_absmax[self.rank] if n > 0 else None,
+            "input_mean": mean,
+            "input_std": std,
+            "input_nonfinite": int(self.rank in s.nonfinite_input_ranks),  # build_stats read it off the row
+            "loss_by_t": s.timestep_bucket_loss,
+            "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
+            "verdict": VERDICT_NAME[s.verdict],
+            "applied": s.applied,
+        }
 
     def _tracked(self, step: int) -> bool:
         """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""

@@ -1,0 +1,101 @@
+"""Batched healthy steps (vidstab/guard/healthy.py) change nothing a user can see but the time they take.
+
+The same unmodified Accelerate loop runs twice on one CPU process, once with the guard as it is (a step the
+detectors' promises clear is applied at once and absorbed and logged later, with the others queued) and once
+with every step judged on its own. Between the two: the same event log, line for line and in the same order
+(metrics lines of queued steps before the findings that follow them; the clock's ``time`` and
+``local_seconds`` aside), the same result of every
+step, the same guard state at a checkpoint and at the end, through a NaN batch, an LR written by hand, a loss
+spike and a rollback's ``load_state_dict``; and most steps take the batched path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+import vidstab
+from vidstab.events import events_dir
+
+
+class TinyDenoiser(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Conv3d(4, 16, 1)
+        self.t = torch.nn.Linear(1, 16)
+        self.out = torch.nn.Conv3d(16, 4, 1)
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        h = self.inp(sample) + self.t(timestep.float()[:, None] / 1000.0)[:, :, None, None, None]
+        return self.out(torch.nn.functional.silu(h))
+
+
+STEPS, NAN_AT, LR_AT, SPIKE_AT, SAVE_AT, ROLLBACK_AT = 420, 150, 260, 330, 200, 360
+
+
+def run(run_dir, batched: bool):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = TinyDenoiser()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    guard = vidstab.attach(accelerator, model, optimizer, scheduler, run_dir=run_dir)
+    if not batched:
+        guard._batchable = False  # the reference: every step judged on its own
+    g = torch.Generator().manual_seed(1)
+    results, saved, snapshot = [], None, None
+    for step in range(STEPS):
+        latents = torch.randn(2, 4, 2, 4, 4, generator=g)
+        noise = torch.randn(latents.shape, generator=g)
+        t = torch.randint(0, 1000, (2,), generator=g)
+        if step == NAN_AT:
+            latents[0, 0, 0, 0, 0] = math.nan
+        if step == LR_AT:
+            optimizer.param_groups[0]["lr"] *= 100.0  # a user's bug: refused before it is applied
+        target = noise * (30.0 if step == SPIKE_AT else 1.0)
+        loss = torch.nn.functional.mse_loss(model(latents + noise, t), target)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        r = guard.last_result
+        results.append(repr((r.step, r.applied, r.skipped, int(r.verdict), [f.detector for f in r.findings], r.loss,
+                             r.grad_norm)))  # repr: a NaN loss equals itself
+        if step == LR_AT:
+            optimizer.param_groups[0]["lr"] /= 100.0
+        if step == SAVE_AT:
+            saved = json.loads(json.dumps(guard.state_dict()))  # what save_state writes (vidstab_guard.json)
+            snapshot = saved
+        if step == ROLLBACK_AT:
+            guard.load_state_dict(snapshot)
+    final = guard.state_dict()
+    guard.close()
+    lines = [json.loads(x) for x in (events_dir(run_dir) / "events-rank0.jsonl").read_text().splitlines()]
+    for rec in lines:
+        rec.pop("time")
+        rec.pop("local_seconds", None)  # this rank's own compute time: the clock's, not the guard's
+        if rec["kind"] == "start":
+            rec.pop("config")
+    return lines, results, saved, final, guard.steps_batched
+
+
+def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
+    batched = run(tmp_path / "batched", batched=True)
+    judged = run(tmp_path / "judged", batched=False)
+    lines, results, saved, final, count = batched
+    assert results == judged[1]
+    assert lines == judged[0]
+    assert saved == judged[2] and final == judged[3]
+    kinds = {rec["kind"] for rec in lines}
+    assert {"skip", "warn", "metrics"} <= kinds, kinds  # the NaN batch, the LR, the spike were found
+    before = [rec["step"] for rec in lines if rec["kind"] != "start"][:ROLLBACK_AT]
+    assert before == sorted(before)  # every line in step order (until the rollback goes back)
+    assert judged[4] == 0 and count > 0.6 * STEPS, count  # most steps took the batched path

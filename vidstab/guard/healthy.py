@@ -1,0 +1,97 @@
+"""A healthy step applied at once, absorbed and reported later: the guard's fixed cost per step (issue 16).
+
+On most steps of a healthy run nothing is found, and the detectors' promises (:mod:`vidstab.detectors.screen`)
+say so before any of them runs. For such a step the guard reads from the gathered row only the values the
+promises bound (:func:`row_values`: the fields :data:`~vidstab.detectors.screen.SCREEN_FIELDS`, computed as
+:func:`vidstab.guard.stats.build_stats` computes them, without building the stats) and asks
+:meth:`Screen.admits <vidstab.detectors.screen.Screen.admits>`. A step it clears is applied at once and queued
+(:class:`QueuedStep`); its statistics, detector updates and metrics line are made later, several steps in one
+loop (:meth:`Guard._absorb_queued <vidstab.guard.Guard._absorb_queued>`, then ``_log_queued``): right after a
+training step the CPU's caches are cold and every object touched costs a miss, while one loop over ten queued
+steps pays for them once (``benchmarks/RESULTS.md``, "Batched healthy steps").
+
+The queue is emptied, in step order, before anything reads what it holds back: at the end of the step whose
+successor the promises no longer cover (:meth:`Screen.admits` returns 0), before the detectors judge a step
+the promises do not clear (the updates; the metrics lines wait until that step's optimizer step is enqueued),
+before any other event is written and when the event log flushes, and in ``guard.state_dict``,
+``load_state_dict`` and ``guard.detectors``. Findings, verdicts, detector states, thresholds and metrics
+lines are those of judging every step (``tests/test_detector_screen.py``, ``tests/test_guard_healthy_batch.py``).
+A crash loses the metrics lines of the queued steps (at most :data:`MAX_QUEUED`), never a finding: a step
+with a finding is never queued.
+
+Only a run of one process takes this path (``straggler`` compares ranks on every step of a larger run), and
+only on steps without trackers to feed, without a GradScaler scale, an exception, a stop request, non-finite
+values or timestep-bucket losses: such steps are judged as before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from .. import signals as S
+from ..detectors import lr_ratios
+
+MAX_QUEUED = 32
+"""Most healthy steps held back at once (the queue is emptied at the end of the step that fills it)."""
+
+
+class QueuedStep(NamedTuple):
+    """What a cleared step leaves for its later absorption: :func:`vidstab.guard.stats.build_stats`'s inputs."""
+
+    step: int
+    table: list[list[float]]
+    max_grad_norm: float | None
+    lr: float | None
+    lr_peak: float | None
+    lr_scheduled: float | None
+    applied: bool
+    time: float
+    """When it was applied (its metrics line's ``time``)."""
+
+
+def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, lr: float | None,
+               lr_peak: float | None, lr_scheduled: float | None) -> dict[str, Any] | None:
+    """The :data:`~vidstab.detectors.screen.SCREEN_FIELDS` of a one-process step from its row, with the
+    arithmetic of :func:`~vidstab.guard.stats.build_stats` (the same floats); ``None`` when the row itself
+    rules the step out: no gradient norm, an exception, a stop request, a non-finite loss, input or norm. The caller checks the scale (a GradScaler's steps are judged)."""
+    if row[S.NORM_OK] != 1.0 or row[S.EXCEPTIONS] or row[S.STOP] or row[S.LOSS_NONFINITE] or row[S.NONFINITE_ALL]:
+        return None
+    grad_norm, total, loss_sum, numel = row[S.GRAD_NORM], row[S.LOSS_TOTAL], row[S.LOSS_SUM], row[S.IN_NUMEL]
+    if not (total > 0 and math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        return None
+    absmax = 0.0
+    if numel > 0:
+        hi, lo = row[S.IN_ABSMAX_HI], row[S.IN_ABSMAX_LO]
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            return None
+        absmax = max(hi, lo)
+    sum_sq = 0.0 + row[S.IN_SUMSQ]
+    filled = 0
+    if layout.buckets:
+        counts = row[layout.bucket_count]
+        if any(counts):  # the attached loop passes no per-sample losses: all zero
+            filled = sum(c > 0 for c in counts)
+    param_norm = update_ratio = update_per_lr = None
+    if row[S.PARAM_PENDING] > 0:  # as build_stats: one process, so the sums need no adding up
+        psq, usq = 0 + row[S.PARAM_SQ], 0 + row[S.UPDATE_SQ]
+        param_norm = math.sqrt(psq) if psq >= 0 else math.nan
+        if param_norm and math.isfinite(param_norm) and usq >= 0:
+            update_ratio = math.sqrt(usq) / param_norm
+            update_per_lr = update_ratio if lr is None else update_ratio / lr if lr > 0 else None
+    to_peak, to_scheduled = lr_ratios(lr, lr_peak, lr_scheduled)
+    return {
+        "grad_norm": grad_norm,
+        "loss": (0.0 + loss_sum) / (0.0 + total),
+        "max_grad_norm": max_grad_norm,
+        "lr": lr,
+        "lr_to_peak": to_peak,
+        "lr_to_scheduled": to_scheduled,
+        "lr_unplaced": lr if lr_peak is None else None,
+        "input_absmax": absmax,
+        "input_rms": math.sqrt(sum_sq / (0.0 + numel)) if numel > 0 else None,
+        "timestep_buckets_filled": filled,
+        "param_norm": param_norm, "update_ratio": update_ratio, "update_per_lr": update_per_lr,
+        "loss_scale": None, "exception_ranks": None, "findings": None,
+        "nonfinite_loss_ranks": None, "nonfinite_input_ranks": None,
+    }

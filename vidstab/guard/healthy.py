@@ -7,8 +7,10 @@ promises bound (:func:`row_values`: the fields :data:`~vidstab.detectors.screen.
 :meth:`Screen.admits <vidstab.detectors.screen.Screen.admits>`. A step it clears is applied at once and queued
 (:class:`QueuedStep`); its statistics, detector updates and metrics line are made later, several steps in one
 loop (:meth:`Guard._absorb_queued <vidstab.guard.Guard._absorb_queued>`, then ``_log_queued``): right after a
-training step the CPU's caches are cold and every object touched costs a miss, while one loop over ten queued
-steps pays for them once (``benchmarks/RESULTS.md``, "Batched healthy steps").
+training step the CPU's caches are cold and every object touched costs a miss, and a loop over the queued steps,
+detector by detector, pays for most of them once per batch, not once per step. On the small models of
+``benchmarks/bench_guard_overhead.py`` that is 44-51 us less of the guard's own time per step by the mean
+(``benchmarks/RESULTS.md``, "Batched healthy steps"; the batch itself still costs about twice its warm time).
 
 The queue is emptied, in step order, before anything reads what it holds back: at the end of the step whose
 successor the promises no longer cover (:meth:`Screen.admits` returns 0), before the detectors judge a step

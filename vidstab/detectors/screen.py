@@ -124,13 +124,10 @@ class Screen:
         parameter norm, when measured) and no rank with a non-finite loss or input; the others must find the field they need absent. Steady
         promises are what make this exact: each queued step lay inside them and had no finding, so its update
         left a state they still cover."""
-        if not self.batchable or self.step is None:
+        if not self.may_admit(step, queued):
             return -1
-        gate = self._gate if self._gate is not None else self._compile()
-        first, room, checks = gate
+        first, room, checks = self._gate
         room -= queued
-        if step != first + queued or room < 0:
-            return -1
         get = values.get
         for need in self.others:
             if get(need, _MISSING) not in _ABSENT:
@@ -150,9 +147,18 @@ class Screen:
                     return -1
         return room
 
+    def may_admit(self, step: int, queued: int) -> bool:
+        """Whether :meth:`admits` can clear this step at all, before its values are read: the promises are about
+        it, cover one more update, and every detector called on every step has a steady one."""
+        if not self.batchable or self.step is None:
+            return False
+        first, room, checks = self._gate if self._gate is not None else self._compile()
+        return step == first + queued and room >= queued and checks is not None
+
     def _compile(self) -> tuple:
         """``(the step the promises are about, the updates all of them still cover, per promising detector
-        (the field it needs, its bounds or None when it has no steady promise))``, kept until :meth:`changed`."""
+        (the field it needs, its bounds or None when it has no steady promise), or None for all of them when one
+        that is called on every step has none)``, kept until :meth:`changed`."""
         room, checks = 1 << 30, []
         for det, need, bounds, queue in zip(self.detectors, self.needs, self.bounds, self.pending):
             if bounds is None or not det.promise_steady:
@@ -160,5 +166,7 @@ class Screen:
                 continue
             room = min(room, det._promise_left - len(queue))
             checks.append((need, bounds))
-        self._gate = (self.step, room, tuple(checks))
+        # A detector called on every step without a steady promise: no step is cleared until the promises change.
+        hopeless = any(need is None and bounds is None for need, bounds in checks)
+        self._gate = (self.step, room, None if hopeless else tuple(checks))
         return self._gate

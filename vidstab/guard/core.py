@@ -216,7 +216,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         lr = self._lr.figures()
         # 3. Same table on every rank -> same verdict on every rank. A step the detectors' promises clear has
         # nothing to judge: applied now, absorbed and reported with the next ones (vidstab/guard/healthy.py).
-        if self._batchable and not self._scale_known and not self._tracked(step):
+        if (self._batchable and not self._scale_known and self._plan.screen.may_admit(step, len(self._queued))
+                and not self._tracked(step)):
             values = row_values(table[0], self.window.layout, max_grad_norm, *lr)
             if values is not None:
                 room = self._plan.screen.admits(step, values, len(self._queued))

@@ -110,6 +110,7 @@ def main() -> None:
         if state is not None:
             global_step = state["step"]
     fired = set()
+    loss = None  # a run resumed after its last step trains nothing
 
     while global_step < args.max_train_steps:  # not `for epoch in range(num_train_epochs)`: a rollback costs steps
         for latents, ids in loader:
@@ -142,7 +143,8 @@ def main() -> None:
     ckpt.wait()
 
     finite, digest = weights_digest(accelerator.unwrap_model(model))
-    print(f"rank {accelerator.process_index}: done at step {global_step}/{args.max_train_steps}, last loss {loss.item():.4f}, "
+    last = "none (nothing left to train)" if loss is None else f"{loss.item():.4f}"
+    print(f"rank {accelerator.process_index}: done at step {global_step}/{args.max_train_steps}, last loss {last}, "
           f"weights finite: {finite}, sha256 {digest}\n", end="", flush=True)  # one write: ranks share the pipe
 
 

@@ -87,3 +87,18 @@ def test_plain_example_with_the_same_faults_ends_with_ruined_weights(tmp_path):
                   "--max_train_steps", "24", nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _done_lines(proc.stdout)[0][:2] == ("24", "False")
+
+
+def test_guarded_example_resumed_after_its_last_step_ends_cleanly(tmp_path):
+    """One process, batched healthy steps: resumed from its last checkpoint after the last step,
+    the example trains nothing and says so (it used to crash reading a loss it never computed); the event log
+    holds one metrics line per step, in step order."""
+    run = tmp_path / "run"
+    args = ("--output_dir", str(run), "--max_train_steps", "60", "--checkpointing_steps", "20")
+    first = launch("vidstab_loop.py", *args, nproc=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = launch("vidstab_loop.py", *args, "--resume_from_checkpoint", "latest", nproc=1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _done_lines(again.stdout)[0][0] == "60" and "last loss none" in again.stdout
+    steps = [r["step"] for r in _events(run, 0) if r["kind"] == "metrics"]
+    assert steps == list(range(60))

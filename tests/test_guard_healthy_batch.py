@@ -19,7 +19,9 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 import vidstab
+from vidstab.detectors import screen_values
 from vidstab.events import events_dir
+from vidstab.guard.healthy import PARAM_NORM, row_values
 
 
 class TinyDenoiser(torch.nn.Module):
@@ -47,8 +49,20 @@ def run(run_dir, batched: bool):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     guard = vidstab.attach(accelerator, model, optimizer, scheduler, run_dir=run_dir)
+    compared = []
     if not batched:
         guard._batchable = False  # the reference: every step judged on its own
+        build = guard._build_stats
+
+        def build_and_compare(step, table, max_grad_norm, norm_known, lr=None):
+            """What the batched path reads off the row is what the built stats hold (SCREEN_FIELDS order)."""
+            stats = build(step, table, max_grad_norm, norm_known, lr)
+            values = row_values(table[0], guard.window.layout, max_grad_norm, stats.lr, stats.lr_peak, stats.lr_scheduled)
+            if values is not None:
+                compared.append((step, values, tuple(None if v == [] else v for v in screen_values(stats))))
+            return stats
+
+        guard._build_stats = build_and_compare
     g = torch.Generator().manual_seed(1)
     results, saved, snapshot = [], None, None
     for step in range(STEPS):
@@ -84,13 +98,13 @@ def run(run_dir, batched: bool):
         rec.pop("local_seconds", None)  # this rank's own compute time: the clock's, not the guard's
         if rec["kind"] == "start":
             rec.pop("config")
-    return lines, results, saved, final, guard.steps_batched
+    return lines, results, saved, final, guard.steps_batched, compared
 
 
 def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     batched = run(tmp_path / "batched", batched=True)
     judged = run(tmp_path / "judged", batched=False)
-    lines, results, saved, final, count = batched
+    lines, results, saved, final, count, _ = batched
     assert results == judged[1]
     assert lines == judged[0]
     assert saved == judged[2] and final == judged[3]
@@ -99,3 +113,6 @@ def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     before = [rec["step"] for rec in lines if rec["kind"] != "start"][:ROLLBACK_AT]
     assert before == sorted(before)  # every line in step order (until the rollback goes back)
     assert judged[4] == 0 and count > 0.6 * STEPS, count  # most steps took the batched path
+    compared = judged[5]
+    assert len(compared) > 0.9 * STEPS and sum(v[1][PARAM_NORM] is not None for v in compared) > STEPS / 20
+    assert [c for c in compared if c[1] != c[2]] == []  # the row's values, field by field, are the stats'

@@ -156,6 +156,8 @@ def global_grad_norm(accelerator: Any, params: Iterable[torch.nn.Parameter], max
 
 def norm_tensor(norm: Any) -> torch.Tensor | None:
     """What ``clip_grad_norm_`` returned, as a plain tensor (DTensor made full, a float wrapped) or None."""
+    if type(norm) is torch.Tensor:  # the common case first (a DTensor is a subclass)
+        return norm
     if norm is None:
         return None
     if not isinstance(norm, torch.Tensor):
@@ -247,6 +249,9 @@ class Window:
         self.num_train_timesteps = float(num_train_timesteps)
         self.input_keys = None if input_keys is None else tuple(input_keys)
         self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
+        # Tensor.get_device() of a tensor on this device (-1: the CPU), or None where it says nothing (MPS,
+        # an unindexed CUDA device): _scalar then compares devices (``Tensor.device`` builds an object per call).
+        self._device_index = {"cpu": -1, "cuda": self.device.index}.get(self.device.type)
         self._no_inputs = torch.zeros(12, device=self.device, dtype=self.dtype)
         self._no_counts = torch.zeros(2, device=self.device, dtype=self.dtype)
         self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
@@ -395,7 +400,10 @@ class Window:
 
     def _scalar(self, v: torch.Tensor) -> torch.Tensor:
         """``v`` as a 0-d float32 tensor on the window's device (no op when it already is one)."""
-        return v if v.dtype == self.dtype and v.device == self.device and v.dim() == 0 else v.to(self.device, self.dtype).reshape(())
+        if v.dtype is self.dtype and v.ndim == 0 and (
+                v.get_device() == self._device_index if self._device_index is not None else v.device == self.device):
+            return v
+        return v.to(self.device, self.dtype).reshape(())
 
     def _buckets(self) -> torch.Tensor:
         nb, dt, dev = self.layout.buckets, self.dtype, self.device
@@ -440,18 +448,18 @@ def _input_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return hi.to(f32), lo.to(f32), x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32)
 
 
-@dataclass(frozen=True)
 class HostRow:
     """A one-process row still in two parts (:meth:`Window.pack_for_host`): ``raw`` on the device (the
     present scalars among grad_norm, param_sq, update_sq, loss_scale, then the micro-step losses, the
-    input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host."""
+    input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host. A plain
+    class with slots: one is made per step, and a frozen dataclass's ``__init__`` costs a call per field."""
 
-    raw: torch.Tensor
-    present: tuple[bool, bool, bool, bool]
-    micro_steps: int
-    tensors: int
-    host: list[float]
-    layout: Layout
+    __slots__ = ("raw", "present", "micro_steps", "tensors", "host", "layout")
+
+    def __init__(self, raw: torch.Tensor, present: tuple[bool, bool, bool, bool], micro_steps: int, tensors: int,
+                 host: list[float], layout: Layout) -> None:
+        self.raw, self.present, self.micro_steps, self.tensors, self.host, self.layout = (
+            raw, present, micro_steps, tensors, host, layout)
 
     def finish(self, flat: list[float]) -> list[float]:
         """The row :meth:`Window.pack` would have built, from ``raw`` read back: the same columns and

@@ -36,24 +36,28 @@ as the promises allow.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 _NOTHING: frozenset[int] = frozenset()
 _ABSENT = (None, [])  # what a field a detector needs holds on a step without it (as vidstab.detectors.judge)
-_MISSING = object()
 
-#: The :class:`~vidstab.detectors.StepStats` fields :meth:`Screen.admits` reads: what the promises bound, and
-#: the fields whose absence keeps the other detectors from being called at all.
+#: The :class:`~vidstab.detectors.StepStats` fields :meth:`Screen.admits` reads, in the order of the values it is
+#: given: what the promises bound, and the fields whose absence keeps the other detectors from being called at all.
 SCREEN_FIELDS = ("grad_norm", "loss", "max_grad_norm", "lr", "lr_to_peak", "lr_to_scheduled", "lr_unplaced",
                  "input_absmax", "input_rms", "timestep_buckets_filled", "param_norm", "update_ratio", "update_per_lr",
                  "loss_scale",
                  "exception_ranks", "findings", "nonfinite_loss_ranks", "nonfinite_input_ranks")
+FIELD_INDEX = {f: i for i, f in enumerate(SCREEN_FIELDS)}
+_GRAD_NORM, _PARAM_NORM = FIELD_INDEX["grad_norm"], FIELD_INDEX["param_norm"]
+_NONFINITE_RANKS = (FIELD_INDEX["nonfinite_loss_ranks"], FIELD_INDEX["nonfinite_input_ranks"])
 
 
-def screen_values(stats: Any) -> dict[str, Any]:
-    """The fields of ``stats`` that :meth:`Screen.admits` reads (the guard's healthy-step path computes the same
-    values from the gathered row without building the stats: ``vidstab/guard/healthy.py``)."""
-    return {f: getattr(stats, f) for f in SCREEN_FIELDS}
+def screen_values(stats: Any) -> tuple:
+    """The fields of ``stats`` that :meth:`Screen.admits` reads, in :data:`SCREEN_FIELDS` order (the guard's
+    healthy-step path computes the same values from the gathered row without building the stats:
+    ``vidstab/guard/healthy.py``). A tuple, not a dict: right after a training step every object the screen
+    touches is a cache miss, and positions are known when the gate is compiled (:meth:`Screen._compile`)."""
+    return tuple(getattr(stats, f) for f in SCREEN_FIELDS)
 
 
 class Screen:
@@ -110,9 +114,9 @@ class Screen:
             self.judged_quiet = out
         return out
 
-    def admits(self, step: int, values: Mapping[str, Any], queued: int) -> int:
-        """Whether a step with these :data:`SCREEN_FIELDS` values is certain to bring no finding while
-        ``queued`` steps before it (healthy ones, cleared by this method) are not absorbed yet: ``-1`` if not;
+    def admits(self, step: int, values: Sequence[Any], queued: int) -> int:
+        """Whether a step with these :data:`SCREEN_FIELDS` values (in that order) is certain to bring no finding
+        while ``queued`` steps before it (healthy ones, cleared by this method) are not absorbed yet: ``-1`` if not;
         else how many more such steps the kept promises cover after this one (0: the next step needs the
         updates made first). A guard then applies the step at once and absorbs and reports it later, with the
         others it queued (``vidstab/guard/healthy.py``).
@@ -121,52 +125,76 @@ class Screen:
         steady (:attr:`~vidstab.detectors.Detector.promise_steady`) and whose bounds hold on ``values``, every
         kept promise covering the updates still to be made (``queued`` plus those the deferring plan holds,
         :attr:`pending`); for the :attr:`~vidstab.detectors.Detector.finite_quiet` ones, a finite gradient norm (and
-        parameter norm, when measured) and no rank with a non-finite loss or input; the others must find the field they need absent. Steady
-        promises are what make this exact: each queued step lay inside them and had no finding, so its update
-        left a state they still cover."""
+        parameter norm, when measured) and no rank with a non-finite loss or input; the others must find the field
+        they need absent. Steady promises are what make this exact: each queued step lay inside them and had no
+        finding, so its update left a state they still cover. The bounds are read as :meth:`_compile` merged
+        them: per field needed, the tightest of all the promises that apply."""
         if not self.may_admit(step, queued):
             return -1
-        first, room, checks = self._gate
-        room -= queued
-        get = values.get
-        for need in self.others:
-            if get(need, _MISSING) not in _ABSENT:
+        first, room, others, gate = self._gate
+        for i in others:
+            if values[i] not in _ABSENT:
                 return -1  # a detector without a promise would be called
-        grad_norm, param_norm = get("grad_norm"), get("param_norm")
-        if (grad_norm is None or not math.isfinite(grad_norm) or get("nonfinite_loss_ranks") not in _ABSENT
-                or get("nonfinite_input_ranks") not in _ABSENT or (param_norm is not None and not math.isfinite(param_norm))):
+        grad_norm, param_norm = values[_GRAD_NORM], values[_PARAM_NORM]
+        if (grad_norm is None or not math.isfinite(grad_norm) or values[_NONFINITE_RANKS[0]] not in _ABSENT
+                or values[_NONFINITE_RANKS[1]] not in _ABSENT or (param_norm is not None and not math.isfinite(param_norm))):
             return -1
-        for need, bounds in checks:
-            if need is not None and get(need, _MISSING) in _ABSENT:
+        for need, checks in gate:
+            if need >= 0 and values[need] in _ABSENT:
                 continue  # not called on this step
-            if bounds is None:
+            if checks is None:
                 return -1
-            for f, lo, hi in bounds:
-                v = get(f)
-                if v is None or not lo <= v <= hi:
+            for i, lo, hi in checks:
+                v = values[i]
+                if v is None or not lo <= v <= hi:  # NaN breaks every promise
                     return -1
-        return room
+        return room - queued
 
     def may_admit(self, step: int, queued: int) -> bool:
         """Whether :meth:`admits` can clear this step at all, before its values are read: the promises are about
         it, cover one more update, and every detector called on every step has a steady one."""
         if not self.batchable or self.step is None:
             return False
-        first, room, checks = self._gate if self._gate is not None else self._compile()
-        return step == first + queued and room >= queued and checks is not None
+        first, room, others, gate = self._gate if self._gate is not None else self._compile()
+        return step == first + queued and room >= queued and gate is not None
 
     def _compile(self) -> tuple:
-        """``(the step the promises are about, the updates all of them still cover, per promising detector
-        (the field it needs, its bounds or None when it has no steady promise), or None for all of them when one
-        that is called on every step has none)``, kept until :meth:`changed`."""
-        room, checks = 1 << 30, []
+        """``(the step the promises are about, the updates all of them still cover, the positions of the fields
+        the other detectors need, the gate)``, kept until :meth:`changed`. The gate: per field a detector needs
+        (its position in :data:`SCREEN_FIELDS`, -1 for those called on every step), ``None`` when one of them has
+        no steady promise, else the intersection of their bounds, one ``(position, lo, hi)`` per field; the gate
+        is None for every step when a detector called on every step has no steady promise, or a field that is
+        needed is not a screen field."""
+        room, by_need = 1 << 30, {}
         for det, need, bounds, queue in zip(self.detectors, self.needs, self.bounds, self.pending):
+            key = -1 if need is None else FIELD_INDEX.get(need, -1)  # a field the screen does not read: always called
             if bounds is None or not det.promise_steady:
-                checks.append((need, None))
+                if key < 0:
+                    return self._hopeless(room)  # called on every step without a steady promise
+                by_need[key] = None
                 continue
             room = min(room, det._promise_left - len(queue))
-            checks.append((need, bounds))
-        # A detector called on every step without a steady promise: no step is cleared until the promises change.
-        hopeless = any(need is None and bounds is None for need, bounds in checks)
-        self._gate = (self.step, room, None if hopeless else tuple(checks))
+            merged = by_need.setdefault(key, {})
+            if merged is None:
+                continue  # another detector of this field has none: rejected whenever it is present
+            for f, lo, hi in bounds:
+                i = FIELD_INDEX.get(f)
+                if i is None or lo != lo or hi != hi:  # a field the screen does not read, a NaN bound: never holds
+                    by_need[key] = None
+                    break
+                old = merged.get(i)
+                merged[i] = (lo, hi) if old is None else (max(old[0], lo), min(old[1], hi))
+        others = []
+        for need in self.others:
+            if need not in FIELD_INDEX:
+                return self._hopeless(room)
+            others.append(FIELD_INDEX[need])
+        gate = tuple((key, None if m is None else tuple((i, lo, hi) for i, (lo, hi) in m.items()))
+                     for key, m in by_need.items())
+        self._gate = (self.step, room, tuple(others), gate)
+        return self._gate
+
+    def _hopeless(self, room: int) -> tuple:
+        """No step is cleared until the promises change."""
+        self._gate = (self.step, room, (), None)
         return self._gate

@@ -48,7 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
-from .healthy import MAX_QUEUED, QueuedStep, row_values
+from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, row_values
 from .reporting import GuardReporting
 from .result import StepResult
 from .stats import bad_input_only, build_stats
@@ -264,12 +264,12 @@ class Guard(UserLoopWrapping, GuardReporting):
             lr=lr[0], lr_peak=lr[1], lr_scheduled=lr[2],
         )
 
-    def _healthy_step(self, step: int, table: list[list[float]], values: dict, max_grad_norm: float | None,
+    def _healthy_step(self, step: int, table: list[list[float]], values: tuple, max_grad_norm: float | None,
                       lr: tuple, step_scheduler: bool, room: int) -> StepResult:
         """A step the promises cleared (``room``: how many more they cover): applied now, queued for later."""
         applied = self._apply(Verdict.OK, self._measure_params(step), step_scheduler)
         self._last_verdict = Verdict.OK
-        if values["param_norm"] is not None:
+        if values[PARAM_NORM] is not None:
             self._params_finite = True  # admitted: finite
         self._queued.append(QueuedStep(step, table, max_grad_norm, *lr, applied, time.time()))
         self.steps_batched += 1
@@ -278,7 +278,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._user_norm = self._model_inputs = None
         self.step_count += 1
         self.last_result = result = StepResult(step, applied=applied, skipped=False, micro=False,
-                                               grad_norm=values["grad_norm"], loss=values["loss"])
+                                               grad_norm=values[GRAD_NORM], loss=values[LOSS])
         if room == 0 or len(self._queued) >= MAX_QUEUED:  # the next step needs these updates made
             self._catch_up()
         return result

@@ -29,10 +29,10 @@ values or timestep-bucket losses: such steps are judged as before.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from .. import signals as S
-from ..detectors import lr_ratios
+from ..detectors import SCREEN_FIELDS, lr_ratios
 
 MAX_QUEUED = 32
 """Most healthy steps held back at once (the queue is emptied at the end of the step that fills it)."""
@@ -53,8 +53,8 @@ class QueuedStep(NamedTuple):
 
 
 def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, lr: float | None,
-               lr_peak: float | None, lr_scheduled: float | None) -> dict[str, Any] | None:
-    """The :data:`~vidstab.detectors.screen.SCREEN_FIELDS` of a one-process step from its row, with the
+               lr_peak: float | None, lr_scheduled: float | None) -> tuple | None:
+    """The :data:`~vidstab.detectors.screen.SCREEN_FIELDS` of a one-process step from its row, in that order, with the
     arithmetic of :func:`~vidstab.guard.stats.build_stats` (the same floats); ``None`` when the row itself
     rules the step out: no gradient norm, an exception, a stop request, a non-finite loss, input or norm. The caller checks the scale (a GradScaler's steps are judged)."""
     if row[S.NORM_OK] != 1.0 or row[S.EXCEPTIONS] or row[S.STOP] or row[S.LOSS_NONFINITE] or row[S.NONFINITE_ALL]:
@@ -82,18 +82,11 @@ def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, 
             update_ratio = math.sqrt(usq) / param_norm
             update_per_lr = update_ratio if lr is None else update_ratio / lr if lr > 0 else None
     to_peak, to_scheduled = lr_ratios(lr, lr_peak, lr_scheduled)
-    return {
-        "grad_norm": grad_norm,
-        "loss": (0.0 + loss_sum) / (0.0 + total),
-        "max_grad_norm": max_grad_norm,
-        "lr": lr,
-        "lr_to_peak": to_peak,
-        "lr_to_scheduled": to_scheduled,
-        "lr_unplaced": lr if lr_peak is None else None,
-        "input_absmax": absmax,
-        "input_rms": math.sqrt(sum_sq / (0.0 + numel)) if numel > 0 else None,
-        "timestep_buckets_filled": filled,
-        "param_norm": param_norm, "update_ratio": update_ratio, "update_per_lr": update_per_lr,
-        "loss_scale": None, "exception_ranks": None, "findings": None,
-        "nonfinite_loss_ranks": None, "nonfinite_input_ranks": None,
-    }
+    # SCREEN_FIELDS order (tests/test_guard_healthy_batch.py compares with screen_values of the built stats)
+    return (grad_norm, (0.0 + loss_sum) / (0.0 + total), max_grad_norm, lr, to_peak, to_scheduled,
+            lr if lr_peak is None else None, absmax, math.sqrt(sum_sq / (0.0 + numel)) if numel > 0 else None, filled,
+            param_norm, update_ratio, update_per_lr, None, None, None, None, None)
+
+
+GRAD_NORM, LOSS, PARAM_NORM = (SCREEN_FIELDS.index(f) for f in ("grad_norm", "loss", "param_norm"))
+"""Positions in :func:`row_values`' tuple of what the guard reads itself."""

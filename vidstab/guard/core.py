@@ -142,8 +142,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._forward_names: list[str] = []
         self._hold_scheduler = False
         self._scale_known = False
-        self.last_result: StepResult | None = None
-        """The result of the last optimizer step (the unmodified loop's way to read it)."""
+        self._last_result: StepResult | tuple | None = None  # a tuple: a healthy step's, made on first read
         # Persistent counters (state_dict).
         self.step_count = 0
         self.skipped_total = 0
@@ -200,8 +199,9 @@ class Guard(UserLoopWrapping, GuardReporting):
         norm = signals.global_grad_norm(self.accelerator, self._params, max_grad_norm, clip=self._clip)
         return self._guarded_step(norm, max_grad_norm, step_scheduler=True)
 
-    def _guarded_step(self, norm: torch.Tensor | None, max_grad_norm: float | None, step_scheduler: bool) -> StepResult:
-        """Steps 2-5 of the module docstring, given the global pre-clip norm (clipped in place already)."""
+    def _guarded_step(self, norm: torch.Tensor | None, max_grad_norm: float | None, step_scheduler: bool) -> StepResult | None:
+        """Steps 2-5 of the module docstring, given the global pre-clip norm (clipped in place already); the
+        result (None for a healthy step of the unmodified loop: ``last_result`` makes it when read)."""
         step = self.step_count
         # 2. One row per rank -> one gather -> one host read.
         stop, self._stop_requested = self._stop_requested, False
@@ -247,7 +247,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.window.reset()
         self._user_norm = self._model_inputs = None
         self.step_count += 1
-        self.last_result = result
+        self._last_result = result
         return result
 
     # ------------------------------------------------------------------ step parts
@@ -265,8 +265,9 @@ class Guard(UserLoopWrapping, GuardReporting):
         )
 
     def _healthy_step(self, step: int, table: list[list[float]], values: tuple, max_grad_norm: float | None,
-                      lr: tuple, step_scheduler: bool, room: int) -> StepResult:
-        """A step the promises cleared (``room``: how many more they cover): applied now, queued for later."""
+                      lr: tuple, step_scheduler: bool, room: int) -> StepResult | None:
+        """A step the promises cleared (``room``: how many more they cover): applied now, queued for later.
+        Its result when ``guard.step`` asked (``step_scheduler``), else None (made when ``last_result`` is read)."""
         applied = self._apply(Verdict.OK, self._measure_params(step), step_scheduler)
         self._last_verdict = Verdict.OK
         if values[PARAM_NORM] is not None:
@@ -277,11 +278,11 @@ class Guard(UserLoopWrapping, GuardReporting):
         self.window.reset()
         self._user_norm = self._model_inputs = None
         self.step_count += 1
-        self.last_result = result = StepResult(step, applied=applied, skipped=False, micro=False,
-                                               grad_norm=values[GRAD_NORM], loss=values[LOSS])
+        # The unmodified loop discards optimizer.step()'s value: its result is made when last_result is read.
+        self._last_result = (step, applied, values[GRAD_NORM], values[LOSS])
         if room == 0 or len(self._queued) >= MAX_QUEUED:  # the next step needs these updates made
             self._catch_up()
-        return result
+        return self.last_result if step_scheduler else None  # guard.step returns it
 
     def _absorb_queued(self) -> list[tuple]:
         """The queued healthy steps' statistics and detector updates, in step order, as their own steps would
@@ -367,6 +368,16 @@ class Guard(UserLoopWrapping, GuardReporting):
             self.overflow_total += 1
 
     # ------------------------------------------------------------------ controls
+    @property
+    def last_result(self) -> StepResult | None:
+        """The result of the last optimizer step (the unmodified loop's way to read it)."""
+        last = self._last_result
+        if type(last) is tuple:
+            step, applied, grad_norm, loss = last
+            last = self._last_result = StepResult(step, applied=applied, skipped=False, micro=False,
+                                                  grad_norm=grad_norm, loss=loss)
+        return last
+
     @property
     def detectors(self) -> list[Detector]:
         """The guard's detectors in evaluation order, with every update they owe made (the guard makes a

@@ -230,11 +230,15 @@ class StepClock:
             self._events[0].record()
 
 
-def floating_inputs(batch: Mapping[str, Any] | None, keys: Sequence[str] | None) -> list[torch.Tensor]:
-    """The non-empty floating tensors of ``batch`` named in ``keys`` (``None``: every one of them)."""
+def floating_inputs(batch: "Mapping[str, Any] | list[Any] | None", keys: Sequence[str] | None) -> list[torch.Tensor]:
+    """The non-empty floating tensors of ``batch`` named in ``keys`` (``None``: every one of them; a list has no
+    names: all of its tensors)."""
     if not batch:
         return []
-    values = batch.values() if keys is None else (batch.get(k) for k in keys)
+    if type(batch) is list:
+        values = batch
+    else:
+        values = batch.values() if keys is None else (batch.get(k) for k in keys)
     return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0]
 
 
@@ -285,7 +289,7 @@ class Window:
     def record(
         self,
         loss: torch.Tensor | None,
-        batch: Mapping[str, Any] | None,
+        batch: "Mapping[str, Any] | list[torch.Tensor] | None",
         per_sample_loss: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
         error: bool = False,
@@ -310,10 +314,8 @@ class Window:
             loss_d = self._zero
         else:
             loss_d = loss.detach()
-            if loss_d.numel() != 1:
-                loss_d = loss_d.float().mean()
-            elif loss_d.dtype != f32 or loss_d.dim():
-                loss_d = loss_d.to(f32).reshape(())
+            if loss_d.ndim or loss_d.dtype is not f32:  # the common case, a 0-d float32 loss, is taken as it is
+                loss_d = loss_d.float().mean() if loss_d.numel() != 1 else loss_d.to(f32).reshape(())
         micro = len(self.losses)
         self.losses.append(loss_d)
         self.exceptions += bool(error)

@@ -125,7 +125,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         )
         # DeepSpeed steps inside accelerator.backward: the guard can only observe and report (module docstring).
         self._observe_only = str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED")
-        self._refs: list[tuple[Mapping[str, Any] | None, Any, Any]] = []  # (batch, sample_ids, error) per micro-step
+        # (batch, sample_ids, error) per micro-step; the attached loop's batch is the model's (args, kwargs)
+        self._refs: list[tuple[Mapping[str, Any] | tuple | None, Any, Any]] = []
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None

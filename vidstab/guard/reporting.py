@@ -105,6 +105,8 @@ class GuardReporting:
             if self.incidents_written >= self.config.max_incidents or i >= len(self._refs):
                 break
             batch, ids, error = self._refs[i]
+            if type(batch) is tuple:  # the attached loop's (args, kwargs) of the model
+                batch = self._model_batch(batch)
             tensors = {k: v for k, v in (batch or {}).items() if isinstance(v, torch.Tensor)}
             id_list = [str(x) for x in (ids.tolist() if isinstance(ids, torch.Tensor) else list(ids or []))]
             localization = self._localize(s, finding, tensors) if finding.detector == "nonfinite" else None

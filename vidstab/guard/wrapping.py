@@ -71,27 +71,27 @@ class UserLoopWrapping:
         if torch.is_grad_enabled():
             self._model_inputs = (args, kwargs)
 
-    def _model_batch(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(batch, data)`` of the micro-step's model inputs: ``batch`` holds every tensor, named after
-        ``forward``'s parameters (the incident bundle's evidence); ``data`` those whose statistics are
-        recorded. With ``input_keys`` unset that is the tensors of two or more dimensions: per-sample
-        scalars (flow-matching timesteps or sigmas, ``[B]`` with values up to 1000) are not data, they
-        would set the inputs' absmax and RMS and hide the latents' scale. One pass over the inputs."""
-        args, kwargs = self._model_inputs
-        names, by_dims = self._forward_names, self.config.input_keys is None
-        batch, data = {}, {}
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                name = names[i] if i < len(names) else f"arg{i}"
-                batch[name] = a
-                if by_dims and a.dim() >= 2:
-                    data[name] = a
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                batch[k] = v
-                if by_dims and v.dim() >= 2:
-                    data[k] = v
-        return batch, (data if by_dims else batch)
+    def _model_batch(self, inputs: tuple[tuple, dict]) -> dict[str, torch.Tensor]:
+        """Every tensor of a forward's ``(args, kwargs)``, named after ``forward``'s parameters: the incident
+        bundle's evidence, built on that cold path only (the step keeps the inputs themselves)."""
+        args, kwargs = inputs
+        names = self._forward_names
+        batch = {(names[i] if i < len(names) else f"arg{i}"): a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        batch.update((k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        return batch
+
+    def _model_data(self, inputs: tuple[tuple, dict]) -> "list[torch.Tensor] | dict[str, torch.Tensor]":
+        """The model inputs whose statistics are recorded. With ``input_keys`` unset, the tensors of two or more
+        dimensions: per-sample scalars (flow-matching timesteps or sigmas, ``[B]`` with values up to 1000) are
+        not data, they would set the inputs' absmax and RMS and hide the latents' scale. With it set, every
+        tensor by name (the window keeps those named). One pass, no names: this runs on every micro-step."""
+        if self.config.input_keys is not None:
+            return self._model_batch(inputs)
+        args, kwargs = inputs
+        data = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+        if kwargs:
+            data += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+        return data
 
     def _user_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """The user's ``accelerator.backward(loss)``: the original, then the micro-step's on-device flags."""
@@ -103,10 +103,10 @@ class UserLoopWrapping:
         if last:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
         self._backward(loss, **kwargs)
-        batch, data = self._model_batch()
-        self._model_inputs = None
-        self.window.record(loss, data, defer_inputs=last)
-        self._refs.append((batch if self.config.capture_incidents else None, None, None))
+        inputs, self._model_inputs = self._model_inputs, None
+        self.window.record(loss, self._model_data(inputs), defer_inputs=last)
+        # The inputs themselves (named only if an incident is captured: Guard._capture).
+        self._refs.append((inputs if self.config.capture_incidents else None, None, None))
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""

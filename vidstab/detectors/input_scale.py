@@ -99,6 +99,13 @@ def scale_reference(tensors: Iterable[torch.Tensor]) -> ScaleReference:
     return ScaleReference(math.sqrt(sq / count), mean, math.sqrt(max(sq / count - mean * mean, 0.0)), absmax, count)
 
 
+DRIFT_PROMISE_UPDATES = 6
+"""Updates a promise of the drift test covers at most. The band splits the CUSUMs' distance to their threshold
+over the updates it covers: with ``drift_threshold`` 10 and ``drift_allowance`` 0.75, a standardised log RMS
+within 0.75 + 10/6 = 2.4 standard deviations for 6 updates (about 1.6% of healthy Gaussian values outside),
+1.75 for 10 (about 8%): every value outside has its step judged in full."""
+
+
 @dataclass
 class InputScaleConfig(DetectorConfig):
     """Configuration of the ``input_scale`` detector."""
@@ -295,6 +302,7 @@ class InputScaleDetector(Detector):
             else:
                 if c.drift_lag < updates:  # the baseline would take in RMS values not yet seen
                     updates = 1
+                updates = min(updates, DRIFT_PROMISE_UPDATES)
                 drift = self._drift_band(updates)
                 if drift is None:
                     return None, 1

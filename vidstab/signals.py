@@ -239,7 +239,11 @@ def floating_inputs(batch: "Mapping[str, Any] | list[Any] | None", keys: Sequenc
         values = batch
     else:
         values = batch.values() if keys is None else (batch.get(k) for k in keys)
-    return [x for x in values if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0]
+    out = []  # a loop, not a comprehension: it runs on every micro-step (HostRow.finish says why)
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0:
+            out.append(x)
+    return out
 
 
 class Window:
@@ -389,8 +393,11 @@ class Window:
         values never travel to the device."""
         if self._deferred:
             self._reduce_deferred()
-        present = [v is not None for v in (grad_norm, param_sq, update_sq, loss_scale)]
-        values = [self._scalar(v) for v in (grad_norm, param_sq, update_sq, loss_scale) if v is not None]
+        present = (grad_norm is not None, param_sq is not None, update_sq is not None, loss_scale is not None)
+        values = []  # a loop, not a comprehension (HostRow.finish says why)
+        for v in (grad_norm, param_sq, update_sq, loss_scale):
+            if v is not None:
+                values.append(self._scalar(v))
         values += self.losses
         values += self.in_values
         raw = torch.stack(values) if values else self._zero.reshape(1)[:0]
@@ -398,7 +405,7 @@ class Window:
             raw = torch.cat([raw, self._buckets()])
         host = [float(grad_norm is not None), float(len(self.losses)), float(self.exceptions), float(self.in_numel),
                 float(stop), float(param_sq is not None), float(local_seconds)]
-        return HostRow(raw, tuple(present), len(self.losses), len(self.in_values) // 4, host, self.layout)
+        return HostRow(raw, present, len(self.losses), len(self.in_values) // 4, host, self.layout)
 
     def _scalar(self, v: torch.Tensor) -> torch.Tensor:
         """``v`` as a 0-d float32 tensor on the window's device (no op when it already is one)."""
@@ -467,8 +474,11 @@ class HostRow:
         """The row :meth:`Window.pack` would have built, from ``raw`` read back: the same columns and
         encodings. Plain Python (numpy's or torch's per-call cost on 30 numbers is more than the sums):
         float64 arithmetic, so a derived column may differ from the device's float32 in its last bits."""
+        # Unrolled where it runs on every step (one micro-step, one input tensor): on Python 3.11 a comprehension
+        # is a call of its own, and right after a training step every code object run is a cache miss.
         it = iter(flat)
-        row = [next(it) if have else 0.0 for have in self.present]
+        p0, p1, p2, p3 = self.present
+        row = [next(it) if p0 else 0.0, next(it) if p1 else 0.0, next(it) if p2 else 0.0, next(it) if p3 else 0.0]
         m, n = self.micro_steps, self.tensors
         if m > 1:
             losses = [next(it) for _ in range(m)]
@@ -479,10 +489,8 @@ class HostRow:
             bad = 0.0
             row.append(next(it) if m else 0.0)
         if n == 1:
-            v = [next(it) for _ in range(4)]
-            row += [abs(v[0]), abs(v[1]), abs(v[2]), abs(v[3])]
-            row += v
-            row += [v[0] * v[0], v[1] * v[1], v[2] * v[2], v[3] * v[3]]
+            v0, v1, v2, v3 = next(it), next(it), next(it), next(it)
+            row += (abs(v0), abs(v1), abs(v2), abs(v3), v0, v1, v2, v3, v0 * v0, v1 * v1, v2 * v2, v3 * v3)
         elif n:
             v = [next(it) for _ in range(4 * n)]
             cols = [v[j::4] for j in range(4)]

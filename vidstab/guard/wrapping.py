@@ -88,9 +88,14 @@ class UserLoopWrapping:
         if self.config.input_keys is not None:
             return self._model_batch(inputs)
         args, kwargs = inputs
-        data = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+        data = []  # loops, not comprehensions (vidstab.signals.HostRow.finish says why)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 2:
+                data.append(a)
         if kwargs:
-            data += [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+            for v in kwargs.values():
+                if isinstance(v, torch.Tensor) and v.dim() >= 2:
+                    data.append(v)
         return data
 
     def _user_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -68,10 +68,14 @@ class LRMultiplier:
         return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
 
     def figures(self) -> tuple[float | None, float | None, float | None]:
-        """``(lr(), peak(), scheduled())`` in one call (every optimizer step reads all three)."""
+        """``(lr(), peak(), scheduled())`` in one call (every optimizer step reads all three; written out
+        here, without calling the three: each call is a cache miss right after a training step)."""
+        sch = torch_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else None
+        last = getattr(sch, "_last_lr", None) if sch is not None else None
+        scheduled = float(last[0]) if last and isinstance(last[0], (int, float)) else None
         groups = self.optimizer.param_groups
         if not groups:
-            return None, None, self.scheduled()
+            return None, None, scheduled
         group = groups[0]
         lr = group.get("lr")
         lr = float(lr) if isinstance(lr, (int, float)) else None
@@ -81,7 +85,7 @@ class LRMultiplier:
             max_lr = group.get("max_lr")
             if isinstance(max_lr, (int, float)):
                 peak = max(peak, float(max_lr) * self.multiplier)
-        return lr, peak, self.scheduled()
+        return lr, peak, scheduled
 
     def lr(self) -> float | None:
         """Group 0's LR now, or None when it is a tensor (reading it would need a device sync)."""

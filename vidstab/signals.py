@@ -394,10 +394,11 @@ class Window:
         if self._deferred:
             self._reduce_deferred()
         present = (grad_norm is not None, param_sq is not None, update_sq is not None, loss_scale is not None)
-        values = []  # a loop, not a comprehension (HostRow.finish says why)
+        values = []  # a loop, not a comprehension; _scalar's test inline (HostRow.finish says why)
+        f32, index = self.dtype, self._device_index
         for v in (grad_norm, param_sq, update_sq, loss_scale):
             if v is not None:
-                values.append(self._scalar(v))
+                values.append(v if v.dtype is f32 and v.ndim == 0 and v.get_device() == index else self._scalar(v))
         values += self.losses
         values += self.in_values
         raw = torch.stack(values) if values else self._zero.reshape(1)[:0]

@@ -206,7 +206,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         step = self.step_count
         # 2. One row per rank -> one gather -> one host read.
         stop, self._stop_requested = self._stop_requested, False
-        scale = self._loss_scale_tensor()
+        scale = self._loss_scale_tensor() if getattr(self.accelerator, "scaler", None) is not None else None
         self._scale_known = scale is not None
         # One process gathers nothing: its row is finished on the host after the read (Window.pack_for_host).
         pack = self.window.pack if self.world_size > 1 else self.window.pack_for_host
@@ -273,7 +273,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._last_verdict = Verdict.OK
         if values[PARAM_NORM] is not None:
             self._params_finite = True  # admitted: finite
-        self._queued.append(QueuedStep(step, table, max_grad_norm, *lr, applied, time.time()))
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function, one more cold call per step
+        self._queued.append(_new_tuple(QueuedStep, (step, table, max_grad_norm, *lr, applied, time.time())))
         self.steps_batched += 1
         self._refs.clear()
         self.window.reset()
@@ -529,6 +530,9 @@ def _weak_catch_up(guard: Guard) -> Callable[[], None]:
         if g is not None:
             g._catch_up()
     return before_flush
+
+
+_new_tuple = tuple.__new__
 
 
 def _set_skipped(optimizer: Any, skipped: bool) -> None:

@@ -6,7 +6,7 @@ wrapped with a ``time.perf_counter_ns`` timer (the wrappers themselves cost ~0.2
 attach wrappers (minus the originals they call), ``Window.record``, ``Window.pack``, the gather + host read,
 ``_build_stats``, every detector's ``observe`` (judge) and ``update`` (absorb), ``_apply`` minus the
 optimizer step, ``_report`` (events included), and for the batched healthy steps (``vidstab/guard/healthy.py``)
-``Screen.admits`` and the metrics lines of the queued steps (their statistics and updates are in the pieces
+``Screen.clears`` and the metrics lines of the queued steps (their statistics and updates are in the pieces
 above, on the step that absorbs them: medians over steps then show the healthy step). Printed: per-piece median microseconds per step next to the
 paired added time of the whole step; last line one JSON object.
 
@@ -84,7 +84,7 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
     guard._build_stats = w("_build_stats", guard._build_stats)  # also of the queued healthy steps, when absorbed
     guard._report = w("_report (+events)", guard._report)
     guard._log_queued = w("metrics lines of queued steps", guard._log_queued)
-    guard._plan.screen.admits = w("Screen.admits", guard._plan.screen.admits)
+    guard._plan.screen.clears = w("Screen.clears", guard._plan.screen.clears)
     guard._apply = w("_apply", guard._apply)
     signals.gather_and_read = w("gather + host read", signals.gather_and_read)
     acc = guard.accelerator
@@ -98,7 +98,7 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
         "attach wrapper scheduler.step": ("original scheduler.step",),
         "_apply": ("original optimizer.step",),
         "guarded optimizer.step (rest)": ("Window.pack", "Window.pack_for_host", "gather + host read", "_build_stats", "_apply",
-                                          "_report (+events)", "metrics lines of queued steps", "Screen.admits",
+                                          "_report (+events)", "metrics lines of queued steps", "Screen.clears",
                                           *judges, *absorbs),
     }
 

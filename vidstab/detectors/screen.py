@@ -129,8 +129,11 @@ class Screen:
         they need absent. Steady promises are what make this exact: each queued step lay inside them and had no
         finding, so its update left a state they still cover. The bounds are read as :meth:`_compile` merged
         them: per field needed, the tightest of all the promises that apply."""
-        if not self.may_admit(step, queued):
-            return -1
+        return self.clears(values, queued) if self.may_admit(step, queued) else -1
+
+    def clears(self, values: Sequence[Any], queued: int) -> int:
+        """:meth:`admits` for a step :meth:`may_admit` has already let through (the guard asks that before it
+        reads the step's values, and does not ask twice)."""
         first, room, others, gate = self._gate
         for i in others:
             if values[i] not in _ABSENT:

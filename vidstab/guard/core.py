@@ -221,7 +221,7 @@ class Guard(UserLoopWrapping, GuardReporting):
                 and not self._tracked(step)):
             values = row_values(table[0], self.window.layout, max_grad_norm, *lr)
             if values is not None:
-                room = self._plan.screen.admits(step, values, len(self._queued))
+                room = self._plan.screen.clears(values, len(self._queued))  # (may_admit said yes)
                 if room >= 0:
                     return self._healthy_step(step, table, values, max_grad_norm, lr, step_scheduler, room)
         waiting = self._absorb_queued() if self._queued else ()  # the detectors judge from their current state

@@ -21,6 +21,7 @@ the same to every guard). Last line: one JSON object.
 
     python benchmarks/compare_guard_revisions.py                          # HEAD vs working tree, transformer
     python benchmarks/compare_guard_revisions.py --rev HEAD~3 --model mlp --rounds 3000
+    python benchmarks/compare_guard_revisions.py --judged      # every step judged (runs of several processes)
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--model", default="transformer", choices=["mlp", "transformer", "dit"])
     ap.add_argument("--rounds", type=int, default=1500)
     ap.add_argument("--warmup", type=int, default=50, help="steps per variant before timing")
+    ap.add_argument("--judged", action="store_true",
+                    help="every step judged on its own, no batched healthy steps (what a run of several processes takes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="vidstab-revisions-"))
@@ -153,6 +156,8 @@ def main() -> None:
     guards = {}
     for name, pkg in (("base", base_pkg), ("base_again", base_pkg), ("new", new_pkg), ("new_again", new_pkg)):
         guards[name] = pkg.attach(accelerator, model, opt, sched, run_dir=tmp / name)
+        if args.judged:
+            guards[name]._batchable = False
         unwrap(guards[name])
         own_time(guards[name], clock)
     window = [0]
@@ -198,6 +203,7 @@ def main() -> None:
     own_us = {k: [a - b for a, b in zip(own[k], own["base"])] for k in VARIANTS if k != "plain"}
     out = {
         "benchmark": "compare_guard_revisions", "rev": args.rev, "model": description, "rounds": args.rounds,
+        "judged": args.judged,
         "plain_step_ms": round(statistics.median(cpu["plain"]) / 1e3, 3),
         "added_vs_plain_us": {k: round(statistics.median(a - b for a, b in zip(cpu[k], cpu["plain"])), 1)
                               for k in ("base", "new")},

@@ -66,6 +66,14 @@ def loss_count(r: Sequence[float]) -> tuple[float, float]:
     return loss_sum, nonfinite
 
 
+def stop_requested(table: Sequence[Sequence[float]]) -> bool:
+    """Whether some rank's row carries a stop request (a loop, not a generator: this runs on every judged step)."""
+    for r in table:
+        if r[STOP] > 0:
+            return True
+    return False
+
+
 def inputs_nonfinite(r: Sequence[float]) -> bool:
     """Whether this row's rank saw a non-finite input value (module docstring)."""
     if r[NONFINITE_ALL] - r[LOSS_NONFINITE] > 0:  # a row that counted them

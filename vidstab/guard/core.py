@@ -235,15 +235,15 @@ class Guard(UserLoopWrapping, GuardReporting):
         # A skip of bad input data (finite weights) says nothing about the model's health.
         bad_data_only = bad_input_only(stats, self.config.health_ignore)
         self._last_verdict = Verdict.OK if bad_data_only else stats.verdict
-        if not bad_data_only and any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore
-                                     for f in stats.findings):
+        if not bad_data_only and stats.findings and any(f.verdict >= Verdict.WARN and f.detector not in self.config.health_ignore
+                                                        for f in stats.findings):
             self._last_anomaly_step = step
         if stats.param_norm is not None:
             self._params_finite = math.isfinite(stats.param_norm)
         absorb(self._plan, stats, defer=not self._tracked(step))  # a tracker takes the thresholds now
         if waiting:
             self._log_queued(waiting)
-        result = self._report(stats, table, stop=any(r[signals.STOP] > 0 for r in table))
+        result = self._report(stats, table, stop=signals.stop_requested(table))
         self._refs.clear()
         self.window.reset()
         self._user_norm = self._model_inputs = None

@@ -70,7 +70,7 @@ class LRMultiplier:
     def figures(self) -> tuple[float | None, float | None, float | None]:
         """``(lr(), peak(), scheduled())`` in one call (every optimizer step reads all three; written out
         here, without calling the three: each call is a cache miss right after a training step)."""
-        sch = torch_scheduler(self.lr_scheduler) if self.lr_scheduler is not None else None
+        sch = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # torch_scheduler, without the call
         last = getattr(sch, "_last_lr", None) if sch is not None else None
         scheduled = float(last[0]) if last and isinstance(last[0], (int, float)) else None
         groups = self.optimizer.param_groups

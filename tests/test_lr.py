@@ -38,8 +38,9 @@ def test_scale_lrs_keeps_a_tensor_lr_object_and_works_without_scheduler():
 
 @pytest.mark.parametrize("schedule", ["lambda", "onecycle", "none"])
 def test_lr_figures_are_the_three_readings_at_once(schedule):
-    """``LRMultiplier.figures()`` (read on every optimizer step) is ``(lr(), peak(), scheduled())``, through a
-    schedule, a back-off and an LR written by hand."""
+    """``LRMultiplier.figures()`` (read on every optimizer step) is the group's LR, the schedule's peak times the
+    multiplier (OneCycleLR's ``max_lr`` when larger) and the scheduler's last LR, through a schedule, a back-off and
+    an LR written by hand."""
     from vidstab.lr import LRMultiplier
 
     param = torch.nn.Parameter(torch.zeros(1))
@@ -49,7 +50,10 @@ def test_lr_figures_are_the_three_readings_at_once(schedule):
                  "none": lambda: None}[schedule]()
     lr = LRMultiplier(optimizer, scheduler)
     for step in range(8):
-        assert lr.figures() == (lr.lr(), lr.peak(), lr.scheduled()), step
+        group = optimizer.param_groups[0]
+        peak = 0.1 * lr.multiplier if schedule != "onecycle" else max(lr.base_lrs[0], 0.3) * lr.multiplier
+        scheduled = scheduler.get_last_lr()[0] if scheduler is not None else None
+        assert lr.figures() == (group["lr"], peak, scheduled), step
         if step == 3:
             lr.scale(0.5)
         if step == 5:

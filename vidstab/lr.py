@@ -68,8 +68,11 @@ class LRMultiplier:
         return [float(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
 
     def figures(self) -> tuple[float | None, float | None, float | None]:
-        """``(lr(), peak(), scheduled())`` in one call (every optimizer step reads all three; written out
-        here, without calling the three: each call is a cache miss right after a training step)."""
+        """``(lr, peak, scheduled)`` of param group 0, read on every optimizer step, in one function (each Python
+        call is a cache miss right after a training step): ``lr`` the group's LR now (None when it is a tensor:
+        reading it would need a device sync); ``peak`` the largest LR the schedule can produce, the base LR at
+        attach x the multiplier, or the group's ``max_lr`` (OneCycleLR/CyclicLR) x the multiplier when larger;
+        ``scheduled`` the LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
         sch = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # torch_scheduler, without the call
         last = getattr(sch, "_last_lr", None) if sch is not None else None
         scheduled = float(last[0]) if last and isinstance(last[0], (int, float)) else None
@@ -86,26 +89,6 @@ class LRMultiplier:
             if isinstance(max_lr, (int, float)):
                 peak = max(peak, float(max_lr) * self.multiplier)
         return lr, peak, scheduled
-
-    def lr(self) -> float | None:
-        """Group 0's LR now, or None when it is a tensor (reading it would need a device sync)."""
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        return float(lr) if isinstance(lr, (int, float)) else None
-
-    def peak(self) -> float | None:
-        """The largest LR the schedule can produce for group 0: base LR at attach x multiplier, or the
-        group's ``max_lr`` (OneCycleLR/CyclicLR) x multiplier when larger."""
-        if not self.optimizer.param_groups or not self.base_lrs:
-            return None
-        peak = self.base_lrs[0] * self.multiplier
-        max_lr = self.optimizer.param_groups[0].get("max_lr")
-        return max(peak, float(max_lr) * self.multiplier) if isinstance(max_lr, (int, float)) else peak
-
-    def scheduled(self) -> float | None:
-        """The LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
-        sch = torch_scheduler(self.lr_scheduler)
-        last = getattr(sch, "_last_lr", None) if sch is not None else None
-        return float(last[0]) if last and isinstance(last[0], (int, float)) else None
 
     def scale(self, factor: float) -> None:
         """Multiply the LR persistently (:func:`scale_lrs`) and the multiplier with it."""

@@ -331,8 +331,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         if verdict <= Verdict.WARN or self._observe_only:
             self._hold_scheduler = False
             before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
-            if hasattr(opt, "_is_overflow"):  # _set_skipped(opt, False), without the call: Accelerate only resets
-                opt._is_overflow = False      # this flag under a GradScaler
+            _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
             self._optimizer_step()  # under fp16 the scaler may still skip (overflow): read back below
             applied = not bool(getattr(opt, "step_was_skipped", False))
             if step_scheduler:

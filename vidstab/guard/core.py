@@ -49,6 +49,7 @@ from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
 from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, row_values
+from .param_probe import ParamProbe
 from .reporting import GuardReporting
 from .result import StepResult
 from .stats import bad_input_only, build_stats
@@ -119,7 +120,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         )
         self.clock = signals.StepClock(accelerator.device)
         self._params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
-        self._trainable = [p for p in self._params if p.requires_grad]
+        self._param_probe = ParamProbe([p for p in self._params if p.requires_grad])
         self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
             signals.is_dtensor(p) for p in self._params
         )
@@ -319,7 +320,7 @@ class Guard(UserLoopWrapping, GuardReporting):
 
     def _measure_params(self, step: int) -> bool:
         every = self.config.param_norm_every
-        return every > 0 and step % every == 0 and bool(self._trainable)
+        return every > 0 and step % every == 0 and bool(self._param_probe)
 
     def _apply(self, verdict: Verdict, measure: bool, step_scheduler: bool) -> bool:
         """Step or skip as ``verdict`` says; on measured steps leave (param_sq, update_sq) on device for the next read.
@@ -330,7 +331,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         opt = self.optimizer
         if verdict <= Verdict.WARN or self._observe_only:
             self._hold_scheduler = False
-            before = [signals.local_tensor(p.detach()).clone() for p in self._trainable] if measure else None
+            before = self._param_probe.snapshot() if measure else None
             _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
             self._optimizer_step()  # under fp16 the scaler may still skip (overflow): read back below
             applied = not bool(getattr(opt, "step_was_skipped", False))
@@ -351,12 +352,7 @@ class Guard(UserLoopWrapping, GuardReporting):
                     pass
             applied = False
         if measure:
-            cur = [signals.local_tensor(p.detach()) for p in self._trainable]
-            update_sq = None
-            if before is not None:
-                torch._foreach_sub_(before, cur)
-                update_sq = signals.sum_of_squares(before)
-            self._pending = (signals.sum_of_squares(cur), update_sq)
+            self._pending = self._param_probe.sums(before)
         return applied
 
     def _count(self, s: StepStats) -> None:

@@ -158,6 +158,20 @@ def user_loop_step(accelerator: Accelerator, model, opt, sched, batch: tuple[tor
         opt.zero_grad(set_to_none=True)
 
 
+def forward_hook_switch(model: torch.nn.Module):
+    """``switch(on)``: the model's forward pre-hooks as they are now (the attached guard's) put back (``True``) or
+    taken off (``False``), so that one model serves the plain and the attached variants."""
+    hook_dicts = [model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs]
+    attached_hooks = [dict(d) for d in hook_dicts]
+
+    def switch(on: bool) -> None:
+        for d, saved in zip(hook_dicts, attached_hooks):
+            d.clear()
+            if on:
+                d.update(saved)
+    return switch
+
+
 def bootstrap_median_ci(diffs: list[float], resamples: int = 400, seed: int = 1) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median of ``diffs`` (the paired differences of one variant)."""
     rng = random.Random(seed)
@@ -193,14 +207,7 @@ def measure(kind: str, args, run_dir: str) -> dict:
     backward, clip, optimizer_step, scheduler_step = (attached._backward, attached._clip, attached._optimizer_step,
                                                       attached._scheduler_step)
     # ... on a model without the attached guard's forward pre-hook (put back, outside the timing, for its steps).
-    hook_dicts = [model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs]
-    attached_hooks = [dict(d) for d in hook_dicts]
-
-    def hooks(on: bool) -> None:
-        for d, saved in zip(hook_dicts, attached_hooks):
-            d.clear()
-            if on:
-                d.update(saved)
+    hooks = forward_hook_switch(model)
 
     guards = {"attached": attached, "explicit": explicit}
     dev = accelerator.device

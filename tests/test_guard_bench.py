@@ -44,6 +44,18 @@ def test_profile_guard_step_names_every_piece():
     assert all(isinstance(summary[k], float) for k in ("added_us_median", "judge_us", "absorb_us"))  # no timing asserted
 
 
+def test_guard_step_kinds_labels_the_periodic_work():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "guard_step_kinds.py"), "--model", "mlp",
+                           "--rounds", "120", "--warmup", "30"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    kinds = summary["kinds"]
+    assert "healthy, screened" in kinds and any("weights measured" in k for k in kinds)  # param_norm_every=10
+    assert any("batch absorbed" in k for k in kinds)
+    assert abs(sum(k["share"] for k in kinds.values()) - 1.0) < 1e-3 and isinstance(summary["median_us"], float)
+
+
 def test_ablate_guard_detectors_compares_the_defaults_with_a_part_left_out():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ablate_guard_detectors.py"), "--model", "mlp",
                            "--rounds", "5", "--warmup", "2"], capture_output=True, text=True, timeout=300,

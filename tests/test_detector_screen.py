@@ -299,23 +299,26 @@ def test_escalations_expire_lazily_and_reach_what_expiring_every_step_reaches():
     assert {"trend", "repeated_spikes", "consecutive_skips"} <= kinds, kinds
 
 
-@pytest.mark.parametrize("buckets", [False, True])
-def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_does(buckets):
+@pytest.mark.parametrize("buckets,world", [(False, 1), (True, 1), (False, 2)])
+def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_does(buckets, world):
     """The guard's batched healthy steps (``Screen.admits``, ``vidstab/guard/healthy.py``): a step the kept
     promises clear is applied without judging and absorbed later, with the others queued, each with
     ``absorb_batch`` before anything judges again. Against a fresh plan on every step:
     the same findings and verdicts on every step (a cleared step has none), the same thresholds in every
     step's record, the same state after every catch-up, through a rollback's reload; and, without timestep-bucket
     losses (the attached loop), most healthy steps after the warm-ups are cleared (with them ``loss_spike``'s
-    promise is not steady: every such step is judged)."""
+    promise is not steady: every such step is judged). With two ranks the ``straggler`` detector joins (its promise
+    counts the steps no streak can reach ``patience`` in): rank 1 turns slow for a stretch, and is warned about on
+    the same step either way."""
     from vidstab.detectors import screen_values
 
     config = GuardConfig()
-    batched, full = build_detectors(config, world_size=1), build_detectors(config, world_size=1)
+    batched, full = build_detectors(config, world_size=world), build_detectors(config, world_size=world)
     plan = DetectorPlan.of(batched, defer=True)
     queue: list[StepStats] = []
     records, expected, saved = {}, {}, None
     cleared = healthy = 0
+    judged_kinds: set[str] = set()
 
     def drain() -> None:
         if queue:
@@ -323,9 +326,16 @@ def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_do
                 records[q.step] = {"step": q.step, **thresholds}
         queue.clear()
 
+    rng = random.Random(5)
     for kw in _stream(seed=13, steps=1800):
         if not buckets:
             kw["timestep_bucket_loss"] = []
+        if world == 2:
+            base = 0.010 * math.exp(rng.gauss(0, 0.05))
+            slow = 500 <= kw["step"] < 560 or 1000 <= kw["step"] < 1004  # a straggler, then a passing hiccup
+            kw["rank_seconds"] = [base, base * (3.0 if slow else math.exp(rng.gauss(0, 0.05)))]
+            kw["world_size"] = 2
+            kw["rank_loss"] = [kw["loss"], kw["loss"]]
         a, b = StepStats(**kw), StepStats(**kw)
         judge(list(full), b)
         b.applied = b.verdict <= Verdict.WARN
@@ -345,6 +355,7 @@ def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_do
             judge(plan, a)
             assert a.verdict == b.verdict, kw["step"]
             assert [f.to_dict() for f in a.findings] == [f.to_dict() for f in b.findings], kw["step"]
+            judged_kinds.update(f.detector for f in a.findings)
             a.applied = b.applied
             absorb(plan, a, defer=False)
             records[kw["step"]] = {"step": kw["step"], **published(plan)}
@@ -363,6 +374,8 @@ def test_batched_healthy_steps_find_and_leave_exactly_what_judging_every_step_do
     assert [d.state_dict() for d in batched] == [d.state_dict() for d in full]
     assert records == expected
     assert cleared >= (0.0 if buckets else 0.5) * healthy, (cleared, healthy)
+    if world == 2:
+        assert "straggler" in judged_kinds, judged_kinds
 
 
 def test_grad_growth_band_holds_for_every_step_it_covers_at_its_worst():

@@ -56,6 +56,16 @@ def test_guard_step_kinds_labels_the_periodic_work():
     assert abs(sum(k["share"] for k in kinds.values()) - 1.0) < 1e-3 and isinstance(summary["median_us"], float)
 
 
+def test_bench_guard_ddp_runs_both_modes_on_two_processes():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_guard_ddp.py"), "--model", "mlp",
+                           "--blocks", "4", "--block", "30", "--warmup", "60"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["processes"] == 2 and set(summary["median_us"]) == {"batched", "judged"}
+    assert summary["steps_batched_share"] > 0.2  # healthy steps of a run of two processes are applied at once
+
+
 def test_ablate_guard_detectors_compares_the_defaults_with_a_part_left_out():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ablate_guard_detectors.py"), "--model", "mlp",
                            "--rounds", "5", "--warmup", "2"], capture_output=True, text=True, timeout=300,

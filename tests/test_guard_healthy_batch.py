@@ -116,3 +116,39 @@ def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     compared = judged[5]
     assert len(compared) > 0.9 * STEPS and sum(v[1][PARAM_NORM] is not None for v in compared) > STEPS / 20
     assert [c for c in compared if c[1] != c[2]] == []  # the row's values, field by field, are the stats'
+
+
+def test_two_processes_batch_healthy_steps_alike_and_log_what_judging_every_step_logs(tmp_path):
+    """Two real processes (DDP over gloo): every rank clears the same steps (the gathered table is the same
+    everywhere), and each rank's log, results and state are those of judging every step, through a NaN batch on
+    rank 1, a hand-written LR and a loss spike (``tests/scripts/batched_ddp.py``; the straggler detector runs and
+    promises but cannot fire there, so the two runs' clocks cannot make them differ)."""
+    from test_guard_distributed import launch
+
+    runs = {}
+    for mode, flags in (("batched", ()), ("judged", ("--judge_every_step",))):
+        out = tmp_path / mode
+        launch("batched_ddp.py", "--out", str(out), *flags, timeout=300)
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        logs = []
+        for r in (0, 1):
+            lines = [json.loads(x) for x in (events_dir(out) / f"events-rank{r}.jsonl").read_text().splitlines()]
+            for rec in lines:
+                rec.pop("time")
+                rec.pop("local_seconds", None)
+                if rec["kind"] == "start":
+                    rec.pop("config")
+            logs.append(lines)
+        for rank in ranks:
+            rank["state"]["detectors"].pop("straggler")  # the ranks' measured times: the clock's, not the guard's
+        runs[mode] = ranks, logs
+    (batched, batched_logs), (judged, judged_logs) = runs["batched"], runs["judged"]
+    for r in (0, 1):
+        assert batched[r]["results"] == judged[r]["results"]
+        assert batched_logs[r] == judged_logs[r]
+        assert batched[r]["state"] == judged[r]["state"]
+    assert batched[0]["results"] == batched[1]["results"]  # the same decision on every rank
+    assert batched[0]["steps_batched"] == batched[1]["steps_batched"] > 0.5 * 240  # most steps batched, alike
+    assert judged[0]["steps_batched"] == 0
+    kinds = {rec["kind"] for rec in batched_logs[0]}
+    assert {"skip", "warn", "metrics"} <= kinds, kinds

@@ -11,6 +11,10 @@ median of the other ranks' medians; it must be ``ratio`` times slower AND ``min_
 ``patience`` consecutive steps, before a warning. The same straggler is not reported again for
 ``quiet_steps`` steps. The idea follows NVIDIA's resiliency extension (straggler detection by relative
 per-rank performance scores, https://github.com/NVIDIA/nvidia-resiliency-ext), without its CUPTI kernels.
+
+Its promise (:meth:`StragglerDetector.promise`) counts steps, not times: no warning can come before some rank has
+been slow ``patience`` steps in a row, so while every streak is short the guard may apply healthy steps of a run
+of several processes at once and hand the straggler their times later (``vidstab/guard/healthy.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ class StragglerDetector(Detector):
         ranked = sorted(medians)
         return [median_without(ranked, bisect_left(ranked, m)) for m in medians]
 
+    def _is_slow(self, m: float, others: float) -> bool:
+        factor = m / others if others > 0 else float("inf")
+        return factor >= self.config.ratio and m - others >= self.config.min_seconds
+
     def observe(self, s: StepStats) -> Finding | None:
         world = len(s.rank_seconds)
         self._slow = None
@@ -102,10 +110,10 @@ class StragglerDetector(Detector):
             return None
         slow, worst = [], None
         for r, (m, others) in enumerate(zip(medians, self._others(medians))):
-            factor = m / others if others > 0 else float("inf")
-            is_slow = factor >= self.config.ratio and m - others >= self.config.min_seconds
+            is_slow = self._is_slow(m, others)
             slow.append(is_slow)
             due = self.streak[r] + 1 >= self.config.patience and s.step >= self.quiet_until[r]
+            factor = m / others if others > 0 else float("inf")
             if is_slow and due and (worst is None or factor > worst[1]):
                 worst = (r, factor, m, others)
         self._slow = (s.step, slow)
@@ -120,6 +128,16 @@ class StragglerDetector(Detector):
             [r],
         )
 
+    def _slow_now(self, s: StepStats, world: int) -> list[bool]:
+        """Per rank, whether it is slow on this step: what :meth:`observe` found, or, on a step the screen did not
+        judge (the promise below), the same test made here, on the windows before this step's times go in."""
+        if self._slow is not None and self._slow[0] == s.step:
+            return self._slow[1]
+        medians = self._medians(s)
+        if medians is None:
+            return [False] * world
+        return [self._is_slow(m, others) for m, others in zip(medians, self._others(medians))]
+
     def update(self, s: StepStats) -> None:
         world = len(s.rank_seconds)
         if world < 2:
@@ -128,7 +146,7 @@ class StragglerDetector(Detector):
         if self.seen <= self.config.warmup_steps:
             return
         self._resize(world)
-        slow = self._slow[1] if self._slow is not None and self._slow[0] == s.step else [False] * world
+        slow = self._slow_now(s, world)
         reported = {r for f in s.findings if f.detector == self.name for r in f.ranks}
         for r, t in enumerate(s.rank_seconds):
             if t >= 0:
@@ -136,6 +154,16 @@ class StragglerDetector(Detector):
             self.streak[r] = self.streak[r] + 1 if slow[r] else 0
             if r in reported:
                 self.quiet_until[r] = s.step + self.config.quiet_steps
+
+    def promise(self) -> tuple[tuple | None, int]:
+        """Quiet, whatever the times, for as many steps as no rank's streak of slow steps can reach ``patience``
+        in: a streak grows by at most one per step, and a warning needs ``patience`` in a row. Steady: a step
+        without a finding only moves the streaks as counted. So on a healthy run of several processes the
+        straggler does not keep the guard from clearing steps at once (``vidstab/guard/healthy.py``); the
+        medians are then taken in :meth:`update`, with the step's times, as ``observe`` would have."""
+        self.promise_steady = True
+        left = self.config.patience - 1 - max(self.streak, default=0)
+        return ((), left) if left >= 1 else (None, 1)
 
     def state_dict(self) -> dict:
         return {"times": [list(t.values) for t in self.times], "streak": list(self.streak),
@@ -146,3 +174,4 @@ class StragglerDetector(Detector):
         self.streak = [int(x) for x in d.get("streak", [0] * len(self.times))]
         self.quiet_until = [int(x) for x in d.get("quiet_until", [-1] * len(self.times))]
         self.seen = int(d.get("seen", 0))
+        self.break_promise()  # the streaks it counted on were replaced

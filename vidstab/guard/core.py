@@ -12,9 +12,9 @@ The guarded step, on the last micro-step of an accumulation window (see :meth:`G
 
 1. the global pre-clip gradient norm (``accelerator.clip_grad_norm_``; FSDP2 DTensor made full);
 2. one packed row per rank -> one ``accelerator.gather`` -> one host read of a ``[world, k]`` table;
-3. the detectors on that table: the same verdict on every rank (a one-process step their promises clear is
-   not judged: applied at once, its statistics, updates and metrics line made later with the next ones,
-   :mod:`vidstab.guard.healthy`);
+3. the detectors on that table: the same verdict on every rank (a step their promises clear is not judged:
+   applied at once, on every rank alike, its statistics, updates and metrics line made later with the next
+   ones, :mod:`vidstab.guard.healthy`);
 4. apply (``optimizer.step`` + ``lr_scheduler.step``) or skip (grads to None, scheduler held,
    ``optimizer_step_was_skipped`` true) -- nothing else runs between the read and the optimizer step;
 5. after the step is enqueued: detector statistics, events, tracker metrics, incident bundles on the
@@ -48,7 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
-from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, row_values
+from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, row_values, table_values
 from .param_probe import ParamProbe
 from .reporting import GuardReporting
 from .result import StepResult
@@ -108,10 +108,10 @@ class Guard(UserLoopWrapping, GuardReporting):
         # Healthy steps' updates of steady promises wait and are made several at once (detectors/screen.py);
         # the event log completes their metrics lines first (their thresholds) when it flushes.
         self._plan = DetectorPlan.of(self._detectors, defer=True)
-        # Healthy steps the promises clear are applied at once and absorbed later (vidstab/guard/healthy.py);
-        # one process only: a larger run's straggler detector judges every step.
+        # Healthy steps the promises clear are applied at once and absorbed later (vidstab/guard/healthy.py),
+        # on every rank alike: the gathered table they are cleared on is the same everywhere.
         self._queued: list[QueuedStep] = []
-        self._batchable = self._plan.screen.batchable and self.world_size == 1
+        self._batchable = self._plan.screen.batchable
         self.steps_batched = 0
         """Optimizer steps of this process applied at once and absorbed later, with others (not saved)."""
         self.events.before_flush = _weak_catch_up(self)
@@ -220,7 +220,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         # nothing to judge: applied now, absorbed and reported with the next ones (vidstab/guard/healthy.py).
         if (self._batchable and not self._scale_known and self._plan.screen.may_admit(step, len(self._queued))
                 and not self._tracked(step)):
-            values = row_values(table[0], self.window.layout, max_grad_norm, *lr)
+            values = (row_values(table[0], self.window.layout, max_grad_norm, *lr) if self.world_size == 1 else
+                      table_values(table, self.window.layout, max_grad_norm, *lr, self._sharded))
             if values is not None:
                 room = self._plan.screen.clears(values, len(self._queued))  # (may_admit said yes)
                 if room >= 0:

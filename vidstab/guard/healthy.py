@@ -21,9 +21,12 @@ lines are those of judging every step (``tests/test_detector_screen.py``, ``test
 A crash loses the metrics lines of the queued steps (at most :data:`MAX_QUEUED`), never a finding: a step
 with a finding is never queued.
 
-Only a run of one process takes this path (``straggler`` compares ranks on every step of a larger run), and
-only on steps without trackers to feed, without a GradScaler scale, an exception, a stop request, non-finite
-values or timestep-bucket losses: such steps are judged as before.
+Runs of several processes take it too: the gathered table is the same on every rank, so every rank clears the
+same steps (:func:`table_values` reads the screen's values over the ranks as ``build_stats`` does), and the
+``straggler`` detector, which compares the ranks' times, promises quiet steps for as long as no rank's streak
+of slow steps can reach its ``patience`` (``tests/test_guard_healthy_batch.py`` runs two processes). Steps with
+trackers to feed, a GradScaler scale, an exception, a stop request, non-finite values or timestep-bucket losses
+are judged as before.
 """
 
 from __future__ import annotations
@@ -76,16 +79,70 @@ def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, 
             filled = sum(c > 0 for c in counts)
     param_norm = update_ratio = update_per_lr = None
     if row[S.PARAM_PENDING] > 0:  # as build_stats: one process, so the sums need no adding up
-        psq, usq = 0 + row[S.PARAM_SQ], 0 + row[S.UPDATE_SQ]
-        param_norm = math.sqrt(psq) if psq >= 0 else math.nan
-        if param_norm and math.isfinite(param_norm) and usq >= 0:
-            update_ratio = math.sqrt(usq) / param_norm
-            update_per_lr = update_ratio if lr is None else update_ratio / lr if lr > 0 else None
+        param_norm, update_ratio, update_per_lr = _param_values(0 + row[S.PARAM_SQ], 0 + row[S.UPDATE_SQ], lr)
     to_peak, to_scheduled = lr_ratios(lr, lr_peak, lr_scheduled)
     # SCREEN_FIELDS order (tests/test_guard_healthy_batch.py compares with screen_values of the built stats)
     return (grad_norm, (0.0 + loss_sum) / (0.0 + total), max_grad_norm, lr, to_peak, to_scheduled,
             lr if lr_peak is None else None, absmax, math.sqrt(sum_sq / (0.0 + numel)) if numel > 0 else None, filled,
             param_norm, update_ratio, update_per_lr, None, None, None, None, None)
+
+
+def table_values(table: list[list[float]], layout: S.Layout, max_grad_norm: float | None, lr: float | None,
+                 lr_peak: float | None, lr_scheduled: float | None, sharded: bool) -> tuple | None:
+    """:func:`row_values` of a step of several processes, from the gathered ``[world, k]`` table (the same on every
+    rank, so every rank clears the same steps): the values :func:`~vidstab.guard.stats.build_stats` computes over
+    the ranks, with its arithmetic in its order (the same floats); ``None`` when a row rules the step out.
+    ``sharded``: FSDP, the parameter sums of squares add up over the ranks."""
+    grad_norm = None
+    loss_sum = loss_cnt = sum_sq = numel = 0.0
+    absmax = None
+    filled_counts = None
+    for r in table:
+        if r[S.NORM_OK] != 1.0 or r[S.EXCEPTIONS] or r[S.STOP] or r[S.LOSS_NONFINITE] or r[S.NONFINITE_ALL]:
+            return None
+        norm, total, rank_sum, rank_numel = r[S.GRAD_NORM], r[S.LOSS_TOTAL], r[S.LOSS_SUM], r[S.IN_NUMEL]
+        if not (total > 0 and math.isfinite(rank_sum) and math.isfinite(norm)):
+            return None
+        if grad_norm is None or norm > grad_norm:
+            grad_norm = norm
+        loss_sum += rank_sum
+        loss_cnt += total - r[S.LOSS_NONFINITE]  # as build_stats counts (0 here)
+        rank_absmax = 0.0
+        if rank_numel > 0:
+            hi, lo = r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]
+            if not (math.isfinite(hi) and math.isfinite(lo)):
+                return None
+            rank_absmax = max(hi, lo)
+        if absmax is None or rank_absmax > absmax:
+            absmax = rank_absmax
+        sum_sq += r[S.IN_SUMSQ]
+        numel += rank_numel
+    filled = 0
+    if layout.buckets:
+        counts = [sum(col) for col in zip(*(r[layout.bucket_count] for r in table))]
+        if any(counts):
+            filled = sum(c > 0 for c in counts)
+    param_norm = update_ratio = update_per_lr = None
+    first = table[0]
+    if first[S.PARAM_PENDING] > 0:
+        psq = sum(r[S.PARAM_SQ] for r in table) if sharded else first[S.PARAM_SQ]
+        usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else first[S.UPDATE_SQ]
+        param_norm, update_ratio, update_per_lr = _param_values(psq, usq, lr)
+    to_peak, to_scheduled = lr_ratios(lr, lr_peak, lr_scheduled)
+    return (grad_norm, loss_sum / loss_cnt, max_grad_norm, lr, to_peak, to_scheduled,
+            lr if lr_peak is None else None, absmax, math.sqrt(sum_sq / numel) if numel > 0 else None, filled,
+            param_norm, update_ratio, update_per_lr, None, None, None, None, None)
+
+
+def _param_values(psq: float, usq: float, lr: float | None) -> tuple:
+    """``(param_norm, update_ratio, update_per_lr)`` from the sums of squares of a measured step, as
+    ``build_stats`` and ``StepStats.update_per_lr`` compute them (one step in ``param_norm_every``)."""
+    param_norm = math.sqrt(psq) if psq >= 0 else math.nan
+    update_ratio = update_per_lr = None
+    if param_norm and math.isfinite(param_norm) and usq >= 0:
+        update_ratio = math.sqrt(usq) / param_norm
+        update_per_lr = update_ratio if lr is None else update_ratio / lr if lr > 0 else None
+    return param_norm, update_ratio, update_per_lr
 
 
 GRAD_NORM, LOSS, PARAM_NORM = (SCREEN_FIELDS.index(f) for f in ("grad_norm", "loss", "param_norm"))

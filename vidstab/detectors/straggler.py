@@ -113,9 +113,10 @@ class StragglerDetector(Detector):
             is_slow = self._is_slow(m, others)
             slow.append(is_slow)
             due = self.streak[r] + 1 >= self.config.patience and s.step >= self.quiet_until[r]
-            factor = m / others if others > 0 else float("inf")
-            if is_slow and due and (worst is None or factor > worst[1]):
-                worst = (r, factor, m, others)
+            if is_slow and due:
+                factor = m / others if others > 0 else float("inf")
+                if worst is None or factor > worst[1]:
+                    worst = (r, factor, m, others)
         self._slow = (s.step, slow)
         if worst is None:
             return None

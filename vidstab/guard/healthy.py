@@ -96,7 +96,6 @@ def table_values(table: list[list[float]], layout: S.Layout, max_grad_norm: floa
     grad_norm = None
     loss_sum = loss_cnt = sum_sq = numel = 0.0
     absmax = None
-    filled_counts = None
     for r in table:
         if r[S.NORM_OK] != 1.0 or r[S.EXCEPTIONS] or r[S.STOP] or r[S.LOSS_NONFINITE] or r[S.NONFINITE_ALL]:
             return None

@@ -4,10 +4,11 @@
 update the optimizer just applied. On a measured step the guard copies the local parameters before the step
 (:meth:`ParamProbe.snapshot`) and takes both sums of squares after it (:meth:`ParamProbe.sums`), on the device,
 left there for the next step's one host read. Each is a handful of foreach ops over the whole parameter list,
-with no Python call per tensor: a per-tensor ``detach``/``clone``/``.float()`` made a measured step cost about
-0.45 ms more than a healthy one on the 18-tensor transformer of ``benchmarks/bench_guard_overhead.py``, with
-one step in ten measured, enough to move the median of the guard's added time (``benchmarks/RESULTS.md``,
-"What the median step carries").
+with no Python call per tensor (it was a ``detach``/``clone``/``.float()`` per tensor). On CUDA a foreach op is a
+multi-tensor kernel: about 6 launches instead of about 90 on the 18-tensor transformer of
+``benchmarks/bench_guard_overhead.py``. On a CPU it is still one kernel per tensor, and a measured step still
+costs 0.3-0.5 ms more than a healthy one there (one step in ten; ``benchmarks/RESULTS.md``, "What the median
+step carries"): the probe took about 10 us of the guard's own time per step by the mean, the Python calls.
 
 The sums are of the *local* tensors: under FSDP2 each rank holds a shard, and the guard adds the ranks' sums
 before taking the square root (:func:`vidstab.guard.stats.build_stats`, ``sharded``).

@@ -42,9 +42,11 @@ def test_metrics_lines_read_back_as_logged_whichever_encoder_writes_them(tmp_pat
     log = EventLog(tmp_path, rank=0)
     log.log_metrics(1, dict(plain))
     log.log_metrics(2, dict(odd))
+    log.log_metrics(3, {"loss": 0.5, "past_64_bits": 2**70})  # plain, but past what orjson writes
     log.close()
     lines = (tmp_path / "vidstab" / "events-rank0.jsonl").read_text(encoding="utf-8").splitlines()
-    first, second = (json.loads(line, parse_constant=_refuse) for line in lines)
+    first, second, third = (json.loads(line, parse_constant=_refuse) for line in lines)
+    assert third["past_64_bits"] == 2**70 and third["loss"] == 0.5
     assert {k: first[k] for k in plain} == plain and first["kind"] == "metrics" and first["step"] == 1
     assert second["np32"] == 0.5 and second["np64"] == 2.5 and second["past_64_bits"] == 2**70
     assert second["by_t"] == [1.0, "inf"]

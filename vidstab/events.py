@@ -80,10 +80,6 @@ def _plain_finite(fields: dict) -> bool:
     return True
 
 
-# orjson's integers stop at 64 bits; what it refuses takes the json path.
-_ORJSON_REFUSES = (orjson.JSONEncodeError, TypeError, OverflowError)
-
-
 #: Buffered logs open in this process, by file: readers and ``log_event`` go through them.
 _OPEN: "weakref.WeakValueDictionary[str, EventLog]" = weakref.WeakValueDictionary()
 
@@ -152,7 +148,7 @@ class EventLog:
         if _plain_finite(fields):
             try:
                 return orjson.dumps(rec)
-            except _ORJSON_REFUSES:
+            except orjson.JSONEncodeError:  # an integer past 64 bits: the json path writes it
                 pass
         return _encode(rec)[0].encode("utf-8")
 

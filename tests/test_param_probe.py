@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from vidstab.guard import param_probe
 from vidstab.guard.param_probe import ParamProbe
 
 
@@ -22,17 +23,27 @@ def _reference(tensors) -> float:
     return math.fsum(float(t.double().square().sum()) for t in tensors)
 
 
+@pytest.fixture(params=["flat", "foreach"])
+def layout(request, monkeypatch):
+    """Both ways the probe copies: one flat buffer (a CPU model up to FLAT_MAX_NUMEL values) and one copy per
+    tensor (every other model; here forced by a limit of 0)."""
+    if request.param == "foreach":
+        monkeypatch.setattr(param_probe, "FLAT_MAX_NUMEL", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype):
+def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype, layout):
     model = _model(dtype)
+    model.transposed = torch.nn.Parameter(torch.randn(6, 5, dtype=dtype).t())  # not contiguous
     params = list(model.parameters())
     probe = ParamProbe(params)
     before = probe.snapshot()
     truth_before = [p.detach().clone() for p in params]
     optimizer = torch.optim.SGD(params, lr=0.1)
     model(torch.randn(8, 16, dtype=dtype)).square().mean().backward()
-    optimizer.step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, params) if a.numel())  # a copy, not a view
+    model.transposed.grad = torch.ones_like(model.transposed)
+    optimizer.step()  # the snapshot must be a copy: a view would read no change
     param_sq, update_sq = probe.sums(before)
     assert param_sq.dtype == update_sq.dtype == torch.float32 and param_sq.ndim == update_sq.ndim == 0
     want_param = _reference(params)
@@ -45,7 +56,7 @@ def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype):
     assert none is None and float(alone) == pytest.approx(want_param, rel=tol)
 
 
-def test_measuring_leaves_autograd_as_it_was():
+def test_measuring_leaves_autograd_as_it_was(layout):
     model = _model(torch.float32)
     probe = ParamProbe(list(model.parameters()))
     with torch.enable_grad():
@@ -58,13 +69,13 @@ def test_measuring_leaves_autograd_as_it_was():
         assert not torch.is_grad_enabled()
 
 
-def test_no_trainable_parameters_measure_zero():
+def test_no_trainable_parameters_measure_zero(layout):
     probe = ParamProbe([torch.nn.Parameter(torch.zeros(0))])
     param_sq, update_sq = probe.sums(probe.snapshot())
     assert float(param_sq) == 0.0 and float(update_sq) == 0.0
 
 
-def test_a_lazy_module_is_measured_once_it_has_run():
+def test_a_lazy_module_is_measured_once_it_has_run(layout):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     probe = ParamProbe(list(model.parameters()))  # what the guard does when it attaches, before any forward

@@ -8,7 +8,9 @@ with no Python call per tensor (it was a ``detach``/``clone``/``.float()`` per t
 multi-tensor kernel: about 6 launches instead of about 90 on the 18-tensor transformer of
 ``benchmarks/bench_guard_overhead.py``. On a CPU it is still one kernel per tensor, and a measured step still
 costs 0.3-0.5 ms more than a healthy one there (one step in ten; ``benchmarks/RESULTS.md``, "What the median
-step carries"): the probe took about 10 us of the guard's own time per step by the mean, the Python calls.
+step carries"). So on a CPU, for models up to :data:`FLAT_MAX_NUMEL` values, the probe copies the parameters
+into one flat buffer instead (:meth:`ParamProbe.snapshot`: one ``torch.cat``) and takes both sums with four
+kernels whatever the number of tensors (``benchmarks/RESULTS.md``, "The weights' probe in one buffer").
 
 The sums are of the *local* tensors: under FSDP2 each rank holds a shard, and the guard adds the ranks' sums
 before taking the square root (:func:`vidstab.guard.stats.build_stats`, ``sharded``).
@@ -25,6 +27,10 @@ from ..signals import is_dtensor, local_tensor, sum_of_squares
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 # One multi-tensor copy where torch has it (a fused kernel on CUDA); a clone per tensor where it does not.
 _foreach_clone = getattr(torch, "_foreach_clone", None) or (lambda tensors: [t.clone() for t in tensors])
+
+FLAT_MAX_NUMEL = 1 << 22
+"""Most parameter values a CPU probe copies into one flat buffer (two rows of them, 32 MiB in float32, held only
+from the snapshot to the sums). Past this the copies' memory traffic outweighs the kernels saved."""
 
 
 class ParamProbe:
@@ -53,6 +59,12 @@ class ParamProbe:
         # Norms in float32 whatever the weights' precision (a bfloat16 norm keeps about three digits); a float64
         # model keeps its own (foreach_norm refuses to narrow).
         self._norm_kwargs = {"dtype": torch.float32} if all(p.dtype in _LOW_PRECISION for p in self.params) else None
+        # A CPU runs a foreach op as one kernel per tensor: there, one flat copy (module docstring).
+        devices = {p.device.type for p in self.params}
+        self._flat_numel = sum(p.numel() for p in self.params) if (
+            devices == {"cpu"} and len({p.dtype for p in self.params}) == 1) else 0
+        if self._flat_numel > FLAT_MAX_NUMEL:
+            self._flat_numel = 0
         self._prepared = True
 
     def _local(self) -> list[torch.Tensor]:
@@ -62,7 +74,8 @@ class ParamProbe:
         return self.params
 
     def snapshot(self) -> list[torch.Tensor]:
-        """A copy of the local parameters, taken right before the optimizer step (one foreach op)."""
+        """A copy of the local parameters, taken right before the optimizer step, for :meth:`sums` only (one
+        foreach op; on a CPU, the second row of a ``[2, n]`` buffer filled by one ``torch.cat``)."""
         if not self._prepared:
             self._prepare()
         if not self.params:
@@ -70,7 +83,12 @@ class ParamProbe:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            return list(_foreach_clone(self._local()))
+            local = self._local()
+            if self._flat_numel:
+                both = torch.empty(2, self._flat_numel, dtype=local[0].dtype)
+                torch.cat(_flat_views(local), out=both[1])
+                return [both]
+            return list(_foreach_clone(local))
         finally:
             torch._C._set_grad_enabled(grad)
 
@@ -86,6 +104,8 @@ class ParamProbe:
             if not cur:
                 zero = torch.zeros(())
                 return zero, (zero if before is not None else None)
+            if self._flat_numel:
+                return self._flat_sums(cur, before)
             if not self._one_device or self._norm_kwargs is None:
                 if before is not None:
                     torch._foreach_sub_(before, cur)
@@ -99,3 +119,24 @@ class ParamProbe:
             return sq[1], sq[0]
         finally:
             torch._C._set_grad_enabled(grad)
+
+    def _flat_sums(self, cur: list[torch.Tensor], before: list[torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`sums` through the flat buffer of :meth:`snapshot`: the parameters copied into its first row,
+        the change into its second, one norm per row (float32, or float64 for a float64 model)."""
+        if before is None:
+            flat = torch.cat(_flat_views(cur))
+            n = torch.linalg.vector_norm(flat, 2, **(self._norm_kwargs or {}))
+            return (n * n).float(), None
+        both = before[0]
+        torch.cat(_flat_views(cur), out=both[0])
+        both[1].sub_(both[0])
+        sq = torch.linalg.vector_norm(both, 2, 1, **(self._norm_kwargs or {})).square()
+        if sq.dtype is not torch.float32:
+            sq = sq.float()
+        return sq[0], sq[1]
+
+
+def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor as one dimension (a view where it is contiguous), for ``torch.cat``."""
+    return [t.reshape(-1) for t in tensors]

@@ -55,6 +55,10 @@ class LRMultiplier:
     def __init__(self, optimizer: Any, lr_scheduler: Any = None) -> None:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        # What figures() reads on every step, reached once: AcceleratedOptimizer.param_groups is a property
+        # over the inner optimizer's, and AcceleratedScheduler wraps the torch scheduler.
+        self._groups_owner = getattr(optimizer, "optimizer", optimizer)
+        self._torch_scheduler = torch_scheduler(lr_scheduler)
         self.multiplier = 1.0
         """The factor in effect over :attr:`base_lrs` (1.0: the schedule as configured)."""
         self.base_lrs: list[float] = self.current_base_lrs()
@@ -73,10 +77,10 @@ class LRMultiplier:
         reading it would need a device sync); ``peak`` the largest LR the schedule can produce, the base LR at
         attach x the multiplier, or the group's ``max_lr`` (OneCycleLR/CyclicLR) x the multiplier when larger;
         ``scheduled`` the LR the scheduler set for this step (``get_last_lr()[0]``), before anyone else touched it."""
-        sch = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # torch_scheduler, without the call
+        sch = self._torch_scheduler
         last = getattr(sch, "_last_lr", None) if sch is not None else None
         scheduled = float(last[0]) if last and isinstance(last[0], (int, float)) else None
-        groups = self.optimizer.param_groups
+        groups = self._groups_owner.param_groups  # the list itself: load_state_dict replaces it
         if not groups:
             return None, None, scheduled
         group = groups[0]

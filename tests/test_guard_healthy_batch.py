@@ -21,7 +21,7 @@ from accelerate.state import AcceleratorState, GradientState
 import vidstab
 from vidstab.detectors import screen_values
 from vidstab.events import events_dir
-from vidstab.guard.healthy import PARAM_NORM, row_values
+from vidstab.guard.healthy import PARAM_NORM, QueuedStep, queued_stats, row_values
 
 
 class TinyDenoiser(torch.nn.Module):
@@ -49,7 +49,7 @@ def run(run_dir, batched: bool):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     guard = vidstab.attach(accelerator, model, optimizer, scheduler, run_dir=run_dir)
-    compared = []
+    compared, built_stats = [], []
     if not batched:
         guard._batchable = False  # the reference: every step judged on its own
         build = guard._build_stats
@@ -60,6 +60,12 @@ def run(run_dir, batched: bool):
             values = row_values(table[0], guard.window.layout, max_grad_norm, stats.lr, stats.lr_peak, stats.lr_scheduled)
             if values is not None:
                 compared.append((step, values, tuple(None if v == [] else v for v in screen_values(stats))))
+                # a queued step's stats are built from these values (queued_stats): the same as build_stats'
+                queued = QueuedStep(step, table, max_grad_norm, stats.lr, stats.lr_peak, stats.lr_scheduled,
+                                    True, 0.0, values)
+                lean = queued_stats(queued, guard.window.layout)
+                if lean is not None:
+                    built_stats.append((repr(lean), repr(stats)))
             return stats
 
         guard._build_stats = build_and_compare
@@ -98,13 +104,13 @@ def run(run_dir, batched: bool):
         rec.pop("local_seconds", None)  # this rank's own compute time: the clock's, not the guard's
         if rec["kind"] == "start":
             rec.pop("config")
-    return lines, results, saved, final, guard.steps_batched, compared
+    return lines, results, saved, final, guard.steps_batched, compared, built_stats
 
 
 def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     batched = run(tmp_path / "batched", batched=True)
     judged = run(tmp_path / "judged", batched=False)
-    lines, results, saved, final, count, _ = batched
+    lines, results, saved, final, count = batched[:5]
     assert results == judged[1]
     assert lines == judged[0]
     assert saved == judged[2] and final == judged[3]
@@ -116,6 +122,8 @@ def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     compared = judged[5]
     assert len(compared) > 0.9 * STEPS and sum(v[1][PARAM_NORM] is not None for v in compared) > STEPS / 20
     assert [c for c in compared if c[1] != c[2]] == []  # the row's values, field by field, are the stats'
+    built = judged[6]
+    assert len(built) > 0.9 * STEPS and [b for b in built if b[0] != b[1]] == []
 
 
 def test_two_processes_batch_healthy_steps_alike_and_log_what_judging_every_step_logs(tmp_path):

@@ -48,7 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
-from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, row_values, table_values
+from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, queued_stats, row_values, table_values
 from .param_probe import ParamProbe
 from .reporting import GuardReporting
 from .result import StepResult
@@ -276,7 +276,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         if values[PARAM_NORM] is not None:
             self._params_finite = True  # admitted: finite
         # tuple.__new__: a NamedTuple's own __new__ is a Python function, one more cold call per step
-        self._queued.append(_new_tuple(QueuedStep, (step, table, max_grad_norm, *lr, applied, time.time())))
+        self._queued.append(_new_tuple(QueuedStep, (step, table, max_grad_norm, *lr, applied, time.time(), values)))
         self.steps_batched += 1
         self._refs.clear()
         self.window.reset()
@@ -294,8 +294,11 @@ class Guard(UserLoopWrapping, GuardReporting):
         (:meth:`_log_queued`)."""
         queue, self._queued = self._queued, []
         steps, rates = [], []
+        one, layout = self.world_size == 1, self.window.layout
         for q in queue:
-            s = self._build_stats(q.step, q.table, q.max_grad_norm, True, (q.lr, q.lr_peak, q.lr_scheduled))
+            s = queued_stats(q, layout) if one else None
+            if s is None:
+                s = self._build_stats(q.step, q.table, q.max_grad_norm, True, (q.lr, q.lr_peak, q.lr_scheduled))
             s.applied = q.applied
             if q.applied:
                 self._clip_flags.push(s.clipped)

@@ -35,7 +35,7 @@ import math
 from typing import NamedTuple
 
 from .. import signals as S
-from ..detectors import SCREEN_FIELDS, lr_ratios
+from ..detectors import SCREEN_FIELDS, StepStats, lr_ratios
 
 MAX_QUEUED = 32
 """Most healthy steps held back at once (the queue is emptied at the end of the step that fills it)."""
@@ -53,6 +53,8 @@ class QueuedStep(NamedTuple):
     applied: bool
     time: float
     """When it was applied (its metrics line's ``time``)."""
+    values: tuple
+    """What :func:`row_values` or :func:`table_values` read off its table (:func:`queued_stats` builds on them)."""
 
 
 def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, lr: float | None,
@@ -133,6 +135,24 @@ def table_values(table: list[list[float]], layout: S.Layout, max_grad_norm: floa
             param_norm, update_ratio, update_per_lr, None, None, None, None, None)
 
 
+def queued_stats(q: QueuedStep, layout: S.Layout) -> StepStats | None:
+    """The :class:`~vidstab.detectors.StepStats` of a queued step of ONE process, as
+    :func:`~vidstab.guard.stats.build_stats` makes them (the same floats: :func:`row_values` computed them with
+    its arithmetic), from the values the screen read, without going over the row again: a batch builds one per
+    step. ``None`` where the values do not say everything (timestep-bucket losses): build_stats then."""
+    v = q.values
+    if v[_FILLED]:
+        return None
+    grad_norm, max_norm, absmax = v[GRAD_NORM], q.max_grad_norm, v[_ABSMAX]
+    return StepStats(
+        step=q.step, grad_norm=grad_norm, loss=v[LOSS], world_size=1, grad_norm_known=True, max_grad_norm=max_norm,
+        clipped=bool(max_norm is not None and grad_norm > max_norm),  # (finite: the screen admitted it)
+        lr=q.lr, loss_scale=None, lr_peak=q.lr_peak, lr_scheduled=q.lr_scheduled,
+        param_norm=v[PARAM_NORM], update_ratio=v[_UPDATE_RATIO], nonfinite_loss_ranks=[], nonfinite_input_ranks=[],
+        exception_ranks=[], rank_loss=[v[LOSS]], rank_input_absmax=[absmax], rank_seconds=[q.table[0][S.LOCAL_SECONDS]],
+        timestep_bucket_loss=[None] * layout.buckets, input_absmax=absmax, input_nonfinite=0, input_rms=v[_RMS])
+
+
 def _param_values(psq: float, usq: float, lr: float | None) -> tuple:
     """``(param_norm, update_ratio, update_per_lr)`` from the sums of squares of a measured step, as
     ``build_stats`` and ``StepStats.update_per_lr`` compute them (one step in ``param_norm_every``)."""
@@ -146,3 +166,5 @@ def _param_values(psq: float, usq: float, lr: float | None) -> tuple:
 
 GRAD_NORM, LOSS, PARAM_NORM = (SCREEN_FIELDS.index(f) for f in ("grad_norm", "loss", "param_norm"))
 """Positions in :func:`row_values`' tuple of what the guard reads itself."""
+_ABSMAX, _RMS, _FILLED, _UPDATE_RATIO = (SCREEN_FIELDS.index(f) for f in (
+    "input_absmax", "input_rms", "timestep_buckets_filled", "update_ratio"))

@@ -1,4 +1,5 @@
-"""FSDP2 (fully_shard, gloo CPU mesh, 2 processes): the guard's norms equal the unsharded model's."""
+"""FSDP2 (fully_shard, gloo CPU mesh, 2 processes): the guard's norms (and its weight probe's) equal the unsharded
+model's."""
 
 from __future__ import annotations
 
@@ -30,3 +31,5 @@ def test_fsdp2_grad_and_param_norms_match_unsharded(tmp_path):
         assert r["param"] == pytest.approx(r["ref_param"], rel=1e-5)
         assert r["clipped_pre"] == pytest.approx(r["ref_norm"], rel=1e-5)  # pre-clip norm is returned
         assert r["after_clip"] == pytest.approx(0.01 * r["ref_norm"], rel=1e-3)  # and clipping took effect
+        assert r["probe_param"] == pytest.approx(r["ref_param_after"], rel=1e-5)  # the weight probe on shards
+        assert r["probe_update"] == pytest.approx(r["ref_update"], rel=1e-4) and r["ref_update"] > 0

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from vidstab import signals
 from vidstab.exit_fence import register_exit_fence
+from vidstab.guard.param_probe import ParamProbe
 
 
 def main() -> None:
@@ -48,11 +49,25 @@ def main() -> None:
     norm = signals.global_grad_norm(None, list(sharded.parameters()), max_norm=None)
     psq = signals.sum_of_squares(list(sharded.parameters())).double().reshape(1)
     dist.all_reduce(psq)  # the guard sums the local-shard squares over ranks (via its gathered table)
+    # The guard's weight probe across one optimizer step (the same step on both copies): its sums of squares of
+    # the local shards, added over the ranks, are the whole model's (vidstab/guard/param_probe.py).
+    probe = ParamProbe([p for p in sharded.parameters()])
+    before = probe.snapshot()
+    ref_before = [p.detach().clone() for p in ref.parameters()]
+    for model in (ref, sharded):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    probe_sums = torch.stack(probe.sums(before)).double()
+    dist.all_reduce(probe_sums)
+    ref_after = math.sqrt(sum(float(p.detach().double().square().sum()) for p in ref.parameters()))
+    ref_update = math.sqrt(sum(float((p.detach().double() - b.double()).square().sum())
+                               for p, b in zip(ref.parameters(), ref_before)))
     clipped = signals.global_grad_norm(None, list(sharded.parameters()), max_norm=0.01 * ref_norm)
     after = float(signals.global_grad_norm(None, list(sharded.parameters()), max_norm=None))
     res = {"rank": rank, "is_dtensor": is_dtensor, "ref_norm": ref_norm, "norm": float(norm),
            "norm_is_plain": not signals.is_dtensor(norm), "ref_param": ref_param, "param": math.sqrt(float(psq)),
-           "clipped_pre": float(clipped), "after_clip": after}
+           "clipped_pre": float(clipped), "after_clip": after,
+           "probe_param": math.sqrt(float(probe_sums[0])), "probe_update": math.sqrt(float(probe_sums[1])),
+           "ref_param_after": ref_after, "ref_update": ref_update}
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()

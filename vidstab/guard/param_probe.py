@@ -59,12 +59,11 @@ class ParamProbe:
         # Norms in float32 whatever the weights' precision (a bfloat16 norm keeps about three digits); a float64
         # model keeps its own (foreach_norm refuses to narrow).
         self._norm_kwargs = {"dtype": torch.float32} if all(p.dtype in _LOW_PRECISION for p in self.params) else None
-        # A CPU runs a foreach op as one kernel per tensor: there, one flat copy (module docstring).
-        devices = {p.device.type for p in self.params}
-        self._flat_numel = sum(p.numel() for p in self.params) if (
-            devices == {"cpu"} and len({p.dtype for p in self.params}) == 1) else 0
-        if self._flat_numel > FLAT_MAX_NUMEL:
-            self._flat_numel = 0
+        # A CPU runs a foreach op as one kernel per tensor: there, one flat copy (module docstring), sized by the
+        # local tensors (an FSDP2 parameter's numel() is the whole tensor's, its shard is smaller).
+        local = self._local()
+        self._flat = ({t.device.type for t in local} == {"cpu"} and len({t.dtype for t in local}) == 1
+                      and sum(t.numel() for t in local) <= FLAT_MAX_NUMEL)
         self._prepared = True
 
     def _local(self) -> list[torch.Tensor]:
@@ -84,8 +83,8 @@ class ParamProbe:
         torch._C._set_grad_enabled(False)
         try:
             local = self._local()
-            if self._flat_numel:
-                both = torch.empty(2, self._flat_numel, dtype=local[0].dtype)
+            if self._flat:  # sized now: a parameter resized in place since the last measurement is read whole
+                both = torch.empty(2, sum([t.numel() for t in local]), dtype=local[0].dtype)
                 torch.cat(_flat_views(local), out=both[1])
                 return [both]
             return list(_foreach_clone(local))
@@ -104,7 +103,7 @@ class ParamProbe:
             if not cur:
                 zero = torch.zeros(())
                 return zero, (zero if before is not None else None)
-            if self._flat_numel:
+            if self._flat:
                 return self._flat_sums(cur, before)
             if not self._one_device or self._norm_kwargs is None:
                 if before is not None:

@@ -9,8 +9,9 @@ multi-tensor kernel: about 6 launches instead of about 90 on the 18-tensor trans
 ``benchmarks/bench_guard_overhead.py``. On a CPU it is still one kernel per tensor, and a measured step still
 costs 0.3-0.5 ms more than a healthy one there (one step in ten; ``benchmarks/RESULTS.md``, "What the median
 step carries"). So on a CPU, for models up to :data:`FLAT_MAX_NUMEL` values, the probe copies the parameters
-into one flat buffer instead (:meth:`ParamProbe.snapshot`: one ``torch.cat``) and takes both sums with four
-kernels whatever the number of tensors (``benchmarks/RESULTS.md``, "The weights' probe in one buffer").
+into the rows of one flat buffer instead (one ``_foreach_copy_`` into views of a row, made at the first
+measurement) and takes both sums with one subtraction and one norm over the buffer, whatever the number of
+tensors (``benchmarks/RESULTS.md``, "The weights' probe in one buffer").
 
 The sums are of the *local* tensors: under FSDP2 each rank holds a shard, and the guard adds the ranks' sums
 before taking the square root (:func:`vidstab.guard.stats.build_stats`, ``sharded``).
@@ -29,8 +30,8 @@ _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _foreach_clone = getattr(torch, "_foreach_clone", None) or (lambda tensors: [t.clone() for t in tensors])
 
 FLAT_MAX_NUMEL = 1 << 22
-"""Most parameter values a CPU probe copies into one flat buffer (two rows of them, 32 MiB in float32, held only
-from the snapshot to the sums). Past this the copies' memory traffic outweighs the kernels saved."""
+"""Most parameter values a CPU probe copies into one flat buffer (two rows of them, kept from the first measurement
+on: at most 32 MiB in float32). Past this the copies' memory traffic outweighs the kernels saved."""
 
 
 class ParamProbe:
@@ -59,11 +60,17 @@ class ParamProbe:
         # Norms in float32 whatever the weights' precision (a bfloat16 norm keeps about three digits); a float64
         # model keeps its own (foreach_norm refuses to narrow).
         self._norm_kwargs = {"dtype": torch.float32} if all(p.dtype in _LOW_PRECISION for p in self.params) else None
-        # A CPU runs a foreach op as one kernel per tensor: there, one flat copy (module docstring), sized by the
-        # local tensors (an FSDP2 parameter's numel() is the whole tensor's, its shard is smaller).
+        # A CPU runs a foreach op as one kernel per tensor: there, one flat buffer (module docstring), sized by the
+        # local tensors (an FSDP2 parameter's numel() is the whole tensor's, its shard is smaller), with views of
+        # its rows shaped like them, made once.
         local = self._local()
-        self._flat = ({t.device.type for t in local} == {"cpu"} and len({t.dtype for t in local}) == 1
-                      and sum(t.numel() for t in local) <= FLAT_MAX_NUMEL)
+        total = sum(t.numel() for t in local)
+        self._buffer: torch.Tensor | None = None
+        if ({t.device.type for t in local} == {"cpu"} and len({t.dtype for t in local}) == 1
+                and total <= FLAT_MAX_NUMEL):
+            self._buffer = torch.empty(2, total, dtype=local[0].dtype)
+            sizes = [t.numel() for t in local]
+            self._rows = [[v.view(t.shape) for v, t in zip(row.split(sizes), local)] for row in self._buffer]
         self._prepared = True
 
     def _local(self) -> list[torch.Tensor]:
@@ -74,7 +81,7 @@ class ParamProbe:
 
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of the local parameters, taken right before the optimizer step, for :meth:`sums` only (one
-        foreach op; on a CPU, the second row of a ``[2, n]`` buffer filled by one ``torch.cat``)."""
+        foreach op; on a CPU, into the second row of the probe's flat buffer, which the next snapshot overwrites)."""
         if not self._prepared:
             self._prepare()
         if not self.params:
@@ -83,10 +90,9 @@ class ParamProbe:
         torch._C._set_grad_enabled(False)
         try:
             local = self._local()
-            if self._flat:  # sized now: a parameter resized in place since the last measurement is read whole
-                both = torch.empty(2, sum([t.numel() for t in local]), dtype=local[0].dtype)
-                torch.cat(_flat_views(local), out=both[1])
-                return [both]
+            if self._buffer is not None:  # the buffer's second row
+                torch._foreach_copy_(self._rows[1], local)
+                return [self._buffer]
             return list(_foreach_clone(local))
         finally:
             torch._C._set_grad_enabled(grad)
@@ -103,7 +109,7 @@ class ParamProbe:
             if not cur:
                 zero = torch.zeros(())
                 return zero, (zero if before is not None else None)
-            if self._flat:
+            if self._buffer is not None:
                 return self._flat_sums(cur, before)
             if not self._one_device or self._norm_kwargs is None:
                 if before is not None:
@@ -121,21 +127,15 @@ class ParamProbe:
 
     def _flat_sums(self, cur: list[torch.Tensor], before: list[torch.Tensor] | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`sums` through the flat buffer of :meth:`snapshot`: the parameters copied into its first row,
-        the change into its second, one norm per row (float32, or float64 for a float64 model)."""
+        """:meth:`sums` through the flat buffer: the parameters copied into its first row (one foreach copy into
+        views made once), the change into its second, one norm per row (float32, or float64 for a float64 model)."""
+        both = self._buffer
+        torch._foreach_copy_(self._rows[0], cur)
         if before is None:
-            flat = torch.cat(_flat_views(cur))
-            n = torch.linalg.vector_norm(flat, 2, **(self._norm_kwargs or {}))
+            n = torch.linalg.vector_norm(both[0], 2, **(self._norm_kwargs or {}))
             return (n * n).float(), None
-        both = before[0]
-        torch.cat(_flat_views(cur), out=both[0])
         both[1].sub_(both[0])
         sq = torch.linalg.vector_norm(both, 2, 1, **(self._norm_kwargs or {})).square()
         if sq.dtype is not torch.float32:
             sq = sq.float()
         return sq[0], sq[1]
-
-
-def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor as one dimension (a view where it is contiguous), for ``torch.cat``."""
-    return [t.reshape(-1) for t in tensors]

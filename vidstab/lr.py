@@ -80,7 +80,7 @@ class LRMultiplier:
         sch = self._torch_scheduler
         last = getattr(sch, "_last_lr", None) if sch is not None else None
         scheduled = float(last[0]) if last and isinstance(last[0], (int, float)) else None
-        groups = self._groups_owner.param_groups  # the list itself: load_state_dict replaces it
+        groups = self._groups_owner.param_groups  # read every step: the optimizer's load_state_dict replaces the list
         if not groups:
             return None, None, scheduled
         group = groups[0]

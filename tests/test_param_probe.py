@@ -82,3 +82,20 @@ def test_a_lazy_module_is_measured_once_it_has_run(layout):
     model(torch.randn(4, 5))
     param_sq, _ = probe.sums(None)
     assert float(param_sq) == pytest.approx(_reference(model.parameters()), rel=1e-6)
+
+
+def test_a_model_of_mixed_precisions_takes_the_per_tensor_copies():
+    """One flat buffer holds one dtype: a model with float32 and bfloat16 weights is measured tensor by tensor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2).to(torch.bfloat16))
+    params = list(model.parameters())
+    probe = ParamProbe(params)
+    before = probe.snapshot()
+    assert len(before) == len(params)  # a copy per tensor, not the flat buffer
+    truth_before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.optim.SGD(params, lr=0.25).step()
+    param_sq, update_sq = probe.sums(before)
+    assert float(param_sq) == pytest.approx(_reference(params), rel=2e-3)
+    assert float(update_sq) == pytest.approx(_reference([b - p.detach() for b, p in zip(truth_before, params)]), rel=2e-3)

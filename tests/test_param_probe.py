@@ -44,6 +44,8 @@ def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype, la
     model(torch.randn(8, 16, dtype=dtype)).square().mean().backward()
     model.transposed.grad = torch.ones_like(model.transposed)
     optimizer.step()  # the snapshot must be a copy: a view would read no change
+    shared = {p.untyped_storage().data_ptr() for p in params}
+    assert all(b.untyped_storage().data_ptr() not in shared for b in before)  # a copy, not a view
     param_sq, update_sq = probe.sums(before)
     assert param_sq.dtype == update_sq.dtype == torch.float32 and param_sq.ndim == update_sq.ndim == 0
     want_param = _reference(params)

@@ -21,7 +21,7 @@ from accelerate.state import AcceleratorState, GradientState
 import vidstab
 from vidstab.detectors import screen_values
 from vidstab.events import events_dir
-from vidstab.guard.healthy import PARAM_NORM, QueuedStep, queued_stats, row_values
+from vidstab.guard.healthy import PARAM_NORM, QueuedStep, host_row_values, queued_stats, row_values
 
 
 class TinyDenoiser(torch.nn.Module):
@@ -49,7 +49,7 @@ def run(run_dir, batched: bool):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     guard = vidstab.attach(accelerator, model, optimizer, scheduler, run_dir=run_dir)
-    compared, built_stats = [], []
+    compared, built_stats, raw_compared = [], [], []
     if not batched:
         guard._batchable = False  # the reference: every step judged on its own
         build = guard._build_stats
@@ -58,6 +58,9 @@ def run(run_dir, batched: bool):
             """What the batched path reads off the row is what the built stats hold (SCREEN_FIELDS order)."""
             stats = build(step, table, max_grad_norm, norm_known, lr)
             values = row_values(table[0], guard.window.layout, max_grad_norm, stats.lr, stats.lr_peak, stats.lr_scheduled)
+            # the healthy step's screen reads the raw row (host_row_values): the same values, None included
+            raw = host_row_values(table, guard.window.layout, max_grad_norm, stats.lr, stats.lr_peak, stats.lr_scheduled)
+            raw_compared.append((step, repr(raw) == repr(values)))
             if values is not None:
                 compared.append((step, values, tuple(None if v == [] else v for v in screen_values(stats))))
                 # a queued step's stats are built from these values (queued_stats): the same as build_stats'
@@ -104,7 +107,7 @@ def run(run_dir, batched: bool):
         rec.pop("local_seconds", None)  # this rank's own compute time: the clock's, not the guard's
         if rec["kind"] == "start":
             rec.pop("config")
-    return lines, results, saved, final, guard.steps_batched, compared, built_stats
+    return lines, results, saved, final, guard.steps_batched, compared, built_stats, raw_compared
 
 
 def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
@@ -124,6 +127,8 @@ def test_batched_healthy_steps_leave_the_same_log_results_and_state(tmp_path):
     assert [c for c in compared if c[1] != c[2]] == []  # the row's values, field by field, are the stats'
     built = judged[6]
     assert len(built) > 0.9 * STEPS and [b for b in built if b[0] != b[1]] == []
+    raw = judged[7]
+    assert len(raw) == STEPS and [step for step, same in raw if not same] == []  # the NaN step's None included
 
 
 def test_two_processes_batch_healthy_steps_alike_and_log_what_judging_every_step_logs(tmp_path):

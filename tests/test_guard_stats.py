@@ -168,6 +168,53 @@ def test_the_last_micro_steps_inputs_reduced_at_pack_give_the_same_row(micro_ste
     assert eager.micro_flags()[-1].input_nonfinite == 1
 
 
+def test_the_screen_values_read_off_the_raw_one_process_row_are_those_of_the_finished_row():
+    """``host_row_values`` (a healthy step's screen, reading the raw read without finishing the row) gives exactly
+    what ``row_values`` reads off the finished row, None included: one micro-step with zero or one input tensor
+    (its own path), and the layouts it hands over (several micro-steps or tensors, bucket losses, a loss scale,
+    the parameter sums), through NaN and inf losses, inputs and norms, an exception and a stop request."""
+    from vidstab.guard.healthy import host_row_values, row_values
+
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    special = [1.0, math.nan, math.inf, -math.inf]
+    seen_none = seen_fast = 0
+    for trial in range(600):
+        buckets = rng.choice([0, 0, 4])
+        w = S.Window(torch.device("cpu"), buckets, 1000)
+        micro_steps = rng.choice([1, 1, 1, 2])
+        tensors = rng.choice([0, 1, 1, 1, 2])
+        for m in range(micro_steps):
+            batch = {}
+            for j in range(tensors):
+                x = torch.randn(2, 3, 4, generator=gen) * rng.choice([0.5, 3.0])
+                if rng.random() < 0.1:
+                    x[0, 1, 2] = rng.choice(special[1:])
+                batch[f"x{j}"] = x
+            loss = torch.tensor(rng.choice([0.25, 0.5]) if rng.random() > 0.1 else rng.choice(special[1:]))
+            per_sample, t = torch.rand(2, generator=gen), torch.tensor([10.0, 990.0])
+            with_buckets = buckets and rng.random() < 0.5
+            w.record(loss, batch, per_sample if with_buckets else None, t if with_buckets else None,
+                     error=rng.random() < 0.05, defer_inputs=m == micro_steps - 1)
+        measured = rng.random() < 0.3
+        norm = None if rng.random() < 0.05 else torch.tensor(rng.choice([0.7, 3.0, *special[1:]]))
+        row = w.pack_for_host(norm, rng.random() < 0.05, torch.tensor(rng.choice([100.0, math.nan])) if measured else None,
+                              torch.tensor(0.01) if measured else None, torch.tensor(2.0**16) if rng.random() < 0.05 else None,
+                              0.125)
+        table = S.gather_and_read(None, row)
+        lr = rng.choice([None, 1e-4])
+        args = (w.layout, rng.choice([None, 1.0]), lr, rng.choice([None, 1e-4]), rng.choice([None, lr]))
+        got = host_row_values(table, *args)
+        raw_path = table._row is None  # not finished: read off the raw values
+        want = row_values(table[0], *args)
+        assert repr(got) == repr(want), (trial, table[0])  # repr: NaN == NaN
+        seen_none += got is None
+        seen_fast += raw_path
+        assert raw_path or not (micro_steps == 1 and tensors <= 1 and not buckets and norm is not None
+                                and table.present[3] is False), trial
+    assert seen_none > 50 and seen_fast > 200  # both outcomes, mostly on the raw path
+
+
 def test_detectors_with_nothing_to_judge_are_not_built_or_not_called(tmp_path):
     """A one-process guard has no ``straggler`` (no other rank to compare) and never calls ``lr_jump`` while
     the schedule's peak is known (``lr_bound`` judges the LR then); both still judge where they can."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -470,14 +470,42 @@ class HostRow:
     """A one-process row still in two parts (:meth:`Window.pack_for_host`): ``raw`` on the device (the
     present scalars among grad_norm, param_sq, update_sq, loss_scale, then the micro-step losses, the
     input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host. A plain
-    class with slots: one is made per step, and a frozen dataclass's ``__init__`` costs a call per field."""
+    class with slots: one is made per step, and a frozen dataclass's ``__init__`` costs a call per field.
 
-    __slots__ = ("raw", "present", "micro_steps", "tensors", "host", "layout")
+    Once :meth:`read` (the one host read), it is the step's gathered table of one row: ``table[0]`` is the row
+    :meth:`Window.pack` would have built, finished on the host when first asked for (:meth:`finish`). A healthy
+    step's screen reads the raw values instead (:func:`vidstab.guard.healthy.host_row_values`), and the row is
+    finished later, with the other held-back steps', when its metrics line is made: right after a training step
+    every Python object touched is a cache miss (``benchmarks/RESULTS.md``, "The screen on the raw read")."""
+
+    __slots__ = ("raw", "present", "micro_steps", "tensors", "host", "layout", "flat", "_row")
 
     def __init__(self, raw: torch.Tensor, present: tuple[bool, bool, bool, bool], micro_steps: int, tensors: int,
                  host: list[float], layout: Layout) -> None:
         self.raw, self.present, self.micro_steps, self.tensors, self.host, self.layout = (
             raw, present, micro_steps, tensors, host, layout)
+        self.flat: list[float] = []
+        self._row: list[float] | None = None
+
+    def read(self) -> "HostRow":
+        """The host sync: ``raw`` read back once (:attr:`flat`); returns the row, now a table of one row."""
+        self.flat = self.raw.tolist()
+        return self
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, rank: int) -> list[float]:
+        """The finished row (rank 0, the only one), made on first use."""
+        if rank not in (0, -1):
+            raise IndexError(f"a run of one process has one row, not row {rank}")
+        row = self._row
+        if row is None:
+            row = self._row = self.finish(self.flat)
+        return row
+
+    def __iter__(self) -> Iterator[list[float]]:
+        yield self[0]
 
     def finish(self, flat: list[float]) -> list[float]:
         """The row :meth:`Window.pack` would have built, from ``raw`` read back: the same columns and
@@ -524,12 +552,12 @@ def _nan_max(values: list[float]) -> float:
     return math.nan if any(x != x for x in values) else max(values)
 
 
-def gather_and_read(accelerator: Any, row: "torch.Tensor | HostRow") -> list[list[float]]:
+def gather_and_read(accelerator: Any, row: "torch.Tensor | HostRow") -> "list[list[float]] | HostRow":
     """ONE collective (``accelerator.gather``) and ONE host read for the whole step: ``table[r]`` is rank
-    ``r``'s row. With one process there is nothing to gather (and a :class:`HostRow` is read and finished
-    on the host)."""
+    ``r``'s row. With one process there is nothing to gather (and a :class:`HostRow` is read, to be finished
+    on the host when its row is asked for)."""
     if isinstance(row, HostRow):
-        return [row.finish(row.raw.tolist())]  # the host sync
+        return row.read()  # the host sync
     k = row.numel()
     if accelerator is not None and accelerator.num_processes > 1:
         table = accelerator.gather(row.reshape(1, k)).reshape(-1)

@@ -48,7 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
-from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, queued_stats, row_values, table_values
+from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, host_row_values, queued_stats, table_values
 from .param_probe import ParamProbe
 from .reporting import GuardReporting
 from .result import StepResult
@@ -220,7 +220,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         # nothing to judge: applied now, absorbed and reported with the next ones (vidstab/guard/healthy.py).
         if (self._batchable and not self._scale_known and self._plan.screen.may_admit(step, len(self._queued))
                 and not self._tracked(step)):
-            values = (row_values(table[0], self.window.layout, max_grad_norm, *lr) if self.world_size == 1 else
+            values = (host_row_values(table, self.window.layout, max_grad_norm, *lr) if self.world_size == 1 else
                       table_values(table, self.window.layout, max_grad_norm, *lr, self._sharded))
             if values is not None:
                 room = self._plan.screen.clears(values, len(self._queued))  # (may_admit said yes)

@@ -3,7 +3,8 @@
 On most steps of a healthy run nothing is found, and the detectors' promises (:mod:`vidstab.detectors.screen`)
 say so before any of them runs. For such a step the guard reads from the gathered row only the values the
 promises bound (:func:`row_values`: the fields :data:`~vidstab.detectors.screen.SCREEN_FIELDS`, computed as
-:func:`vidstab.guard.stats.build_stats` computes them, without building the stats) and asks
+:func:`vidstab.guard.stats.build_stats` computes them, without building the stats; with one process
+:func:`host_row_values`, straight from the raw read, the row itself finished only when its line is made) and asks
 :meth:`Screen.admits <vidstab.detectors.screen.Screen.admits>`. A step it clears is applied at once and queued
 (:class:`QueuedStep`); its statistics, detector updates and metrics line are made later, several steps in one
 loop (:meth:`Guard._absorb_queued <vidstab.guard.Guard._absorb_queued>`, then ``_log_queued``): right after a
@@ -45,7 +46,7 @@ class QueuedStep(NamedTuple):
     """What a cleared step leaves for its later absorption: :func:`vidstab.guard.stats.build_stats`'s inputs."""
 
     step: int
-    table: list[list[float]]
+    table: "list[list[float]] | S.HostRow"
     max_grad_norm: float | None
     lr: float | None
     lr_peak: float | None
@@ -54,7 +55,7 @@ class QueuedStep(NamedTuple):
     time: float
     """When it was applied (its metrics line's ``time``)."""
     values: tuple
-    """What :func:`row_values` or :func:`table_values` read off its table (:func:`queued_stats` builds on them)."""
+    """What :func:`host_row_values` or :func:`table_values` read off its table (:func:`queued_stats` builds on them)."""
 
 
 def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, lr: float | None,
@@ -86,6 +87,43 @@ def row_values(row: list[float], layout: S.Layout, max_grad_norm: float | None, 
     # SCREEN_FIELDS order (tests/test_guard_healthy_batch.py compares with screen_values of the built stats)
     return (grad_norm, (0.0 + loss_sum) / (0.0 + total), max_grad_norm, lr, to_peak, to_scheduled,
             lr if lr_peak is None else None, absmax, math.sqrt(sum_sq / (0.0 + numel)) if numel > 0 else None, filled,
+            param_norm, update_ratio, update_per_lr, None, None, None, None, None)
+
+
+def host_row_values(table: S.HostRow, layout: S.Layout, max_grad_norm: float | None, lr: float | None,
+                    lr_peak: float | None, lr_scheduled: float | None) -> tuple | None:
+    """:func:`row_values` of a one-process step straight from its raw read (:class:`~vidstab.signals.HostRow`),
+    without finishing the row (that waits until the step's metrics line is made, with the other held-back
+    steps'): the same floats, for the common layout (one micro-step, at most one input tensor, no loss scale,
+    no timestep-bucket losses, the parameter sums both present or both absent); any other row is finished and
+    read by :func:`row_values`."""
+    flat, host = table.flat, table.host
+    has_norm, has_param, has_update, has_scale = table.present
+    n = table.tensors
+    if table.micro_steps != 1 or n > 1 or has_scale or not has_norm or has_param != has_update:
+        return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
+    # raw: grad_norm, [param_sq, update_sq], loss, [max, min, sum, norm]; longer: bucket losses follow
+    at = 3 if has_param else 1
+    if len(flat) != at + 1 + 4 * n:
+        return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
+    if host[2] or host[4]:  # an exception, a stop request (HostRow.finish: EXCEPTIONS, STOP)
+        return None
+    grad_norm, loss_sum, numel = flat[0], flat[at], host[3]
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):  # (one micro-step: its loss count is 1)
+        return None
+    absmax, rms = 0.0, None
+    if numel > 0:  # finish's columns: absmax from |max| and |min|, the sum of squares from norm * norm
+        hi, lo, norm = abs(flat[at + 1]), abs(flat[at + 2]), flat[at + 4]
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            return None
+        absmax = max(hi, lo)
+        rms = math.sqrt((0.0 + norm * norm) / (0.0 + numel))
+    param_norm = update_ratio = update_per_lr = None
+    if has_param:
+        param_norm, update_ratio, update_per_lr = _param_values(0 + flat[1], 0 + flat[2], lr)
+    to_peak, to_scheduled = lr_ratios(lr, lr_peak, lr_scheduled)
+    return (grad_norm, (0.0 + loss_sum) / 1.0, max_grad_norm, lr, to_peak, to_scheduled,
+            lr if lr_peak is None else None, absmax, rms, 0,
             param_norm, update_ratio, update_per_lr, None, None, None, None, None)
 
 

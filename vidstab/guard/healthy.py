@@ -106,9 +106,9 @@ def host_row_values(table: S.HostRow, layout: S.Layout, max_grad_norm: float | N
     at = 3 if has_param else 1
     if len(flat) != at + 1 + 4 * n:
         return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
-    if host[2] or host[4]:  # an exception, a stop request (HostRow.finish: EXCEPTIONS, STOP)
+    if host[_HOST_EXCEPTIONS] or host[_HOST_STOP]:
         return None
-    grad_norm, loss_sum, numel = flat[0], flat[at], host[3]
+    grad_norm, loss_sum, numel = flat[0], flat[at], host[_HOST_IN_NUMEL]
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):  # (one micro-step: its loss count is 1)
         return None
     absmax, rms = 0.0, None
@@ -204,5 +204,7 @@ def _param_values(psq: float, usq: float, lr: float | None) -> tuple:
 
 GRAD_NORM, LOSS, PARAM_NORM = (SCREEN_FIELDS.index(f) for f in ("grad_norm", "loss", "param_norm"))
 """Positions in :func:`row_values`' tuple of what the guard reads itself."""
+_HOST_EXCEPTIONS, _HOST_IN_NUMEL, _HOST_STOP = (c - S.DEVICE_COLS for c in (S.EXCEPTIONS, S.IN_NUMEL, S.STOP))
+"""Positions in :attr:`HostRow.host <vidstab.signals.HostRow>` (the row's host-known columns, from ``NORM_OK`` on)."""
 _ABSMAX, _RMS, _FILLED, _UPDATE_RATIO = (SCREEN_FIELDS.index(f) for f in (
     "input_absmax", "input_rms", "timestep_buckets_filled", "update_ratio"))

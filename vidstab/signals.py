@@ -501,19 +501,19 @@ class HostRow:
             raise IndexError(f"a run of one process has one row, not row {rank}")
         row = self._row
         if row is None:
-            row = self._row = self.finish(self.flat)
+            row = self._row = self.finish()
         return row
 
     def __iter__(self) -> Iterator[list[float]]:
         yield self[0]
 
-    def finish(self, flat: list[float]) -> list[float]:
-        """The row :meth:`Window.pack` would have built, from ``raw`` read back: the same columns and
+    def finish(self) -> list[float]:
+        """The row :meth:`Window.pack` would have built, from ``raw`` read back (:attr:`flat`): the same columns and
         encodings. Plain Python (numpy's or torch's per-call cost on 30 numbers is more than the sums):
         float64 arithmetic, so a derived column may differ from the device's float32 in its last bits."""
         # Unrolled where it runs on every step (one micro-step, one input tensor): on Python 3.11 a comprehension
         # is a call of its own, and right after a training step every code object run is a cache miss.
-        it = iter(flat)
+        it = iter(self.flat)
         p0, p1, p2, p3 = self.present
         row = [next(it) if p0 else 0.0, next(it) if p1 else 0.0, next(it) if p2 else 0.0, next(it) if p3 else 0.0]
         m, n = self.micro_steps, self.tensors

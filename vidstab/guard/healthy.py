@@ -100,11 +100,9 @@ def host_row_values(table: S.HostRow, layout: S.Layout, max_grad_norm: float | N
     flat, host = table.flat, table.host
     has_norm, has_param, has_update, has_scale = table.present
     n = table.tensors
-    if table.micro_steps != 1 or n > 1 or has_scale or not has_norm or has_param != has_update:
-        return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
-    # raw: grad_norm, [param_sq, update_sq], loss, [max, min, sum, norm]; longer: bucket losses follow
-    at = 3 if has_param else 1
-    if len(flat) != at + 1 + 4 * n:
+    at = 3 if has_param else 1  # raw: grad_norm, [param_sq, update_sq], loss, [max, min, sum, norm], [buckets]
+    if (table.micro_steps != 1 or n > 1 or has_scale or not has_norm or has_param != has_update
+            or len(flat) != at + 1 + 4 * n):  # (longer: bucket losses follow)
         return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
     if host[_HOST_EXCEPTIONS] or host[_HOST_STOP]:
         return None

@@ -3,12 +3,12 @@ one part, on one model, paired per round.
 
 Four explicit guards (``vidstab.Guard``) train ONE model, optimizer and scheduler of ``bench_guard_overhead.py``'s
 size classes: ``default`` twice (the second, ``default_again``, is the A/A noise floor), ``no_detectors``
-(every detector's ``enabled=False``) and ``inputs_at_backward`` (the last micro-step's input reductions made
-right after its backward, as the guard did before 2026-12-02, instead of at the packing after the clip:
-``Window.record``'s ``defer_inputs``). Each round runs one step of each in a random order; reported: the median
+(every detector's ``enabled=False``) and ``inputs_at_backward`` (the last micro-step recorded, its input
+reductions included, right after its backward, as the guard did before 2026-12-02, instead of right before the
+packing, after the clip: ``Guard._hold``). Each round runs one step of each in a random order; reported: the median
 of the per-round differences of this thread's CPU time to ``default``. ``no_detectors - default`` is what the
 detectors add (judging, updates, promises, published thresholds); ``inputs_at_backward - default`` what
-reducing the inputs at the packing saves. Last line: one JSON object.
+recording the last micro-step at the packing saves. Last line: one JSON object.
 
     python benchmarks/ablate_guard_detectors.py                       # transformer, ~1 minute
     python benchmarks/ablate_guard_detectors.py --model mlp --rounds 3000
@@ -59,8 +59,6 @@ def main() -> None:
     off = every_detector_off()
     guards = {name: vidstab.Guard(accelerator, model, opt, sched, config=off if name == "no_detectors" else None,
                                   run_dir=os.path.join(run_dir, name)) for name in VARIANTS}
-    record = guards["inputs_at_backward"].window.record  # the baseline: every micro-step reduced at once
-    guards["inputs_at_backward"].window.record = lambda *a, defer_inputs=False, **k: record(*a, **k)
     batches = bench.fixed_batches(shape)
 
     def one_step(name: str, i: int) -> None:
@@ -69,6 +67,8 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
             guard.backward(loss, batch={"latents": x})
+            if name == "inputs_at_backward":  # the baseline: every micro-step recorded at once
+                guard._record_held()
             guard.step(max_grad_norm=1.0)
 
     for i in range(args.warmup):
@@ -91,7 +91,7 @@ def main() -> None:
     for name in VARIANTS:
         print(f"{name:<16}{detectors[name]:>10}{diff_us[name]:>+26.1f}")
     print(f"the detectors cost {-diff_us['no_detectors']:.1f} us per step (A/A {diff_us['default_again']:+.1f} us)")
-    print(f"reducing the inputs at the packing instead of after the backward saves {diff_us['inputs_at_backward']:.1f} us per step")
+    print(f"recording the last micro-step at the packing instead of after the backward saves {diff_us['inputs_at_backward']:.1f} us per step")
     print(json.dumps({"benchmark": "ablate_guard_detectors", "model": description, "rounds": args.rounds,
                       "default_step_ms": round(default_ms, 3), "detectors": detectors,
                       "us_vs_default": {k: round(v, 1) for k, v in diff_us.items()},

@@ -22,6 +22,7 @@ the same to every guard). Last line: one JSON object.
     python benchmarks/compare_guard_revisions.py                          # HEAD vs working tree, transformer
     python benchmarks/compare_guard_revisions.py --rev HEAD~3 --model mlp --rounds 3000
     python benchmarks/compare_guard_revisions.py --judged      # every step judged (runs of several processes)
+    python benchmarks/compare_guard_revisions.py --explicit    # guard.backward(loss, batch=...) + guard.step
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ import vidstab  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("base", "base_again", "new", "new_again", "plain")
 WRAPPERS = ("_user_backward", "_user_clip_grad_norm", "_user_optimizer_step", "_user_scheduler_step", "_see_model_inputs")
+#: ``--explicit``: the guard's own calls (``guard.step`` also zeroes the gradients, as the plain loop does itself)
+EXPLICIT_CALLS = ("backward", "step")
 ORIGINALS = ("_backward", "_clip", "_optimizer_step", "_scheduler_step")
 
 
@@ -81,8 +84,8 @@ def import_revision(rev: str, into: Path):
     return import_copy(extracted / "vidstab", "vidstab_base", into), import_copy(REPO / "vidstab", "vidstab_new", into)
 
 
-def own_time(guard, clock: list[int]) -> None:
-    """Charge ``guard``'s wrappers (+) and the originals they call (-) to ``clock[0]``."""
+def own_time(guard, clock: list[int], wrappers: tuple[str, ...] = WRAPPERS) -> None:
+    """Charge ``guard``'s ``wrappers`` (+) and the originals they call (-) to ``clock[0]``."""
     def timed(fn, sign):
         def call(*a, **k):
             t0 = time.perf_counter_ns()
@@ -94,7 +97,7 @@ def own_time(guard, clock: list[int]) -> None:
 
     for name in ORIGINALS:
         setattr(guard, name, timed(getattr(guard, name), -1))
-    for name in WRAPPERS:
+    for name in wrappers:
         setattr(guard, name, timed(getattr(guard, name), +1))
 
 
@@ -145,6 +148,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50, help="steps per variant before timing")
     ap.add_argument("--judged", action="store_true",
                     help="every step judged on its own, no batched healthy steps (what a run of several processes takes)")
+    ap.add_argument("--explicit", action="store_true",
+                    help="the explicit calls of bench_guard_overhead.py's 'explicit' variant instead of the attached loop")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="vidstab-revisions-"))
@@ -155,17 +160,23 @@ def main() -> None:
     clock = [0]
     guards = {}
     for name, pkg in (("base", base_pkg), ("base_again", base_pkg), ("new", new_pkg), ("new_again", new_pkg)):
-        guards[name] = pkg.attach(accelerator, model, opt, sched, run_dir=tmp / name)
+        if args.explicit:
+            guards[name] = pkg.Guard(accelerator, model, opt, sched, run_dir=tmp / name)
+        else:
+            guards[name] = pkg.attach(accelerator, model, opt, sched, run_dir=tmp / name)
+            unwrap(guards[name])
         if args.judged:
             guards[name]._batchable = False
-        unwrap(guards[name])
-        own_time(guards[name], clock)
+        own_time(guards[name], clock, EXPLICIT_CALLS if args.explicit else WRAPPERS)
     window = [0]
     time_read_to_step((base_pkg, new_pkg), list(guards.values()), window)
     guards["plain"] = None
     attached = [None]
 
     def use(name: str) -> None:
+        if args.explicit:
+            attached[0] = name
+            return
         if attached[0] is not None:
             unwrap(guards[attached[0]])
         attached[0] = None
@@ -176,7 +187,15 @@ def main() -> None:
     batches = bench.fixed_batches(shape)
 
     def one_step(i: int) -> None:
-        bench.user_loop_step(accelerator, model, opt, sched, batches[i % len(batches)])
+        guard = guards[attached[0]] if args.explicit else None
+        if guard is None:
+            bench.user_loop_step(accelerator, model, opt, sched, batches[i % len(batches)])
+            return
+        x, noise, t = batches[i % len(batches)]
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
+            guard.backward(loss, batch={"latents": x, "noise": noise, "timesteps": t})
+            guard.step(max_grad_norm=1.0)
 
     for i in range(args.warmup):
         for name in VARIANTS:
@@ -203,7 +222,7 @@ def main() -> None:
     own_us = {k: [a - b for a, b in zip(own[k], own["base"])] for k in VARIANTS if k != "plain"}
     out = {
         "benchmark": "compare_guard_revisions", "rev": args.rev, "model": description, "rounds": args.rounds,
-        "judged": args.judged,
+        "judged": args.judged, "explicit": args.explicit,
         "plain_step_ms": round(statistics.median(cpu["plain"]) / 1e3, 3),
         "added_vs_plain_us": {k: round(statistics.median(a - b for a, b in zip(cpu[k], cpu["plain"])), 1)
                               for k in ("base", "new")},
@@ -219,7 +238,7 @@ def main() -> None:
         "read_to_step_us": {k: round(statistics.median(gap[k]), 1) for k in own_us},
         "read_to_step_us_mean": {k: round(statistics.fmean(gap[k]), 1) for k in own_us},
     }
-    print(f"{description}, {args.rounds} rounds, baseline {args.rev}; plain step {out['plain_step_ms']:.3f} ms (thread CPU)")
+    print(f"{description}, {'explicit calls' if args.explicit else 'attached loop'}, {args.rounds} rounds, baseline {args.rev}; plain step {out['plain_step_ms']:.3f} ms (thread CPU)")
     print(f"{'variant':<12}{'step us vs base':>18}{'95% interval':>20}{'own us':>10}{'own vs base':>13}{'95% interval':>20}")
     for k in VARIANTS:
         ci = out["step_us_vs_base_ci95"].get(k, [0.0, 0.0])

@@ -79,16 +79,19 @@ def test_ablate_guard_detectors_compares_the_defaults_with_a_part_left_out():
     assert counts["inputs_at_backward"] == counts["default"]
 
 
-def test_compare_guard_revisions_runs_a_revision_beside_the_working_tree():
+@pytest.mark.parametrize("calls", [[], ["--explicit"]])
+def test_compare_guard_revisions_runs_a_revision_beside_the_working_tree(calls):
     """The revision's guard (a ``git archive`` copy) and the working tree's (a copy too), two guards each, guard the
-    same model; the script reports every figure for every variant (no timing asserted)."""
+    same model, in the attached loop or through the explicit calls; the script reports every figure for every
+    variant (no timing asserted)."""
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout: no revision to compare with")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_guard_revisions.py"), "--model", "mlp",
-                           "--rounds", "4", "--warmup", "2"], capture_output=True, text=True, timeout=300,
+                           "--rounds", "4", "--warmup", "2", *calls], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["explicit"] is bool(calls)
     assert set(summary["step_us_vs_base"]) == {"base", "base_again", "new", "new_again", "plain"}
     guards = {"base", "base_again", "new", "new_again"}  # two per package: each package's code is as warm
     assert set(summary["own_us"]) == guards and all(v > 0 for v in summary["own_us"].values())

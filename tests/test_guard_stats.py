@@ -140,34 +140,6 @@ def test_a_one_process_row_finished_on_the_host_is_the_gathered_row(micro_steps,
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (col, a, b)
 
 
-@pytest.mark.parametrize("micro_steps", [1, 3])
-def test_the_last_micro_steps_inputs_reduced_at_pack_give_the_same_row(micro_steps):
-    """``record(..., defer_inputs=True)`` (the window's last micro-step, as the guard records it) leaves the
-    input reductions for the packing: the row, both packings and the cold path's per-micro-step flags are
-    those of reducing at once, NaN and bf16 inputs included."""
-    gen = torch.Generator().manual_seed(micro_steps)
-    steps = []
-    for m in range(micro_steps):
-        x = torch.randn(2, 3, 4, generator=gen) * (m + 1)
-        if m == micro_steps - 1:
-            x[1, 0, 3] = float("nan")
-        steps.append((torch.tensor(0.5 + m), {"x": x, "y": torch.randn(3, 5, generator=gen).bfloat16()}))
-    windows = {}
-    for defer in (False, True):
-        w = S.Window(torch.device("cpu"), 4, 1000)
-        for m, (loss, batch) in enumerate(steps):
-            w.record(loss, batch, defer_inputs=defer and m == micro_steps - 1)
-        windows[defer] = w
-    args = (torch.tensor(1.5), False, None, None, None, 0.25)
-    eager, deferred = windows[False], windows[True]
-    assert repr(deferred.micro_flags()) == repr(eager.micro_flags())  # the cold path reduces what waits, too (repr: NaN)
-    for pack in ("pack", "pack_for_host"):
-        want = S.gather_and_read(None, getattr(eager, pack)(*args))[0]
-        got = S.gather_and_read(None, getattr(deferred, pack)(*args))[0]
-        assert repr(got) == repr(want), pack
-    assert eager.micro_flags()[-1].input_nonfinite == 1
-
-
 def test_the_screen_values_read_off_the_raw_one_process_row_are_those_of_the_finished_row():
     """``host_row_values`` (a healthy step's screen, reading the raw read without finishing the row) gives exactly
     what ``row_values`` reads off the finished row, None included: one micro-step with zero or one input tensor
@@ -195,7 +167,7 @@ def test_the_screen_values_read_off_the_raw_one_process_row_are_those_of_the_fin
             per_sample, t = torch.rand(2, generator=gen), torch.tensor([10.0, 990.0])
             with_buckets = buckets and rng.random() < 0.5
             w.record(loss, batch, per_sample if with_buckets else None, t if with_buckets else None,
-                     error=rng.random() < 0.05, defer_inputs=m == micro_steps - 1)
+                     error=rng.random() < 0.05)
         measured = rng.random() < 0.3
         norm = None if rng.random() < 0.05 else torch.tensor(rng.choice([0.7, 3.0, *special[1:]]))
         row = w.pack_for_host(norm, rng.random() < 0.05, torch.tensor(rng.choice([100.0, math.nan])) if measured else None,

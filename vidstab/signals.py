@@ -1,8 +1,8 @@
 """On-device statistics of one accumulation window, packed into one small row per rank.
 
 Nothing here reads a value back to the host. :meth:`Window.record` keeps, per micro-step, references to
-the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync; those of
-the window's last micro-step are made at the packing, where the caches favour them: ``defer_inputs``);
+the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync; the guard
+records the window's last micro-step right before the packing, where the caches favour it: ``Guard._hold``);
 :meth:`Window.pack` stacks them once per optimizer step into the rank's row ``[k]``; :func:`gather_and_read`
 gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it with ONE host
 transfer. A run of one process gathers nothing: :meth:`Window.pack_for_host` stacks only the device values
@@ -285,13 +285,6 @@ class Window:
         self.in_micro: list[int] = []  # micro-step of each input tensor
         self.in_numel = 0
         self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._deferred: list[torch.Tensor] = []  # the last micro-step's inputs, reduced at pack (record)
-
-    def _reduce_deferred(self) -> None:
-        """The reductions :meth:`record` left for later, appended in recording order."""
-        for x in self._deferred:
-            self.in_values += _input_values(x)
-        self._deferred = []
 
     @property
     def micro_steps(self) -> int:
@@ -305,23 +298,9 @@ class Window:
         per_sample_loss: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
         error: bool = False,
-        defer_inputs: bool = False,
     ) -> None:
-        """Fold one micro-step into the window: three reductions per input tensor, no host sync.
-
-        ``defer_inputs``: the micro-step is the window's last (the optimizer step follows): its input tensors'
-        reductions wait for :meth:`pack`, where they run next to the packing's stack, after the user's
-        ``clip_grad_norm_``. Right after a backward the CPU's caches are cold and the three reductions cost
-        about 6x what they cost warm; after the clip, whose norm and stack kernels they share, the attached
-        guard's own time per step is 13-18 us shorter on the transformer of ``benchmarks/bench_guard_overhead.py``
-        (``benchmarks/compare_guard_revisions.py``; ``benchmarks/RESULTS.md``, "Reductions where the caches
-        favour them"). Only the last micro-step waits: an earlier one's input buffer may be refilled in place
-        by the next one; the last one's must hold its values until the optimizer step (as the incident
-        capture already requires).
-        """
+        """Fold one micro-step into the window: three reductions per input tensor, no host sync."""
         f32 = torch.float32
-        if self._deferred:
-            self._reduce_deferred()
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
             loss_d = self._zero
         else:
@@ -335,10 +314,7 @@ class Window:
         for x in floating_inputs(batch, self.input_keys):
             if x.requires_grad:  # inputs rarely do; a detach is a dispatched op
                 x = x.detach()
-            if defer_inputs:
-                self._deferred.append(x)
-            else:
-                self.in_values += _input_values(x)
+            self.in_values += _input_values(x)
             self.in_tensors.append(x)
             self.in_micro.append(micro)
             self.in_numel += x.numel()
@@ -357,9 +333,7 @@ class Window:
         local_seconds: float = -1.0,
     ) -> torch.Tensor:
         """The rank's row ``[k]`` for this step: six device ops in the common case (one micro-step, one
-        input tensor), after the reductions :meth:`record` left to it (``defer_inputs``); no host sync."""
-        if self._deferred:
-            self._reduce_deferred()
+        input tensor); no host sync."""
         dt, dev, zero = self.dtype, self.device, self._zero
         m, n = len(self.losses), len(self.in_values) // 4
         if m > 1:
@@ -396,11 +370,8 @@ class Window:
         local_seconds: float = -1.0,
     ) -> "HostRow":
         """The same row as :meth:`pack` for a run with ONE process, where nothing is gathered: the device
-        values stacked raw (one op in the common case, after the reductions :meth:`record` left to it) and the
-        rest of the row composed on the host after the one read (:meth:`HostRow.finish`), so the host-known
-        values never travel to the device."""
-        if self._deferred:
-            self._reduce_deferred()
+        values stacked raw (one op in the common case) and the rest of the row composed on the host after the
+        one read (:meth:`HostRow.finish`), so the host-known values never travel to the device."""
         present = (grad_norm is not None, param_sq is not None, update_sq is not None, loss_scale is not None)
         values = []  # a loop, not a comprehension; _scalar's test inline (HostRow.finish says why)
         f32, index = self.dtype, self._device_index
@@ -437,8 +408,6 @@ class Window:
 
         Cold path (an incident is being captured): this is an extra host read.
         """
-        if self._deferred:
-            self._reduce_deferred()
         n = len(self.losses)
         if n == 0:
             return []

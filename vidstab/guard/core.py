@@ -141,6 +141,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._handles: list[Any] = []
         self._user_norm: tuple[torch.Tensor | None, float | None] | None = None  # from the user's clip_grad_norm_
         self._model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the latest forward
+        self._held: tuple | None = None  # the window's last micro-step, recorded by its optimizer step (_hold)
         self._forward_names: list[str] = []
         self._hold_scheduler = False
         self._scale_known = False
@@ -188,9 +189,33 @@ class Guard(UserLoopWrapping, GuardReporting):
             return
         if timesteps is None and batch is not None:
             timesteps = batch.get("timesteps")
-        self.window.record(loss, batch, per_sample_loss, timesteps, error is not None, defer_inputs=last)
         # References only (no copies), dropped after the step; they keep the window's batches alive until then.
         self._refs.append((batch if self.config.capture_incidents else None, sample_ids, error))
+        self._hold((loss, batch, per_sample_loss, timesteps, error is not None, None), last)
+
+    def _hold(self, micro_step: tuple, last: bool) -> None:
+        """Record one micro-step in the window (``micro_step``: :meth:`Window.record`'s arguments, then the model's
+        ``(args, kwargs)`` of the attached loop, whose tensors are picked when it is recorded), or hold the
+        window's ``last`` one until its optimizer step: recorded there (:meth:`_record_held`), right before the
+        packing, its input reductions next to the packing's stack and after the clip, whose kernels they share.
+        Right after a backward the CPU's caches are cold and the three reductions cost about 6x what they cost
+        warm (``benchmarks/RESULTS.md``, "Reductions where the caches favour them", "The last micro-step
+        recorded by its optimizer step"). Only the last one waits: an earlier micro-step's input buffer may be
+        refilled in place by the next one; the last one's holds its values until the optimizer step (as the
+        incident capture already requires). A held micro-step whose optimizer step never came (the loop went on
+        to another backward) is recorded first, as any other."""
+        if self._held is not None:
+            self._record_held()
+        self._held = micro_step
+        if not last:
+            self._record_held()
+
+    def _record_held(self) -> None:
+        """The held micro-step (:meth:`_hold`) into the window."""
+        (loss, batch, per_sample_loss, timesteps, error, model_inputs), self._held = self._held, None
+        if model_inputs is not None:
+            batch = self._model_data(model_inputs)
+        self.window.record(loss, batch, per_sample_loss, timesteps, error)
 
     def step(self, max_grad_norm: float | None = 1.0) -> StepResult:
         """Judge and apply (or skip) the optimizer step; a cheap no-op on non-sync micro-steps."""
@@ -205,6 +230,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         """Steps 2-5 of the module docstring, given the global pre-clip norm (clipped in place already); the
         result (None for a healthy step of the unmodified loop: ``last_result`` makes it when read)."""
         step = self.step_count
+        if self._held is not None:  # the window's last micro-step (_hold)
+            self._record_held()
         # 2. One row per rank -> one gather -> one host read.
         stop, self._stop_requested = self._stop_requested, False
         scale = self._loss_scale_tensor() if getattr(self.accelerator, "scaler", None) is not None else None
@@ -480,6 +507,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._pending = (None, None)
         self._refs.clear()
         self.window.reset()
+        self._held = None
         self._last_verdict, self._params_finite = Verdict.OK, True
 
     def _save_state_hook(self, models: Any, weights: Any, output_dir: str) -> None:

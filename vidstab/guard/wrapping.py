@@ -111,14 +111,14 @@ class UserLoopWrapping:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
         self._backward(loss, **kwargs)
         inputs, self._model_inputs = self._model_inputs, None
-        self.window.record(loss, self._model_data(inputs), defer_inputs=last)
         # The inputs themselves (named only if an incident is captured: Guard._capture).
         self._refs.append((inputs if self.config.capture_incidents else None, None, None))
+        self._hold((loss, None, None, None, False, inputs), last)
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
         norm = self._clip(parameters, max_norm, norm_type, **kwargs)
-        if self.window.losses and self.accelerator.gradient_state.sync_gradients and float(norm_type) == 2.0:
+        if (self._held is not None or self.window.losses) and self.accelerator.gradient_state.sync_gradients and float(norm_type) == 2.0:
             self._user_norm = (norm if type(norm) is torch.Tensor else signals.norm_tensor(norm), float(max_norm))
         return norm
 

@@ -94,14 +94,13 @@ def host_row_values(table: S.HostRow, layout: S.Layout, max_grad_norm: float | N
                     lr_peak: float | None, lr_scheduled: float | None) -> tuple | None:
     """:func:`row_values` of a one-process step straight from its raw read (:class:`~vidstab.signals.HostRow`),
     without finishing the row (that waits until the step's metrics line is made, with the other held-back
-    steps'): the same floats, for the common layout (one micro-step, at most one input tensor, no loss scale,
-    no timestep-bucket losses, the parameter sums both present or both absent); any other row is finished and
-    read by :func:`row_values`."""
+    steps'): the same floats, for the common layout (one micro-step, no loss scale, no timestep-bucket losses,
+    the parameter sums both present or both absent); any other row is finished and read by :func:`row_values`."""
     flat, host = table.flat, table.host
     has_norm, has_param, has_update, has_scale = table.present
     n = table.tensors
     at = 3 if has_param else 1  # raw: grad_norm, [param_sq, update_sq], loss, [max, min, sum, norm], [buckets]
-    if (table.micro_steps != 1 or n > 1 or has_scale or not has_norm or has_param != has_update
+    if (table.micro_steps != 1 or has_scale or not has_norm or has_param != has_update
             or len(flat) != at + 1 + 4 * n):  # (longer: bucket losses follow)
         return row_values(table[0], layout, max_grad_norm, lr, lr_peak, lr_scheduled)
     if host[_HOST_EXCEPTIONS] or host[_HOST_STOP]:
@@ -110,12 +109,19 @@ def host_row_values(table: S.HostRow, layout: S.Layout, max_grad_norm: float | N
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):  # (one micro-step: its loss count is 1)
         return None
     absmax, rms = 0.0, None
-    if numel > 0:  # finish's columns: absmax from |max| and |min|, the sum of squares from norm * norm
-        hi, lo, norm = abs(flat[at + 1]), abs(flat[at + 2]), flat[at + 4]
-        if not (math.isfinite(hi) and math.isfinite(lo)):
-            return None
+    if numel > 0:  # finish's columns: absmax from the largest |max| and |min|, the sum of squares from norm * norm
+        hi = lo = sum_sq = 0.0  # the same float additions, in the same order, as finish
+        for i in range(at + 1, at + 1 + 4 * n, 4):  # per tensor: max, min, sum, norm
+            a, b, norm = abs(flat[i]), abs(flat[i + 1]), flat[i + 3]
+            if not (math.isfinite(a) and math.isfinite(b)):
+                return None
+            if a > hi:
+                hi = a
+            if b > lo:
+                lo = b
+            sum_sq += norm * norm
         absmax = max(hi, lo)
-        rms = math.sqrt((0.0 + norm * norm) / (0.0 + numel))
+        rms = math.sqrt((0.0 + sum_sq) / (0.0 + numel))
     param_norm = update_ratio = update_per_lr = None
     if has_param:
         param_norm, update_ratio, update_per_lr = _param_values(0 + flat[1], 0 + flat[2], lr)

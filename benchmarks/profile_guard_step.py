@@ -2,13 +2,15 @@
 
 The small MLP of ``bench_guard_overhead.py`` (the ~3 ms case) runs the user's plain Accelerate loop and the
 same loop after ``vidstab.attach``, interleaved one step each per round. Every piece of the guarded step is
-wrapped with a ``time.perf_counter_ns`` timer (the wrappers themselves cost ~0.2 us each, included): the
-attach wrappers (minus the originals they call), ``Window.record``, ``Window.pack``, the gather + host read,
-``_build_stats``, every detector's ``observe`` (judge) and ``update`` (absorb), ``_apply`` minus the
-optimizer step, ``_report`` (events included), and for the batched healthy steps (``vidstab/guard/healthy.py``)
-``Screen.clears`` and the metrics lines of the queued steps (their statistics and updates are in the pieces
-above, on the step that absorbs them: medians over steps then show the healthy step). Printed: per-piece median microseconds per step next to the
-paired added time of the whole step; last line one JSON object.
+wrapped with a ``time.perf_counter_ns`` timer (the wrappers themselves cost ~0.2 us each, included), each
+piece's time exclusive of the timed pieces it calls: the attach wrappers (minus the originals they call),
+``Window.record``, ``Window.pack``, the gather + host read, ``_build_stats``, every detector's ``observe``
+(judge) and ``update`` (absorb), ``_apply`` minus the optimizer step, ``_report`` (events included), the
+``StepClock``, the LR figures, and for the batched healthy steps (``vidstab/guard/healthy.py``)
+``host_row_values``, ``Screen.clears``, the queueing and the metrics lines of the queued steps (their statistics
+and updates are in the pieces above, on the step that absorbs them: medians over steps then show the healthy
+step). Printed: per-piece median microseconds per step next to the paired added time of the whole step; last
+line one JSON object.
 
     python benchmarks/profile_guard_step.py                # ~30 s
     python benchmarks/profile_guard_step.py --steps 300    # quicker
@@ -33,25 +35,34 @@ import bench_guard_overhead as bench  # noqa: E402  (same model, same batches)
 
 import vidstab  # noqa: E402
 from vidstab import signals  # noqa: E402
+from vidstab.guard import core  # noqa: E402
 
 
 class Timers:
-    """Inclusive nanoseconds per piece for the current step; one list entry per step."""
+    """Exclusive nanoseconds per piece for the current step (its time minus the timed pieces it called, whichever
+    they are: a piece such as ``Window.record`` runs inside the backward's wrapper on one micro-step and inside
+    the optimizer step's on another); one list entry per step."""
 
     def __init__(self) -> None:
         self.now: dict[str, int] = defaultdict(int)
         self.steps: dict[str, list[int]] = defaultdict(list)
+        self.stack: list[str] = []  # the timed pieces running now, innermost last
 
     def wrap(self, name: str, fn):
-        now = self.now
+        now, stack = self.now, self.stack
         self.steps[name]  # every piece gets an entry per step (0 on steps it is not called)
 
         def timed(*a, **k):
+            stack.append(name)
             t0 = time.perf_counter_ns()
             try:
                 return fn(*a, **k)
             finally:
-                now[name] += time.perf_counter_ns() - t0
+                spent = time.perf_counter_ns() - t0
+                stack.pop()
+                now[name] += spent
+                if stack:
+                    now[stack[-1]] -= spent  # the caller's own time excludes this piece
         return timed
 
     def end_step(self) -> None:
@@ -60,9 +71,9 @@ class Timers:
         self.now.clear()
 
 
-def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
-    """Wrap the pieces of ``guard``'s step (instance attributes, and ``signals.gather_and_read``, which the
-    guard looks up at call time). Returns parent -> children, to turn inclusive times into exclusive ones."""
+def instrument(guard, timers: Timers) -> None:
+    """Wrap the pieces of ``guard``'s step (instance attributes, and the module functions the guard looks up at
+    call time: ``signals.gather_and_read``, ``host_row_values``)."""
     w = timers.wrap
     guard._backward = w("original backward", guard._backward)
     guard._clip = w("original clip_grad_norm_", guard._clip)
@@ -71,36 +82,28 @@ def instrument(guard, timers: Timers) -> dict[str, tuple[str, ...]]:
     guard.window.record = w("Window.record", guard.window.record)
     guard.window.pack = w("Window.pack", guard.window.pack)  # more than one process
     guard.window.pack_for_host = w("Window.pack_for_host", guard.window.pack_for_host)  # one process
-    judges, absorbs = [], []
     for det in guard.detectors:
         det.observe = w(f"judge {det.name}", det.observe)
-        judges.append(f"judge {det.name}")
         if type(det).update is not vidstab.detectors.Detector.update:
             det.update = w(f"absorb {det.name}", det.update)
-            absorbs.append(f"absorb {det.name}")
         if det.screens:  # its promise about the next steps, taken after its update
             det.quiet_bounds = w(f"promise {det.name}", det.quiet_bounds)
-            absorbs.append(f"promise {det.name}")
     guard._build_stats = w("_build_stats", guard._build_stats)  # also of the queued healthy steps, when absorbed
     guard._report = w("_report (+events)", guard._report)
     guard._log_queued = w("metrics lines of queued steps", guard._log_queued)
     guard._plan.screen.clears = w("Screen.clears", guard._plan.screen.clears)
     guard._apply = w("_apply", guard._apply)
     signals.gather_and_read = w("gather + host read", signals.gather_and_read)
+    core.host_row_values = w("host_row_values", core.host_row_values)
+    guard._lr.figures = w("LR figures", guard._lr.figures)
+    guard._healthy_step = w("_healthy_step (queueing)", guard._healthy_step)
+    for name in ("mark", "seconds", "restart"):
+        setattr(guard.clock, name, w("StepClock", getattr(guard.clock, name)))
     acc = guard.accelerator
     acc.backward = w("attach wrapper backward", acc.backward)
     acc.clip_grad_norm_ = w("attach wrapper clip_grad_norm_", acc.clip_grad_norm_)
     guard.optimizer.step = w("guarded optimizer.step (rest)", guard.optimizer.step)
     guard.lr_scheduler.step = w("attach wrapper scheduler.step", guard.lr_scheduler.step)
-    return {
-        "attach wrapper backward": ("original backward", "Window.record"),
-        "attach wrapper clip_grad_norm_": ("original clip_grad_norm_",),
-        "attach wrapper scheduler.step": ("original scheduler.step",),
-        "_apply": ("original optimizer.step",),
-        "guarded optimizer.step (rest)": ("Window.pack", "Window.pack_for_host", "gather + host read", "_build_stats", "_apply",
-                                          "_report (+events)", "metrics lines of queued steps", "Screen.clears",
-                                          *judges, *absorbs),
-    }
 
 
 def timer_cost_us(timers_cls=Timers, n: int = 20000) -> float:
@@ -186,7 +189,7 @@ def main() -> None:
     every_warm_us, every_cold_us = detectors_warm_and_cold(variants["attached"][4], one_step, promises=False)
     warm_us, cold_us = detectors_warm_and_cold(variants["attached"][4], one_step, promises=True)
     timers = Timers()
-    children = instrument(variants["attached"][4], timers)
+    instrument(variants["attached"][4], timers)
     for i in range(args.warmup):
         one_step("attached", i)
         timers.end_step()
@@ -204,14 +207,10 @@ def main() -> None:
         added.append((cpu["attached"] - cpu["plain"]) / 1e3)
         plain_ms.append(cpu["plain"] / 1e6)
     variants["attached"][4].close()
-    inclusive = timers.steps
-    exclusive = {k: list(v) for k, v in inclusive.items()}
-    for parent, kids in children.items():  # per step: inclusive -> exclusive
-        kids = [inclusive[k] for k in kids if k in inclusive]
-        exclusive[parent] = [t - sum(kid[i] for kid in kids) for i, t in enumerate(inclusive[parent])]
+    exclusive = timers.steps
     # Medians per piece (a loaded machine's preemptions land in means); they need not add up exactly.
     means = {k: statistics.median(v) / 1e3 for k, v in exclusive.items() if not k.startswith("original")}
-    wrapped = sum(1 for k in timers.steps if k.startswith(("judge ", "absorb ", "promise "))) + 6
+    wrapped = sum(1 for k in timers.steps if k.startswith(("judge ", "absorb ", "promise "))) + 10
     per_timer = timer_cost_us()
     load = os.getloadavg()[0]
     print(f"{description}, {args.steps} paired steps, load average {load:.1f}; plain step (thread CPU) "

@@ -6,7 +6,8 @@ host and device on an accelerator: Python-level reads (``item``, ``tolist``, ``b
 host data becoming a tensor (``aten::lift_fresh``: ``torch.tensor``, ``torch.from_numpy``, ...) and any
 ``_to_copy``/``copy_`` between devices. The guard's budget per optimizer step: one read of the gathered
 table, nothing per micro-step; with more than one process also one upload of the rank's host-known values
-(non-blocking on a GPU), which a one-process run keeps on the host.
+(non-blocking on a GPU), which a one-process run keeps on the host. Between that read and the optimizer
+step nothing else runs: reporting, tracker logging and the event log come after it.
 """
 
 from __future__ import annotations
@@ -190,3 +191,99 @@ def test_packing_a_step_takes_about_ten_device_ops():
         host_row = window.pack_for_host(norm, False, None, None, None, 0.01)
     assert len(raw.ops) <= 1, raw.ops
     assert signals.gather_and_read(None, host_row)[0] == pytest.approx(row.tolist(), rel=1e-6)
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["log_with-every-step", "no-tracker"])
+def test_between_the_host_read_and_the_optimizer_step_runs_nothing_but_the_step(tmp_path, tracked):
+    """Issue 16, item 4: reporting, tracker logging and the event log's lines come after the step is enqueued.
+
+    The user's plain loop after ``vidstab.attach``; observed with real components only: the torch optimizer's own
+    step pre-hook, an Accelerate tracker given in ``log_with``, and the event log file on disk. With a tracker
+    every step takes the full path (judged, reported at once); without one, healthy steps are batched."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.tracking import GeneralTracker
+
+    import vidstab
+    from vidstab.events import read_events
+
+    timeline: list[tuple[str, int]] = []
+
+    class TimelineTracker(GeneralTracker):
+        name = "timeline"
+        requires_logging_directory = False
+
+        @property
+        def tracker(self):
+            return self
+
+        def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+            if any(k.startswith("vidstab/") for k in values):
+                timeline.append(("tracker.log", step))
+
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True, log_with=[TimelineTracker()] if tracked else None)
+    if tracked:
+        acc.init_trackers("timeline")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=tmp_path)
+    spike_step = 40  # past the loss detector's warm-up
+    findings_on_disk_at_step: dict[int, set[tuple[str, int]]] = {}
+
+    def before_optimizer_step(optimizer, args, kwargs):
+        step = guard.step_count
+        timeline.append(("optimizer.step", step))
+        findings_on_disk_at_step[step] = {(e["kind"], e["step"]) for e in _events_on_disk(tmp_path)
+                                          if e["kind"] != "metrics"}
+
+    opt.optimizer.register_step_pre_hook(before_optimizer_step)
+    read = torch.Tensor.tolist
+
+    def observed_read(self):
+        timeline.append(("host read", guard.step_count))
+        return read(self)
+
+    torch.Tensor.tolist = observed_read
+    try:
+        for i in range(60):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            with acc.accumulate(model):
+                # A loss far above its history, with the usual gradient: a warning, and the step is applied.
+                loss = model(x).square().mean() + (100.0 if i == spike_step else 0.0)
+                acc.backward(loss)
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    finally:
+        torch.Tensor.tolist = read
+    guard.close()
+
+    steps = [s for kind, s in timeline if kind == "optimizer.step"]
+    assert steps == list(range(60)), "every step applied, the spike's included"
+    for k, (kind, step) in enumerate(timeline):
+        if kind == "optimizer.step":  # right before it: this step's one host read, nothing else
+            assert timeline[k - 1] == ("host read", step), timeline[max(0, k - 3):k + 1]
+    if tracked:
+        logged = [s for kind, s in timeline if kind == "tracker.log"]
+        assert logged == list(range(60))
+        assert all(timeline.index(("tracker.log", s)) > timeline.index(("optimizer.step", s)) for s in logged)
+    warnings = [(e["kind"], e["step"]) for e in read_events(tmp_path) if e.get("detector") == "loss_spike"]
+    assert warnings == [("warn", spike_step)]
+    assert ("warn", spike_step) not in findings_on_disk_at_step[spike_step]  # written after the step, flushed at once
+    assert ("warn", spike_step) in findings_on_disk_at_step[spike_step + 1]
+    assert len(read_events(tmp_path, "metrics")) == 60
+
+
+def _events_on_disk(run_dir) -> list[dict]:
+    """The event log's lines as the file holds them now (no flush: what a crash would leave)."""
+    import json
+
+    lines = []
+    for path in sorted(run_dir.rglob("events-rank*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return lines

@@ -241,13 +241,16 @@ def test_between_the_host_read_and_the_optimizer_step_runs_nothing_but_the_step(
                                           if e["kind"] != "metrics"}
 
     opt.optimizer.register_step_pre_hook(before_optimizer_step)
-    read = torch.Tensor.tolist
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
 
-    def observed_read(self):
-        timeline.append(("host read", guard.step_count))
-        return read(self)
+    def observed(read):
+        def observed_read(self, *a, **k):
+            timeline.append(("host read", guard.step_count))
+            return read(self, *a, **k)
+        return observed_read
 
-    torch.Tensor.tolist = observed_read
+    for name, read in originals.items():
+        setattr(torch.Tensor, name, observed(read))
     try:
         for i in range(60):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
@@ -260,7 +263,8 @@ def test_between_the_host_read_and_the_optimizer_step_runs_nothing_but_the_step(
                 sched.step()
                 opt.zero_grad()
     finally:
-        torch.Tensor.tolist = read
+        for name, read in originals.items():
+            setattr(torch.Tensor, name, read)
     guard.close()
 
     steps = [s for kind, s in timeline if kind == "optimizer.step"]

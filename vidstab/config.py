@@ -56,6 +56,13 @@ class GuardConfig:
     bucket). Use 1 for continuous flow-matching times in [0, 1]."""
     timestep_buckets: int = 10
     """Number of equal-width timestep buckets for the per-bucket loss (instability at t~0 and t~T differs)."""
+    max_buckets: int = 64
+    """Shape buckets (resolution, frame count, batch size) each per-bucket detector keeps statistics for at once;
+    the least recently seen one is dropped beyond that (``guard.backward(..., bucket=...)``)."""
+    rank_log_every: int = 50
+    """Ranks other than 0 write their healthy steps' ``metrics`` lines every this many optimizer steps (rank 0
+    writes every step; a step with a finding is written by every rank), so thousands of ranks do not append a
+    line each per step."""
     log_every: int = 1
     """Send metrics to the accelerator's trackers every this many optimizer steps (the JSONL event log
     gets every step regardless)."""
@@ -127,6 +134,8 @@ class GuardConfig:
               "must be a list of strings or null", self.input_keys)
         check(self.num_train_timesteps > 0, "num_train_timesteps", "must be > 0", self.num_train_timesteps)
         check(self.timestep_buckets >= 1, "timestep_buckets", "must be >= 1", self.timestep_buckets)
+        check(self.max_buckets >= 1, "max_buckets", "must be >= 1", self.max_buckets)
+        check(self.rank_log_every >= 1, "rank_log_every", "must be >= 1", self.rank_log_every)
         check(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)
         check(self.param_norm_every >= 0, "param_norm_every", "must be >= 0", self.param_norm_every)
         check(self.max_incidents >= 0, "max_incidents", "must be >= 0", self.max_incidents)

@@ -1,84 +1,105 @@
-"""On-device statistics of one accumulation window, packed into one small row per rank.
+"""On-device statistics of one accumulation window, reduced across ranks into one fixed-size summary.
 
-Nothing here reads a value back to the host. :meth:`Window.record` keeps, per micro-step, references to
-the loss and a handful of 0-d reductions of each floating input tensor (no copies, no host sync; the guard
-records the window's last micro-step right before the packing, where the caches favour it: ``Guard._hold``);
-:meth:`Window.pack` stacks them once per optimizer step into the rank's row ``[k]``; :func:`gather_and_read`
-gathers the rows of all ranks into a ``[world, k]`` table with ONE collective and reads it with ONE host
-transfer. A run of one process gathers nothing: :meth:`Window.pack_for_host` stacks only the device values
-(one op) and the same row is finished on the host after the read, which saves the five or so small device
-ops of the packing (about 60-100 us per step on a CPU, where each costs 10-15 us after a training step).
-Per-micro-step details (which micro-batch was bad) stay on the device and are read only on the cold path
-of an incident (:meth:`Window.micro_flags`).
+Nothing here reads a value back to the host but :func:`reduce_and_read`, once per optimizer step.
+:meth:`Window.record` keeps, per micro-step, references to the loss and four 0-d reductions of each floating
+input tensor (no copies, no host sync); :meth:`Window.pack` turns them once per optimizer step into the rank's
+vector of :data:`LAYOUT` columns; :func:`reduce_and_read` reduces the vectors of all ranks with two fixed-size
+all_reduces (the sum columns with SUM, the others with MAX) and reads the summary and the rank's own vector in
+ONE host transfer. The cost does not grow with the number of ranks: every rank gets the same summary, so every
+rank takes the same branch. Per-rank detail (which ranks were bad, each rank's loss) is gathered only on a step
+whose summary shows something (:func:`gather_rows`), and per-micro-step detail only for an incident bundle
+(:meth:`Window.micro_flags`).
 
-Row layout, float32, every column a fixed position (``[world, k]`` must have the same k on every rank):
-first what the device computes (one ``torch.stack`` of scalars, four column reductions over the input
-tensors' ``[n, 4]`` statistics, two counts), then what the host already knows (one small tensor), then the
-timestep buckets:
+Columns (float64: a hash, a rank id or a count is exact), first those summed over ranks, then those maximised:
 
-    grad_norm, param_sq, update_sq, loss_scale, loss_sum,
-    max|.| of (max, min, sum, norm) [4], sum of (max, min, sum, norm) [4], sum of squares of the same [4],
-    nonfinite (inputs + losses), loss_nonfinite,
-    norm_ok, loss_total, exceptions, in_numel, stop, param_pending, local_seconds,
-    bucket_sum[nb], bucket_count[nb]
+    sum:  loss_sum, loss_count, loss_nonfinite, ranks_loss_bad, ranks_input_bad, ranks_exception, stop,
+          in_sum, in_sumsq, in_numel, param_sq, update_sq, seconds, ranks, bucket_sum[nb], bucket_count[nb]
+    max:  grad_norm, norm_nan, norm_inf, norm_known, in_absmax, param_sq, update_sq, param_measured,
+          loss_scale, first_bad_rank (as -rank), slowest (seconds and rank in one number), bucket, -bucket,
+          micro_steps
 
-Input statistics are over every value of every floating input tensor: one non-finite value makes
-absmax/sum/sumsq non-finite. A tensor holds a non-finite value exactly when its max or min is non-finite
-(``aminmax`` propagates NaN), so the row needs no count of them: the host reads "this rank's inputs were
-non-finite" off the absmax columns (:func:`inputs_nonfinite`), and the exact per-micro-step count is
-taken on the cold path of an incident (:meth:`Window.micro_flags`). The device writes the loss count in
-both count columns (rows recorded before this counted the input values in ``nonfinite``; the host reads
-both kinds). ``loss_sum`` sums the finite micro-step losses (``loss_total - loss_nonfinite`` of them);
-with ONE micro-step, the common case, it is the raw loss and its count is 0: the host classifies it
-(:func:`loss_count`), which saves the device three ops per step. ``param_sq``/``update_sq`` are sums of
-squares of the *local* parameters (and of the last update). Under DDP they are identical on every rank;
-under FSDP each rank holds a shard, so the guard sums them over ranks (``sharded=True``) before taking the
-square root. ``local_seconds`` is the rank's own compute time of the step (:class:`StepClock`), the
-straggler detector's input.
+``loss_sum``/``loss_count`` are over the finite micro-step losses; the input columns over ranks whose inputs
+were finite (a non-finite value anywhere makes a rank's ``ranks_input_bad`` 1 and its input sums 0).
+``param_sq``/``update_sq`` are sums of squares of the *local* parameters (and of the last update): under FSDP
+each rank holds a shard, so the summed column is the global one; under DDP every rank holds all of them, so the
+maximised column is. A minimum is the maximum of the negated value; the first bad rank is the largest ``-rank``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
-GRAD_NORM, PARAM_SQ, UPDATE_SQ, LOSS_SCALE, LOSS_SUM = range(5)
-#: max |.| over input tensors of (max, min, sum, norm): IN_ABSMAX_HI/LO give the absmax
-IN_ABSMAX_HI, IN_ABSMAX_LO = 5, 6
-IN_SUM = 11  # column "sum" of the per-tensor sums
-IN_SUMSQ = 16  # column "norm" of the per-tensor squared norms
-NONFINITE_ALL, LOSS_NONFINITE = 17, 18  # non-finite values in inputs + losses; non-finite micro-step losses
-DEVICE_COLS = 19
-NORM_OK, LOSS_TOTAL, EXCEPTIONS, IN_NUMEL, STOP, PARAM_PENDING, LOCAL_SECONDS = range(19, 26)
-FIXED = 26
+NOT_BAD = -1e18
+"""``first_bad_rank`` column of a rank that was not bad (any real rank's ``-rank`` is larger)."""
+_LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_SLOWEST_SCALE = 1e6  # seconds to microseconds in the ``slowest`` column
+_RANK_SPAN = 65536  # ``slowest = round(seconds * 1e6) * 65536 + rank``: exact in float64 up to ~38 h a step
 
 
-def loss_count(r: Sequence[float]) -> tuple[float, float]:
-    """(sum of the finite micro-step losses, number of non-finite ones) of a row (module docstring)."""
-    total, nonfinite, loss_sum = r[LOSS_TOTAL], r[LOSS_NONFINITE], r[LOSS_SUM]
-    if total == 1 and not math.isfinite(loss_sum):  # one micro-step, carried raw
-        return 0.0, 1.0
-    return loss_sum, nonfinite
+@dataclass(frozen=True)
+class Layout:
+    """Column positions of a rank's vector for ``buckets`` timestep buckets (module docstring)."""
+
+    buckets: int
+
+    SUM_NAMES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "ranks_input_bad", "ranks_exception",
+                 "stop", "in_sum", "in_sumsq", "in_numel", "param_sq_sum", "update_sq_sum", "seconds", "ranks")
+    MAX_NAMES = ("grad_norm", "norm_nan", "norm_inf", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
+                 "param_measured", "loss_scale", "first_bad_rank", "slowest", "bucket", "neg_bucket", "micro_steps")
+
+    @property
+    def sum_width(self) -> int:
+        """Columns reduced with SUM (the first ones)."""
+        return len(self.SUM_NAMES) + 2 * self.buckets
+
+    @property
+    def width(self) -> int:
+        return self.sum_width + len(self.MAX_NAMES)
+
+    def __getattr__(self, name: str) -> int:
+        """The position of a named column (``layout.loss_sum``)."""
+        if name in Layout.SUM_NAMES:
+            return Layout.SUM_NAMES.index(name)
+        if name in Layout.MAX_NAMES:
+            return self.sum_width + Layout.MAX_NAMES.index(name)
+        raise AttributeError(name)
+
+    @property
+    def bucket_sum(self) -> slice:
+        start = len(self.SUM_NAMES)
+        return slice(start, start + self.buckets)
+
+    @property
+    def bucket_count(self) -> slice:
+        start = len(self.SUM_NAMES) + self.buckets
+        return slice(start, start + self.buckets)
 
 
-def stop_requested(table: Sequence[Sequence[float]]) -> bool:
-    """Whether some rank's row carries a stop request (a loop, not a generator: this runs on every judged step)."""
-    for r in table:
-        if r[STOP] > 0:
-            return True
-    return False
+def bucket_hash(key: str) -> float:
+    """A shape bucket's name as a number below 2**52 (exact in float64), the same on every rank."""
+    return float(int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big") >> 12)
 
 
-def inputs_nonfinite(r: Sequence[float]) -> bool:
-    """Whether this row's rank saw a non-finite input value (module docstring)."""
-    if r[NONFINITE_ALL] - r[LOSS_NONFINITE] > 0:  # a row that counted them
-        return True
-    return r[IN_NUMEL] > 0 and not (math.isfinite(r[IN_ABSMAX_HI]) and math.isfinite(r[IN_ABSMAX_LO]))
+def slowest_key(seconds: float, rank: int) -> float:
+    """One number whose maximum over ranks names the slowest rank and its time (``-1``: not measured)."""
+    if seconds < 0:
+        return -1.0
+    return float(round(seconds * _SLOWEST_SCALE) * _RANK_SPAN + rank)
+
+
+def decode_slowest(key: float) -> tuple[int, float] | None:
+    """``(rank, seconds)`` of :func:`slowest_key`, or ``None`` when no rank measured its time."""
+    if key < 0:
+        return None
+    k = int(key)
+    return k % _RANK_SPAN, (k // _RANK_SPAN) / _SLOWEST_SCALE
 
 
 class MicroFlags(NamedTuple):
@@ -92,25 +113,6 @@ class MicroFlags(NamedTuple):
     """Largest absolute input value (NaN when an input held a NaN)."""
     exception: bool
     """The caller reported an exception for this micro-step (``guard.backward(..., error=e)``)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Positions in the packed row for a given number of timestep buckets."""
-
-    buckets: int
-
-    @property
-    def width(self) -> int:
-        return FIXED + 2 * self.buckets
-
-    @property
-    def bucket_sum(self) -> slice:
-        return slice(FIXED, FIXED + self.buckets)
-
-    @property
-    def bucket_count(self) -> slice:
-        return slice(FIXED + self.buckets, FIXED + 2 * self.buckets)
 
 
 try:
@@ -174,7 +176,8 @@ def norm_tensor(norm: Any) -> torch.Tensor | None:
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of the local parts of ``tensors`` on device (``_foreach_norm`` + one stack)."""
+    """Sum of squares of the local parts of ``tensors`` on device: one ``_foreach_norm`` per device (float32
+    norms of low-precision tensors, float64 kept), added on the first device."""
     local = [local_tensor(t.detach()) for t in tensors if t.numel() > 0]
     if not local:
         return torch.zeros(())
@@ -182,9 +185,10 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in local:
         by_device.setdefault(t.device, []).append(t)
     total = None
-    for dev, ts in by_device.items():
-        norms = torch._foreach_norm(ts, 2)
-        s = torch.stack([n.float() for n in norms]).square().sum()
+    for ts in by_device.values():
+        kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
+        norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
+        s = torch.dot(norms, norms)
         total = s if total is None else total + s.to(total.device)
     return total
 
@@ -260,17 +264,11 @@ class Window:
     def __init__(self, device: torch.device, buckets: int, num_train_timesteps: float,
                  input_keys: Sequence[str] | None = None):
         self.device = torch.device(device)
-        self.dtype = torch.float32
+        self.dtype = torch.float64 if self.device.type != "mps" else torch.float32  # MPS has no float64
         self.layout = Layout(buckets)
         self.num_train_timesteps = float(num_train_timesteps)
         self.input_keys = None if input_keys is None else tuple(input_keys)
         self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
-        # Tensor.get_device() of a tensor on this device (-1: the CPU), or None where it says nothing (MPS,
-        # an unindexed CUDA device): _scalar then compares devices (``Tensor.device`` builds an object per call).
-        self._device_index = {"cpu": -1, "cuda": self.device.index}.get(self.device.type)
-        self._no_inputs = torch.zeros(12, device=self.device, dtype=self.dtype)
-        self._no_counts = torch.zeros(2, device=self.device, dtype=self.dtype)
-        self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
         self.reset()
 
     def reset(self) -> None:
@@ -278,18 +276,26 @@ class Window:
         self.losses: list[torch.Tensor] = []
         self.exceptions = 0
         self.exception_flags: list[bool] = []
-        self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d float32 each)
+        self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d each)
         # The input tensors themselves, for the cold path's exact non-finite count: references only (the
         # guard's incident capture holds the same batches until the step).
         self.in_tensors: list[torch.Tensor] = []
         self.in_micro: list[int] = []  # micro-step of each input tensor
         self.in_numel = 0
         self.bucket_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.shape_buckets: set[str] = set()
 
     @property
     def micro_steps(self) -> int:
         """Micro-steps recorded in this window."""
         return len(self.losses)
+
+    @property
+    def shape_bucket(self) -> str:
+        """The window's shape bucket: its micro-steps' one bucket, or ``"mixed"``."""
+        if len(self.shape_buckets) == 1:
+            return next(iter(self.shape_buckets))
+        return "mixed" if self.shape_buckets else "default"
 
     def record(
         self,
@@ -298,26 +304,27 @@ class Window:
         per_sample_loss: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
         error: bool = False,
+        bucket: str | None = None,
     ) -> None:
-        """Fold one micro-step into the window: three reductions per input tensor, no host sync."""
-        f32 = torch.float32
+        """Fold one micro-step into the window: four reductions per input tensor, no host sync.
+        ``bucket``: its shape bucket (default: :func:`shape_bucket` of the inputs)."""
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
             loss_d = self._zero
         else:
             loss_d = loss.detach()
-            if loss_d.ndim or loss_d.dtype is not f32:  # the common case, a 0-d float32 loss, is taken as it is
-                loss_d = loss_d.float().mean() if loss_d.numel() != 1 else loss_d.to(f32).reshape(())
+            loss_d = loss_d.float().mean() if loss_d.numel() != 1 else loss_d.reshape(())
         micro = len(self.losses)
         self.losses.append(loss_d)
         self.exceptions += bool(error)
         self.exception_flags.append(bool(error))
-        for x in floating_inputs(batch, self.input_keys):
-            if x.requires_grad:  # inputs rarely do; a detach is a dispatched op
-                x = x.detach()
+        inputs = floating_inputs(batch, self.input_keys)
+        for x in inputs:
+            x = x.detach()
             self.in_values += _input_values(x)
             self.in_tensors.append(x)
             self.in_micro.append(micro)
             self.in_numel += x.numel()
+        self.shape_buckets.add(str(bucket) if bucket is not None else shape_bucket(inputs))
         if per_sample_loss is not None and timesteps is not None:
             psl, t = per_sample_loss.detach().reshape(-1), timesteps.detach().reshape(-1)
             if psl.numel() == t.numel():  # documented: both [B]; shapes the guard cannot pair up are ignored
@@ -326,73 +333,58 @@ class Window:
     def pack(
         self,
         grad_norm: torch.Tensor | None,
+        *,
         stop: bool,
         param_sq: torch.Tensor | None,
         update_sq: torch.Tensor | None,
         loss_scale: torch.Tensor | None,
-        local_seconds: float = -1.0,
+        seconds: float,
+        rank: int,
     ) -> torch.Tensor:
-        """The rank's row ``[k]`` for this step: six device ops in the common case (one micro-step, one
-        input tensor); no host sync."""
+        """The rank's vector for this step (:data:`Layout` columns); device ops only, no host sync."""
         dt, dev, zero = self.dtype, self.device, self._zero
-        m, n = len(self.losses), len(self.in_values) // 4
-        if m > 1:
-            losses = torch.stack(self.losses)
-            loss_sum = torch.nan_to_num(losses, nan=0.0, posinf=0.0, neginf=0.0).sum()
-            counts = torch.count_nonzero(losses - losses).to(dt).expand(2)  # x - x is NaN exactly where x is not finite
-        else:  # one micro-step: the raw loss, classified on the host (loss_count)
-            loss_sum, counts = (self.losses[0] if m else zero), self._no_counts
-        scalars = [zero if v is None else self._scalar(v) for v in (grad_norm, param_sq, update_sq, loss_scale)]
-        pieces = [torch.stack(scalars + [loss_sum])]
-        if n == 1:
-            v = torch.stack(self.in_values)
-            pieces += (v.abs(), v, v.square())
-        elif n:
-            v = torch.stack(self.in_values).view(-1, 4)
-            pieces += (v.abs().amax(0), v.sum(0), v.square().sum(0))
+        m = len(self.losses)
+        if m:
+            losses = torch.stack(self.losses).to(dt)
+            finite = torch.isfinite(losses)
+            loss_sum, loss_count = torch.where(finite, losses, zero).sum(), finite.sum().to(dt)
         else:
-            pieces.append(self._no_inputs)
-        pieces.append(counts)  # the loss count in both count columns (module docstring)
-        host = torch.from_numpy(np.array([grad_norm is not None, m, self.exceptions, self.in_numel, stop,
-                                          param_sq is not None, local_seconds], dtype=np.float32))
-        pieces.append(host if dev.type == "cpu" else host.to(dev, non_blocking=True))
+            loss_sum = loss_count = zero
+        loss_bad = m - loss_count
+        if self.in_values:
+            v = torch.stack(self.in_values).to(dt).view(-1, 4)
+            absmax, in_sum, in_sumsq = v[:, :2].abs().amax(), v[:, 2].sum(), v[:, 3].square().sum()
+            inputs_ok = torch.isfinite(absmax) & torch.isfinite(in_sum) & torch.isfinite(in_sumsq)
+        else:
+            absmax = in_sum = in_sumsq = zero
+            inputs_ok = torch.ones((), dtype=torch.bool, device=dev)
+        numel = torch.full((), float(self.in_numel), dtype=dt, device=dev)
+        norm = zero if grad_norm is None else grad_norm.detach().to(dev, dt).reshape(())
+        norm_finite = torch.isfinite(norm)
+        psq = zero if param_sq is None else param_sq.to(dev, dt).reshape(())
+        usq = zero if update_sq is None else update_sq.to(dev, dt).reshape(())
+        scale = zero if loss_scale is None else loss_scale.to(dev, dt).reshape(())
+        bad = (loss_bad > 0) | ~inputs_ok | (self.exceptions > 0)
+        bad_rank = torch.where(bad, torch.full((), -float(rank), dtype=dt, device=dev), torch.full((), NOT_BAD, dtype=dt, device=dev))
+        sums = [loss_sum, loss_count, loss_bad, (loss_bad > 0).to(dt), (~inputs_ok).to(dt),
+                torch.where(inputs_ok, in_sum, zero), torch.where(inputs_ok, in_sumsq, zero), torch.where(inputs_ok, numel, zero),
+                psq, usq]
+        maxes = [torch.where(norm_finite, norm, zero), torch.isnan(norm).to(dt), torch.isinf(norm).to(dt),
+                 torch.where(inputs_ok, absmax, zero), psq, usq, scale, bad_rank]
+        key = bucket_hash(self.shape_bucket)
+        host_sum = [float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0]
+        host_max = [float(grad_norm is not None), float(param_sq is not None), slowest_key(seconds, rank), key, -key,
+                    float(m)]
+        host = torch.tensor(host_sum + host_max, dtype=dt)
+        host = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
+        dev_sum, dev_max = torch.stack(sums), torch.stack(maxes)
+        # Into Layout order: sums (device then host), timestep buckets, maxima (device then host), reordered once.
+        s, x = dev_sum, dev_max
+        pieces = [s[0:3], s[3:5], host[0:2], s[5:8], s[8:10], host[2:4]]
         if self.layout.buckets:
-            pieces.append(self._buckets() if self.bucket_parts else self._no_buckets)
+            pieces.append(self._buckets() if self.bucket_parts else torch.zeros(2 * self.layout.buckets, dtype=dt, device=dev))
+        pieces += [x[0:3], host[4:5], x[3:4], x[4:6], host[5:6], x[6:8], host[6:10]]
         return torch.cat(pieces)
-
-    def pack_for_host(
-        self,
-        grad_norm: torch.Tensor | None,
-        stop: bool,
-        param_sq: torch.Tensor | None,
-        update_sq: torch.Tensor | None,
-        loss_scale: torch.Tensor | None,
-        local_seconds: float = -1.0,
-    ) -> "HostRow":
-        """The same row as :meth:`pack` for a run with ONE process, where nothing is gathered: the device
-        values stacked raw (one op in the common case) and the rest of the row composed on the host after the
-        one read (:meth:`HostRow.finish`), so the host-known values never travel to the device."""
-        present = (grad_norm is not None, param_sq is not None, update_sq is not None, loss_scale is not None)
-        values = []  # a loop, not a comprehension; _scalar's test inline (HostRow.finish says why)
-        f32, index = self.dtype, self._device_index
-        for v in (grad_norm, param_sq, update_sq, loss_scale):
-            if v is not None:
-                values.append(v if v.dtype is f32 and v.ndim == 0 and v.get_device() == index else self._scalar(v))
-        values += self.losses
-        values += self.in_values
-        raw = torch.stack(values) if values else self._zero.reshape(1)[:0]
-        if self.layout.buckets and self.bucket_parts:
-            raw = torch.cat([raw, self._buckets()])
-        host = [float(grad_norm is not None), float(len(self.losses)), float(self.exceptions), float(self.in_numel),
-                float(stop), float(param_sq is not None), float(local_seconds)]
-        return HostRow(raw, present, len(self.losses), len(self.in_values) // 4, host, self.layout)
-
-    def _scalar(self, v: torch.Tensor) -> torch.Tensor:
-        """``v`` as a 0-d float32 tensor on the window's device (no op when it already is one)."""
-        if v.dtype is self.dtype and v.ndim == 0 and (
-                v.get_device() == self._device_index if self._device_index is not None else v.device == self.device):
-            return v
-        return v.to(self.device, self.dtype).reshape(())
 
     def _buckets(self) -> torch.Tensor:
         nb, dt, dev = self.layout.buckets, self.dtype, self.device
@@ -415,8 +407,8 @@ class Window:
         bad_loss = [not math.isfinite(x) for x in losses.tolist()]
         counts, absmax = [0] * n, [0.0] * n
         if self.in_values:
-            v = torch.stack(self.in_values).view(-1, 4)[:, :2].abs().amax(1)
-            exact = [torch.count_nonzero(x - x).to(self.dtype) for x in self.in_tensors]  # x - x: NaN where x is not
+            v = torch.stack(self.in_values).float().view(-1, 4)[:, :2].abs().amax(1)
+            exact = [torch.count_nonzero(~torch.isfinite(x)).float() for x in self.in_tensors]
             per_tensor = torch.cat([torch.stack(exact), v]).tolist()
             k = len(self.in_micro)
             for i, m in enumerate(self.in_micro):
@@ -424,6 +416,16 @@ class Window:
                 a = per_tensor[k + i]
                 absmax[m] = a if (math.isnan(a) or a > absmax[m]) else absmax[m]
         return [MicroFlags(bad_loss[i], counts[i], absmax[i], self.exception_flags[i]) for i in range(n)]
+
+
+def shape_bucket(inputs: Sequence[torch.Tensor]) -> str:
+    """The default shape bucket of a micro-step: the shape of its first floating input with the most dimensions
+    (the latents of an image or video model, batch size included), e.g. ``"2x16x5x32x32"``."""
+    best = None
+    for x in inputs:
+        if x.dim() >= 2 and (best is None or x.dim() > best.dim()):
+            best = x
+    return "x".join(str(d) for d in best.shape) if best is not None else "default"
 
 
 def _input_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -435,102 +437,27 @@ def _input_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return hi.to(f32), lo.to(f32), x.sum(dtype=f32), torch.linalg.vector_norm(x, 2, dtype=f32)
 
 
-class HostRow:
-    """A one-process row still in two parts (:meth:`Window.pack_for_host`): ``raw`` on the device (the
-    present scalars among grad_norm, param_sq, update_sq, loss_scale, then the micro-step losses, the
-    input values (max, min, sum, norm per tensor), then the buckets), the rest known on the host. A plain
-    class with slots: one is made per step, and a frozen dataclass's ``__init__`` costs a call per field.
-
-    Once :meth:`read` (the one host read), it is the step's gathered table of one row: ``table[0]`` is the row
-    :meth:`Window.pack` would have built, finished on the host when first asked for (:meth:`finish`). A healthy
-    step's screen reads the raw values instead (:func:`vidstab.guard.healthy.host_row_values`), and the row is
-    finished later, with the other held-back steps', when its metrics line is made: right after a training step
-    every Python object touched is a cache miss (``benchmarks/RESULTS.md``, "The screen on the raw read")."""
-
-    __slots__ = ("raw", "present", "micro_steps", "tensors", "host", "layout", "flat", "_row")
-
-    def __init__(self, raw: torch.Tensor, present: tuple[bool, bool, bool, bool], micro_steps: int, tensors: int,
-                 host: list[float], layout: Layout) -> None:
-        self.raw, self.present, self.micro_steps, self.tensors, self.host, self.layout = (
-            raw, present, micro_steps, tensors, host, layout)
-        self.flat: list[float] = []
-        self._row: list[float] | None = None
-
-    def read(self) -> "HostRow":
-        """The host sync: ``raw`` read back once (:attr:`flat`); returns the row, now a table of one row."""
-        self.flat = self.raw.tolist()
-        return self
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, rank: int) -> list[float]:
-        """The finished row (rank 0, the only one), made on first use."""
-        if rank not in (0, -1):
-            raise IndexError(f"a run of one process has one row, not row {rank}")
-        row = self._row
-        if row is None:
-            row = self._row = self.finish()
-        return row
-
-    def __iter__(self) -> Iterator[list[float]]:
-        yield self[0]
-
-    def finish(self) -> list[float]:
-        """The row :meth:`Window.pack` would have built, from ``raw`` read back (:attr:`flat`): the same columns and
-        encodings. Plain Python (numpy's or torch's per-call cost on 30 numbers is more than the sums):
-        float64 arithmetic, so a derived column may differ from the device's float32 in its last bits."""
-        # Unrolled where it runs on every step (one micro-step, one input tensor): on Python 3.11 a comprehension
-        # is a call of its own, and right after a training step every code object run is a cache miss.
-        it = iter(self.flat)
-        p0, p1, p2, p3 = self.present
-        row = [next(it) if p0 else 0.0, next(it) if p1 else 0.0, next(it) if p2 else 0.0, next(it) if p3 else 0.0]
-        m, n = self.micro_steps, self.tensors
-        if m > 1:
-            losses = [next(it) for _ in range(m)]
-            finite = [x for x in losses if math.isfinite(x)]
-            bad = float(m - len(finite))
-            row.append(math.fsum(finite))
-        else:  # one micro-step: the raw loss, as Window.pack carries it
-            bad = 0.0
-            row.append(next(it) if m else 0.0)
-        if n == 1:
-            v0, v1, v2, v3 = next(it), next(it), next(it), next(it)
-            row += (abs(v0), abs(v1), abs(v2), abs(v3), v0, v1, v2, v3, v0 * v0, v1 * v1, v2 * v2, v3 * v3)
-        elif n:
-            v = [next(it) for _ in range(4 * n)]
-            cols = [v[j::4] for j in range(4)]
-            row += [_nan_max([abs(x) for x in c]) for c in cols]
-            row += [sum(c) for c in cols]
-            row += [sum([x * x for x in c]) for c in cols]
-        else:
-            row += _NO_INPUTS
-        row += (bad, bad)  # the loss count in both count columns (module docstring)
-        row += self.host
-        if self.layout.buckets:
-            rest = list(it)
-            row += rest if rest else [0.0] * (2 * self.layout.buckets)
-        return row
+def reduce_and_read(local: torch.Tensor, layout: Layout, world_size: int) -> tuple[list[float], list[float]]:
+    """``(summary, this rank's own vector)``: two fixed-size all_reduces (SUM over the sum columns, MAX over the
+    others) and ONE host read for the whole step. With one process the summary is the rank's own vector."""
+    if world_size <= 1:
+        mine = local.tolist()  # the host sync
+        return mine, mine
+    k = layout.sum_width
+    sums, maxes = local[:k].clone(), local[k:].clone()
+    dist.all_reduce(sums, dist.ReduceOp.SUM)
+    dist.all_reduce(maxes, dist.ReduceOp.MAX)
+    flat = torch.cat([sums, maxes, local]).tolist()  # the host sync
+    n = local.numel()
+    return flat[:n], flat[n:]
 
 
-_NO_INPUTS = [0.0] * 12
-
-
-def _nan_max(values: list[float]) -> float:
-    """``max`` that is NaN when any value is (as ``torch.amax``)."""
-    return math.nan if any(x != x for x in values) else max(values)
-
-
-def gather_and_read(accelerator: Any, row: "torch.Tensor | HostRow") -> "list[list[float]] | HostRow":
-    """ONE collective (``accelerator.gather``) and ONE host read for the whole step: ``table[r]`` is rank
-    ``r``'s row. With one process there is nothing to gather (and a :class:`HostRow` is read, to be finished
-    on the host when its row is asked for)."""
-    if isinstance(row, HostRow):
-        return row.read()  # the host sync
-    k = row.numel()
-    if accelerator is not None and accelerator.num_processes > 1:
-        table = accelerator.gather(row.reshape(1, k)).reshape(-1)
-    else:
-        table = row
-    flat = table.tolist()  # the host sync
-    return [flat[i:i + k] for i in range(0, len(flat), k)]
+def gather_rows(local: torch.Tensor, world_size: int) -> list[list[float]]:
+    """Every rank's vector, ``rows[r]`` rank ``r``'s: the per-rank detail of a step whose summary shows something
+    (a collective every rank enters, since every rank has the same summary). Costs O(world) bytes: never on a
+    healthy step."""
+    if world_size <= 1:
+        return [local.tolist()]
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local)
+    return torch.stack(parts).tolist()

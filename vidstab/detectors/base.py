@@ -1,6 +1,6 @@
 """The detector protocol: host-side judges of one optimizer step.
 
-Every rank builds the same :class:`StepStats` from the same gathered table (one host read per
+Every rank builds the same :class:`StepStats` from the same reduced summary (one host read per
 optimizer step), runs the same detectors in the same order, and therefore reaches the same verdict:
 no rank-local ``if`` ever decides whether to step.
 
@@ -34,25 +34,6 @@ def check(cond: bool, name: str, requirement: str, value: Any) -> None:
         raise ConfigError(f"{name} {requirement}, got {value!r}")
 
 
-Bounds = tuple[tuple[str, float, float], ...]
-"""``((field, lo, hi), ...)``: closed intervals on :class:`StepStats` fields (:meth:`Detector.promise`)."""
-
-#: Relative margin of a promise (:meth:`Detector.promise`): a bound computed by other arithmetic than the
-#: test it stands for (``x <= ref * ratio`` for ``x / ref < ratio``) is off by a few ulps (~1e-16); 1e-9 screens
-#: out only values within a billionth of the line, which the detector then judges itself.
-MARGIN = 1e-9
-
-
-def below(h: float) -> float:
-    """``h`` moved towards -inf by the promise margin (an upper bound that holds despite rounding)."""
-    return h - MARGIN * abs(h) - 1e-300 if math.isfinite(h) else h
-
-
-def above(lo: float) -> float:
-    """``lo`` moved towards +inf by the promise margin (a lower bound that holds despite rounding)."""
-    return lo + MARGIN * abs(lo) + 1e-300 if math.isfinite(lo) else lo
-
-
 def exp_or_inf(v: float) -> float:
     """``math.exp`` that is ``inf`` instead of raising on overflow."""
     return math.exp(v) if v < 709.0 else math.inf
@@ -60,8 +41,7 @@ def exp_or_inf(v: float) -> float:
 
 def lr_ratios(lr: float | None, peak: float | None, scheduled: float | None) -> tuple[float, float]:
     """``(lr / peak, lr / scheduled)``, each 0.0 where the reference is unknown or not positive, both 0.0 for
-    an LR that is unknown, not finite or not positive (``lr_bound`` judges nothing then). One function for the
-    detector, its promise and the guard's healthy-step path, so that all three divide alike."""
+    an LR that is unknown, not finite or not positive (``lr_bound`` judges nothing then). """
     if lr is None or not math.isfinite(lr) or lr <= 0:
         return 0.0, 0.0
     return (lr / peak if peak is not None and peak > 0 else 0.0,
@@ -152,7 +132,7 @@ class StepStats:
     loss: float
     """Mean finite loss over ranks and micro-steps (``nan`` if none was finite)."""
     world_size: int = 1
-    """Number of ranks in the gathered table."""
+    """Number of ranks."""
     grad_norm_known: bool = True
     """False when the backend gave no norm (DeepSpeed without an engine norm): ``grad_norm`` is nan."""
     max_grad_norm: float | None = None
@@ -182,12 +162,26 @@ class StepStats:
     exception_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
     rank_loss: list[float] = field(default_factory=list)
-    """Per-rank mean finite loss (``nan`` for a rank without one)."""
+    """Per-rank mean finite loss (``nan`` for a rank without one). Per-rank figures are gathered only on a step
+    the summary shows something on (a non-finite value, an exception, a finding); empty on the others."""
     rank_input_absmax: list[float] = field(default_factory=list)
-    """Per-rank largest absolute input value (non-finite where that rank's inputs were)."""
+    """Per-rank largest absolute input value (non-finite where that rank's inputs were); empty as ``rank_loss``."""
     rank_seconds: list[float] = field(default_factory=list)
     """Per-rank own compute time of the step in seconds, waiting for other ranks excluded (``-1``:
-    unknown; on CUDA the previous step's, measured with events). See ``vidstab.signals.StepClock``."""
+    unknown; on CUDA the previous step's, measured with events; ``vidstab.signals.StepClock``); empty as
+    ``rank_loss``."""
+    slowest_rank: int | None = None
+    """The rank with the longest own compute time this step (``None`` when no rank measured one)."""
+    slowest_seconds: float | None = None
+    """That rank's own compute time in seconds."""
+    seconds_sum: float = 0.0
+    """The sum of every rank's own compute time (the others' mean: ``(seconds_sum - slowest_seconds) /
+    (world_size - 1)``)."""
+    first_bad_rank: int | None = None
+    """The lowest rank with a non-finite loss or input or an exception this step (``None``: none)."""
+    bucket: str = "default"
+    """The step's shape bucket (``guard.backward(..., bucket=...)``, by default the shape of the first input with
+    the most dimensions); ``"mixed"`` when its ranks or micro-steps were of different buckets."""
     timestep_bucket_loss: list[float | None] = field(default_factory=list)
     """Mean loss per diffusion-timestep bucket (``None`` for empty buckets)."""
     input_absmax: float = 0.0
@@ -240,46 +234,24 @@ class StepStats:
 
 
 class Detector:
-    """Base class of the detectors; see the module docstring for the two phases."""
+    """Base class of the detectors; see the module docstring for the two phases.
+
+    The protocol is :meth:`observe`, :meth:`update`, :meth:`state_dict`/:meth:`load_state_dict`, and optionally
+    :meth:`published`. Three class attributes say when the guard calls it: :attr:`needs`,
+    :attr:`min_world_size` and :attr:`per_bucket`."""
 
     name: ClassVar[str] = "detector"
     needs: ClassVar[str | None] = None
-    """The :class:`StepStats` field without which :meth:`observe` has nothing to judge (``None``, or an empty
-    list, on the steps that lack it, e.g. ``param_norm`` between measurements): on such a step
-    :func:`vidstab.detectors.judge` does not call :meth:`observe` at all."""
-    update_needs: ClassVar[str | None] = None
-    """The same for :meth:`update`: the field without which it has nothing to absorb, so
-    :func:`vidstab.detectors.absorb` does not call it (``None``: called every step)."""
-
+    """The :class:`StepStats` field without which :meth:`observe` has nothing to judge (``None`` or an empty list
+    on the steps that lack it, e.g. ``param_norm`` between measurements): :meth:`observe` is not called then.
+    :meth:`update` is called on every step and checks what it absorbs itself."""
     min_world_size: ClassVar[int] = 1
     """The fewest processes a run needs for this detector to judge anything (``straggler``, which compares
     the ranks, needs 2): with fewer the guard does not build it (:func:`vidstab.detectors.build_detectors`)."""
-
-    finite_quiet: ClassVar[bool] = False
-    """Whether :meth:`observe` finds nothing on every step whose gradient norm (and parameter norm, when measured)
-    is finite and on which no rank had a non-finite loss or input (``nonfinite``, ``nonfinite_params``): the
-    guard's batched healthy steps (:meth:`Screen.admits <vidstab.detectors.screen.Screen.admits>`) then need no
-    promise from it."""
-
-    absorbs: ClassVar[bool] = False
-    """Whether this class overrides :meth:`update` (set for every subclass): the others are not called there."""
-    publishes: ClassVar[bool] = False
-    """Whether this class overrides :meth:`published` (set for every subclass)."""
-    screens: ClassVar[bool] = False
-    """Whether this class overrides :meth:`promise` (set for every subclass)."""
-    _promise: "Bounds | None" = None
-    _promise_left = 0  # updates the kept promise still covers (quiet_bounds)
-    promise_steady: bool = False
-    """Set by :meth:`promise` (reset before each call): True when ``update`` of any step without findings
-    whose values lie in the promise's bounds cannot call :meth:`break_promise`, so that the state it leaves is
-    one the kept promise covers. A guard then makes such updates later, several at once
-    (:mod:`vidstab.detectors.screen`); the default, False, has every update made on its own step."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.absorbs = cls.update is not Detector.update
-        cls.publishes = cls.published is not Detector.published
-        cls.screens = cls.promise is not Detector.promise
+    per_bucket: ClassVar[bool] = False
+    """Whether its statistics depend on the step's shape bucket (resolution, frame count, batch size): the guard
+    then keeps one instance per bucket (:class:`vidstab.detectors.PerBucket`), so a planned change of bucket is
+    compared with steps of the same bucket, not taken for a spike or a drift."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -299,38 +271,6 @@ class Detector:
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict`."""
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """``(bounds, updates)``: a promise about the steps to come, from the state as :meth:`update` left it.
-
-        ``observe`` finds nothing on any step whose named :class:`StepStats` fields all lie in their closed
-        intervals, ``bounds = ((field, lo, hi), ...)`` (``()``: whatever the step; ``None``, the default: no
-        promise, ``observe`` is called), for as long as the state is this one or one that at most
-        ``updates - 1`` more calls of :meth:`update` made from it. A promise that covers several updates is
-        computed once for all of them (e.g. an EMA of positive values falls by at most ``(1 - a)^k`` in ``k``
-        updates), which is what makes the screen cheaper than judging (:mod:`vidstab.detectors.screen`). It
-        must hold exactly (margins for rounding: :func:`below`, :func:`above`); an update that leaves the
-        state beyond what it assumed calls :meth:`break_promise`; ``observe`` must have no side effect that
-        :meth:`update` relies on when it returns ``None``. A detector's config changed in the middle of a run
-        reaches the screen with its next promise, at most ``updates`` steps later (or at once after
-        :meth:`break_promise`)."""
-        return None, 1
-
-    def quiet_bounds(self) -> Bounds | None:
-        """The promise for the next step (:meth:`promise`), kept while it covers the updates made since. Called
-        once after each :meth:`update` (by :func:`vidstab.detectors.absorb`)."""
-        left = self._promise_left
-        if left > 0:
-            self._promise_left = left - 1
-            return self._promise
-        self.promise_steady = False
-        bounds, updates = self.promise()
-        self._promise, self._promise_left = bounds, updates - 1
-        return bounds
-
-    def break_promise(self) -> None:
-        """The state moved beyond what the kept promise assumed (or was replaced): make a new one next time."""
-        self._promise_left = 0
-
     def published(self) -> dict[str, float]:
         """Thresholds this detector applies to the next step, logged with the step's metrics so that the
         dashboard draws the detector's own line (e.g. ``{"grad_spike_threshold": 3.2}``); default none."""
@@ -339,22 +279,6 @@ class Detector:
     def finding(self, message: str, figures: dict[str, float], ranks: list[int] | None = None) -> Finding:
         """A finding of this detector with its configured verdict."""
         return Finding(self.name, self.verdict, message, dict(figures), list(ranks or []))
-
-
-PROMISE_UPDATES = 10
-"""Updates a promise computed from an EMA covers (:meth:`Detector.promise`): its line then sits at
-``(1 - a)^10`` of the EMA's, 0.82 of it at ``beta = 0.98``, far above healthy values, and it is computed once
-every 10 steps."""
-
-
-def ema_weight(e: "EMAStat") -> float:
-    """The weight ``a`` of the next value :meth:`EMAStat.add` absorbs (later ones weigh no more)."""
-    return max(1.0 - e.beta, 1.0 / (e.count + 1))
-
-
-def ema_floor(e: "EMAStat", updates: int) -> float:
-    """The lowest mean ``e`` can have after ``updates`` more non-negative values (each keeps ``1 - a`` of it)."""
-    return e.mean * (1.0 - ema_weight(e)) ** updates
 
 
 @dataclass
@@ -416,30 +340,9 @@ class EMAJumpDetector(Detector):
         self.quiet_until = -1
         self._flagged_step: int | None = None
 
-    screen_field: ClassVar[str | None] = None
-    """The :class:`StepStats` field :meth:`value` reads, when it reads one as it is: the detector then
-    promises quiet steps below ``ratio x EMA`` (:meth:`promise`); ``None``: no promise."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.screens = cls.screens and (cls.screen_field is not None or cls.promise is not EMAJumpDetector.promise)
-
     def value(self, s: StepStats) -> float | None:  # pragma: no cover - interface
         """The watched value of this step (``None`` when not measured)."""
         raise NotImplementedError
-
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet during the warm-up; then below ``ratio x`` the lowest EMA the next ``PROMISE_UPDATES`` updates
-        can leave (only positive values are absorbed: :func:`ema_floor`)."""
-        if self.screen_field is None:
-            return None, 1
-        self.promise_steady = not self.reanchor  # an update without a flag only adds to the EMA
-        if self.ema.count < self.warmup:
-            return (), self.warmup - self.ema.count
-        if not self.ema.mean > 0:  # the ratio is inf: any positive value is flagged
-            return None, 1
-        low = ema_floor(self.ema, PROMISE_UPDATES)
-        return ((self.screen_field, -math.inf, below(low * self.config.ratio)),), PROMISE_UPDATES
 
     @property
     def warmup(self) -> int:
@@ -465,7 +368,6 @@ class EMAJumpDetector(Detector):
             self.quiet_until = s.step + self.config.quiet_steps
             if self.reanchor and x is not None and math.isfinite(x):
                 self.ema.mean = x
-                self.break_promise()
             return
         if x is not None and x > 0 and (s.applied or self.absorb_skipped):
             self.ema.add(x)
@@ -476,4 +378,3 @@ class EMAJumpDetector(Detector):
     def load_state_dict(self, d: dict) -> None:
         self.ema.load_state_dict(d["ema"])
         self.quiet_until = int(d.get("quiet_until", -1))
-        self.break_promise()

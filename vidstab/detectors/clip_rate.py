@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import Bounds, Detector, DetectorConfig, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 from .windows import SortedWindow
 
 
@@ -37,10 +37,6 @@ class ClipRateConfig(DetectorConfig):
         check(self.min_clip_factor >= 1, f"{prefix}.min_clip_factor", "must be >= 1", self.min_clip_factor)
 
 
-MAX_PROMISE = 64
-"""The most updates one promise of ``clip_rate`` covers (:meth:`ClipRateDetector.promise`)."""
-
-
 class ClipRateDetector(Detector):
     """Judges once the window is full; warns once, re-armed when the condition has cleared.
 
@@ -49,6 +45,7 @@ class ClipRateDetector(Detector):
     """
 
     name = "clip_rate"
+    per_bucket = True
     needs = "max_grad_norm"
 
     def __init__(self, config: ClipRateConfig) -> None:
@@ -56,7 +53,6 @@ class ClipRateDetector(Detector):
         self.norms = SortedWindow(config.window)  # pre-clip norms of applied steps
         self.armed = True
         self.warmed_up = False  # the LR has reached the schedule's peak once (or the peak is unknown)
-        self._max_norm: float | None = None  # the last step's max_grad_norm (what a promise counts against)
 
     def _heavy(self, rate: float, factor: float) -> bool:
         return rate > self.config.max_rate and factor >= self.config.min_clip_factor
@@ -86,38 +82,11 @@ class ClipRateDetector(Detector):
             {"clip_rate": rate, "clip_factor": factor, "window": float(n)},
         )
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet while disarmed (until re-armed) and while the window is short (it grows by one per update);
-        then, at the same ``max_grad_norm``, for as many updates as the clipped count (which grows by at most
-        one per update) cannot pass the rate even if the step clips; else, for one update, on steps that
-        do not clip when the count without them cannot pass it."""
-        c, w, m = self.config, self.norms, self._max_norm
-        if not self.armed:
-            return (), MAX_PROMISE  # not steady: the update that re-arms breaks it
-        self.promise_steady = True  # armed, an update without a finding only pushes a norm it counted
-        n = w.pushed_len()
-        if n < c.window:
-            return (), c.window - n
-        if m is None:
-            return None, 1
-        clipped = w.count_above(m) - (len(w.values) == w.size and w.values[0] > m)  # as count_above_pushed
-        same = ("max_grad_norm", m, m)
-        if (clipped + 1) / n <= c.max_rate:
-            # Further updates the rate has room for: (clipped + more + 1) / n <= max_rate, as observe divides.
-            more = max(0, min(MAX_PROMISE - 1, int(c.max_rate * n) - clipped - 1))
-            while more > 0 and (clipped + more + 1) / n > c.max_rate:
-                more -= 1
-            return (same,), more + 1
-        if clipped / n <= c.max_rate:
-            return (same, ("grad_norm", -math.inf, m)), 1
-        return None, 1
 
     def update(self, s: StepStats) -> None:
-        self._max_norm = s.max_grad_norm
         self.warmed_up = self._warm(s)
         if s.findings and any(f.detector == self.name for f in s.findings):
             self.armed = False
-            self.break_promise()
         max_norm = s.max_grad_norm
         if not (s.applied and max_norm is not None and math.isfinite(s.grad_norm)):
             return
@@ -126,8 +95,6 @@ class ClipRateDetector(Detector):
             w = self.norms
             factor = w.median() / max_norm if max_norm > 0 else math.inf
             self.armed = not self._heavy(w.count_above(max_norm) / len(w), factor)
-            if self.armed:
-                self.break_promise()
 
     def state_dict(self) -> dict:
         return {"norms": list(self.norms.values), "armed": self.armed, "warmed_up": self.warmed_up}
@@ -136,4 +103,3 @@ class ClipRateDetector(Detector):
         self.norms = SortedWindow(self.config.window, (float(n) for n in d.get("norms", [])))
         self.armed = bool(d.get("armed", True))
         self.warmed_up = bool(d.get("warmed_up", True))
-        self.break_promise()

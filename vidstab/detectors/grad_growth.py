@@ -6,8 +6,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .base import (PROMISE_UPDATES, Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, above, below,
-                   check, ema_weight, exp_or_inf)
+from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check
 from .windows import SlopeWindow, slope
 
 
@@ -59,6 +58,7 @@ class GradGrowthDetector(Detector):
     """
 
     name = "grad_growth"
+    per_bucket = True
 
     def __init__(self, config: GradGrowthConfig) -> None:
         super().__init__(config)
@@ -90,88 +90,11 @@ class GradGrowthDetector(Detector):
             {"grad_norm": x, "rises": float(rises), "growth": growth, "per_step": math.exp(per_step)},
         )
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet before the window is judged (the counts grow by one per update at most) and while too few
-        rises remain possible (one more per update at most): both steady. Then, for up to ``PROMISE_UPDATES``
-        updates, on norms inside a band around the window's mean log norm narrow enough that no window of
-        known and in-band values fits the slope a warning needs (:meth:`_band`: steady); where no useful band
-        exists, for one update, below the norm whose log would fit a slope of exactly the growth a warning
-        needs (the fitted slope rises with the newest value: its coefficient in the least-squares sum is
-        ``(n - 1) / 2 > 0``)."""
-        c, w = self.config, self.logs
-        if self.seen < c.warmup_steps or len(w) < c.window:
-            self.promise_steady = True
-            return (), max(c.warmup_steps - self.seen, c.window - len(w))
-        v, n, sy, siy, rises = w.values, len(w), w.sum_y, w.sum_iy, w.rises
-        if n == w.size:  # as SlopeWindow.pushed: the oldest leaves, every index moves down by one
-            sy -= v[0]
-            siy -= sy
-            if n > 1:
-                rises -= v[1] > v[0]
-            n -= 1
-        few = c.min_rises - rises - 1  # updates that cannot bring enough rises (when positive)
-        band = self._band() if few < PROMISE_UPDATES else None
-        if band is not None and band[1] > few:
-            self.promise_steady = True
-            return band
-        if few > 0:  # even a rise on this step leaves too few
-            self.promise_steady = True
-            return (), few
-        m = n + 1  # values in the judged window
-        need = self.min_log_growth() / c.window * (m * (m * m - 1) / 12)  # the slope's numerator a warning needs
-        y = (need - siy + (m - 1) / 2 * sy) / (n - (m - 1) / 2)  # log norm at which the numerator reaches it
-        if rises < c.min_rises:  # the warning needs this step to rise as well
-            y = max(y, v[-1])
-        return (("grad_norm", -math.inf, below(exp_or_inf(y - 1e-9 * (1.0 + abs(y))))),), 1
 
-    def _band(self) -> "tuple[Bounds, int] | None":
-        """``(bounds, k)``: log norms in ``[mean - h, mean + h]`` (``mean`` of the window's log norms) keep the
-        fitted growth below the warning's bar on each of the next ``k >= 2`` steps, whatever the in-band values
-        absorbed before them; ``None`` when no band of at least 2.5 noise standard deviations covers 2 steps.
-
-        The judged window of the step after ``j`` more updates holds the newest known values and ``j + 1``
-        unknown ones; the slope's numerator ``sum (i - (n - 1) / 2) y_i`` is largest with each unknown at the
-        band's end its coefficient's sign picks. The bar is taken as low as ``j`` updates can bring it: the
-        EMA of the changes' variance keeps at least ``1 - a`` of itself per update. A small slack covers the
-        rounding of the window's running sums."""
-        c, w = self.config, self.logs
-        known, n = list(w.values), w.size  # len(known) >= window = n - 1: every judged window holds n values
-        centre = math.fsum(known) / len(known)
-        var = max(self.changes.var, 0.0)
-        keep = 1.0 - ema_weight(self.changes)
-        floor = max(2.5 * math.sqrt(var / 2.0), 0.05)  # a narrower band would break on healthy noise
-        log_min = math.log(c.min_growth)
-        mid, cs, a, scale = _coefficients(n)
-        noise = c.noise_z * c.window * math.sqrt(var / 2.0) * scale  # the bar's noise term (min_log_growth)
-        per_bar = n * (n * n - 1) / 12 / c.window  # the slope's numerator per unit of growth over the window
-        kept = known[len(known) - (n - 1):]  # the newest n - 1 known values: those the next judged window holds
-        s1 = math.fsum(kept)
-        s2 = math.fsum(i * y for i, y in enumerate(kept))
-        h, k, decay = math.inf, 0, 1.0
-        for u in range(1, PROMISE_UPDATES + 1):  # u - 1 updates before the judged step, u values unknown in it
-            if u > 1 and kept:  # the oldest known value leaves the judged window, the others move down
-                s1 -= kept[u - 2] if u - 2 < len(kept) else 0.0
-                s2 -= s1
-            ks = s2 - mid * s1 if u < n else 0.0
-            bar = max(log_min, noise * math.sqrt(decay)) * (1.0 - 1e-9)
-            need = bar * per_bar
-            j = min(u, n)
-            slack = 1e-7 * (abs(need) + abs(ks) + abs(centre * cs[j]) + a[j] * abs(centre) + 1.0)
-            h_u = (need - ks - centre * cs[j] - slack) / a[j]
-            if min(h, h_u) < floor:
-                break
-            h, k = min(h, h_u), u
-            decay *= keep
-        if k < 2:
-            return None
-        lo, hi = centre - h, centre + h
-        return ((("grad_norm", above(exp_or_inf(lo + 1e-9 * (1.0 + abs(lo)))),
-                  below(exp_or_inf(hi - 1e-9 * (1.0 + abs(hi))))),), k)
 
     def update(self, s: StepStats) -> None:
         if s.findings and any(f.detector == self.name for f in s.findings):
             self.logs.clear()  # warn once per window: the next warning needs a fresh window
-            self.break_promise()
         if s.applied and math.isfinite(s.grad_norm) and s.grad_norm > 0:
             y = math.log(s.grad_norm)
             if self._last_log is not None:
@@ -191,16 +114,5 @@ class GradGrowthDetector(Detector):
             self.changes.load_state_dict(d["changes"])
         last = d.get("last_log")
         self._last_log = float(last) if last is not None else None
-        self.break_promise()
 
 
-@functools.lru_cache(maxsize=64)
-def _coefficients(n: int) -> tuple[float, list[float], list[float], float]:
-    """For judged windows of ``n`` log norms: ``(n - 1) / 2``; by the number ``u`` of unknown (newest) values,
-    the sum and the sum of absolute values of their least-squares coefficients ``i - (n - 1) / 2``; and
-    ``sqrt(12 / (n (n^2 - 1)))``, the fitted growth's standard deviation per unit of noise and window
-    (:meth:`GradGrowthDetector.min_log_growth`)."""
-    mid = (n - 1) / 2
-    cs = [sum(i - mid for i in range(n - u, n)) for u in range(n + 1)]
-    a = [sum(abs(i - mid) for i in range(n - u, n)) for u in range(n + 1)]
-    return mid, cs, a, math.sqrt(12.0 / (n * (n * n - 1)))

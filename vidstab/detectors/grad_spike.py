@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import (PROMISE_UPDATES, Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, above, below, check,
-                   ema_floor, ema_weight, exp_or_inf)
+from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check, exp_or_inf
 
 
 @dataclass
@@ -46,16 +45,11 @@ class GradSpikeConfig(DetectorConfig):
         check(self.min_log_std >= 0, f"{prefix}.min_log_std", "must be >= 0", self.min_log_std)
 
 
-ENVELOPE = 4.0
-"""How far below the mean of log norms (in its standard deviations) an absorbed log norm may lie before the
-kept promise is made afresh (:meth:`GradSpikeDetector.promise`): below ``exp(-4 sigma)`` of the geometric mean,
-about 3 healthy steps in 100,000."""
-
-
 class GradSpikeDetector(Detector):
     """Ratio OR z-score test after warm-up; flagged steps are never absorbed into the EMA."""
 
     name = "grad_spike"
+    per_bucket = True
 
     def __init__(self, config: GradSpikeConfig) -> None:
         super().__init__(config)
@@ -63,7 +57,6 @@ class GradSpikeDetector(Detector):
         self.log_ema = EMAStat(beta=config.beta)  # of log(norm): the z-test's statistics
         self.early: list[float] = []  # norms absorbed during the warm-up (median reference)
         self._flagged_step: int | None = None
-        self._log_envelope = -math.inf  # the lowest log norm the kept promise allows to be absorbed
 
     def reference(self) -> float:
         """The ratio test's reference: the median of the absorbed norms during the warm-up (robust to the
@@ -105,8 +98,6 @@ class GradSpikeDetector(Detector):
     def update(self, s: StepStats) -> None:
         if s.applied and self._flagged_step != s.step and math.isfinite(s.grad_norm) and s.grad_norm > 0:
             y = math.log(s.grad_norm)
-            if y < self._log_envelope:
-                self.break_promise()
             self.log_ema.add(y)
             if self.ema.count < self.config.warmup_steps:
                 self.early.append(s.grad_norm)
@@ -114,32 +105,6 @@ class GradSpikeDetector(Detector):
                 self.early = []
             self.ema.add(s.grad_norm)
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet during the warm-ups; after them, below both tests' lines as low as ``PROMISE_UPDATES`` updates
-        can bring them: the EMA of norms keeps ``(1 - a)`` of its mean per update (norms are positive), the
-        variance of log norms ``(1 - a)`` of itself, and the mean of log norms falls towards the lowest log
-        norm absorbed, at most ``ENVELOPE`` standard deviations below it (a lower one breaks the promise)."""
-        n, c = self.ema.count, self.config
-        warm = min(c.warmup_steps, c.ratio_warmup_steps)
-        if n < warm:
-            return (), warm - n
-        if n < c.warmup_steps or n < c.ratio_warmup_steps:  # one test judges already, the other not yet
-            ref, line = self._line()
-            if not ref > 0:
-                return None, 1
-            return (("grad_norm", -math.inf, below(line)),), 1
-        ref, log, k = self.ema.mean, self.log_ema, PROMISE_UPDATES
-        if not ref > 0:  # the ratio is inf: any finite norm is flagged
-            return None, 1
-        keep = (1.0 - ema_weight(log)) ** k
-        std = self._log_std()
-        self._log_envelope = log.mean - ENVELOPE * std
-        mean_low = self._log_envelope + keep * (log.mean - self._log_envelope)
-        std_low = max(math.sqrt(max(log.var, 0.0) * keep), c.min_log_std, 1e-12)
-        line = min(ema_floor(self.ema, k) * c.ratio, exp_or_inf(mean_low + c.zscore * std_low))
-        # Norms below the envelope break the promise when absorbed: screening them out makes it steady.
-        self.promise_steady = True
-        return (("grad_norm", above(exp_or_inf(self._log_envelope)), below(line)),), k
 
     def _line(self) -> tuple[float, float]:
         """``(reference, the lowest norm the next step would be flagged at)`` once a test judges."""
@@ -166,7 +131,6 @@ class GradSpikeDetector(Detector):
         if "log_ema" in d:
             self.log_ema.load_state_dict(d["log_ema"])
         self.early = [float(x) for x in d.get("early", [])]
-        self.break_promise()
 
 
 def _suspect_ranks(s: StepStats) -> list[int]:

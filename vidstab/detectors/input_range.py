@@ -40,7 +40,7 @@ class InputRangeDetector(EMAJumpDetector):
     """Ratio of the input absmax to its EMA; names the rank(s) holding the extreme input."""
 
     name = "input_range"
-    screen_field = "input_absmax"
+    per_bucket = True
 
     def value(self, s: StepStats) -> float | None:
         return s.input_absmax

@@ -49,7 +49,7 @@ from typing import Iterable
 
 import torch
 
-from .base import PROMISE_UPDATES, Bounds, Detector, DetectorConfig, Finding, StepStats, Verdict, above, below, check, exp_or_inf
+from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
 from .windows import SortedWindow
 
 
@@ -97,13 +97,6 @@ def scale_reference(tensors: Iterable[torch.Tensor]) -> ScaleReference:
         return ScaleReference(math.nan, math.nan, math.nan, 0.0, 0)
     mean = total / count
     return ScaleReference(math.sqrt(sq / count), mean, math.sqrt(max(sq / count - mean * mean, 0.0)), absmax, count)
-
-
-DRIFT_PROMISE_UPDATES = 6
-"""Updates a promise of the drift test covers at most. The band splits the CUSUMs' distance to their threshold
-over the updates it covers: with ``drift_threshold`` 10 and ``drift_allowance`` 0.75, a standardised log RMS
-within 0.75 + 10/6 = 2.4 standard deviations for 6 updates (about 1.6% of healthy Gaussian values outside),
-1.75 for 10 (about 8%): every value outside has its step judged in full."""
 
 
 @dataclass
@@ -236,8 +229,8 @@ class InputScaleDetector(Detector):
     """Median RMS of the recent steps against a frozen (or user-given) reference RMS, and a CUSUM drift test."""
 
     name = "input_scale"
+    per_bucket = True
     needs = "input_rms"
-    update_needs = "input_rms"
 
     def __init__(self, config: InputScaleConfig) -> None:
         super().__init__(config)
@@ -250,7 +243,6 @@ class InputScaleDetector(Detector):
         self._measured = False  # whether the window was sized (after ``reference_steps`` applied steps)
         self.drift = DriftCusum(config.drift_lag)
         self._advanced: tuple | None = None  # (step, rms, log rms, the sums after it) computed by observe
-        self._band = (math.inf, -math.inf)  # the RMS band of the kept promise (promise)
 
     def observe(self, s: StepStats) -> Finding | None:
         x = s.input_rms
@@ -275,70 +267,6 @@ class InputScaleDetector(Detector):
         self._warned_step = s.step
         return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet until a reference exists. Then on RMS values inside the warn band whose pushed median stays
-        inside it too, and, with the drift test on, inside the band where neither CUSUM can pass its
-        threshold (:meth:`_drift_band`). While every RMS in the median's window lies in the warn band, for up
-        to ``PROMISE_UPDATES`` updates at once (the window then stays in it); else for one. An update whose RMS
-        leaves the promised band breaks the promise. When this detector keeps no promise, ``update``
-        computes the CUSUM step that ``observe`` would have left it (``_advanced``)."""
-        ref, c = self.reference, self.config
-        self._band = (math.inf, -math.inf)  # nothing absorbed is "inside" until a band is promised
-        if ref is None:
-            self._band = (-math.inf, math.inf)
-            return (), PROMISE_UPDATES  # the update that sets the reference breaks it
-        lo, hi = above(ref / c.warn_ratio), below(ref * c.warn_ratio)
-        w = self.recent
-        if len(w) and not (w.kth(0) >= lo and w.kth(len(w) - 1) <= hi):
-            if not (w.median_low_pushed(lo) >= lo and w.median_low_pushed(hi) <= hi):
-                return None, 1
-            updates = 1  # the window's own outliers may leave the band's median as the window moves
-        else:
-            updates = PROMISE_UPDATES
-        if c.drift_threshold > 0:
-            d = self.drift
-            if not self._drift_on():  # the drift test starts judging once its baseline has this many steps
-                updates = min(updates, max(2, c.reference_steps) - d.count)
-            else:
-                if c.drift_lag < updates:  # the baseline would take in RMS values not yet seen
-                    updates = 1
-                updates = min(updates, DRIFT_PROMISE_UPDATES)
-                drift = self._drift_band(updates)
-                if drift is None:
-                    return None, 1
-                lo, hi = max(lo, drift[0]), min(hi, drift[1])
-        if not lo <= hi:
-            return None, 1
-        self._band = (lo, hi)
-        self.promise_steady = self._measured  # until then, the update that completes the reference breaks it
-        return (("input_rms", lo, hi),), updates
-
-    def _drift_band(self, updates: int) -> tuple[float, float] | None:
-        """The RMS band inside which neither CUSUM can pass the threshold on the next ``updates`` steps.
-
-        Those steps' baselines are known now: an applied step moves the oldest pending RMS into it (Welford,
-        as :meth:`DriftCusum.add_to_baseline`). Each step inside the band adds at most ``room / updates``
-        standard deviations to a CUSUM (``room``: its distance to the threshold), so the band is where the
-        standardised log RMS stays within ``allowance + room / updates`` of every one of those baselines."""
-        c, d = self.config, self.drift
-        h, allow, floor = c.drift_threshold, c.drift_allowance, c.drift_min_std
-        up_z, down_z = allow + (h - d.up) / updates, allow + (h - d.down) / updates
-        if up_z < 0 or down_z < 0:
-            return None
-        count, mean, m2 = d.count, d.mean, d.m2
-        log_hi, log_lo = math.inf, -math.inf
-        pending, extra = d.pending, len(d.pending) - d.lag  # values that enter on the next applied steps
-        for j in range(updates):
-            std = max(math.sqrt(m2 / (count - 1)) if count > 1 else 0.0, floor)
-            log_hi, log_lo = min(log_hi, mean + up_z * std), max(log_lo, mean - down_z * std)
-            if j + 1 < updates and extra + j + 1 > 0:  # the baseline after one more applied step
-                v = pending[extra + j]
-                count += 1
-                delta = v - mean
-                mean += delta / count
-                m2 += delta * (v - mean)
-        log_lo, log_hi = log_lo + 1e-9 * (1.0 + abs(log_lo)), log_hi - 1e-9 * (1.0 + abs(log_hi))
-        return above(exp_or_inf(log_lo)), below(exp_or_inf(log_hi))
 
     def _drift_on(self) -> bool:
         return self.config.drift_threshold > 0 and self.drift.count >= max(2, self.config.reference_steps)
@@ -370,8 +298,6 @@ class InputScaleDetector(Detector):
         x = s.input_rms
         if x is None or not math.isfinite(x) or x <= 0:
             return
-        if not self._band[0] <= x <= self._band[1]:  # beyond what the kept promise assumed
-            self.break_promise()
         self.recent.push(x)  # every step: a skipped batch is still what the data pipeline produces
         memo, self._advanced = self._advanced, None
         if self.config.drift_threshold > 0:
@@ -381,7 +307,6 @@ class InputScaleDetector(Detector):
                 d = self.drift
                 d.up, d.down, d.up_since, d.down_since = memo[3] if seen else d.advance(log_x, s.step, self.config)
                 if max(d.up, d.down) > self.config.drift_threshold:
-                    self.break_promise()
                     if self.config.drift_restart:
                         d.restart()  # this step's RMS (if applied) is the first of the new baseline
                     else:
@@ -396,7 +321,6 @@ class InputScaleDetector(Detector):
                 self.smooth = smooth_window(self.early, self.config)
                 self.recent = SortedWindow(self.smooth, self.recent.values)
                 self._measured = True
-                self.break_promise()
                 self.early = []
 
     def state_dict(self) -> dict:
@@ -417,7 +341,6 @@ class InputScaleDetector(Detector):
         self.drift = DriftCusum(self.config.drift_lag)
         self.drift.load_state_dict(d.get("drift", {}))
         self._advanced = None  # a state saved before the drift test: it starts afresh
-        self.break_promise()
 
 
 def smooth_window(early: list[float], config: InputScaleConfig) -> int:

@@ -33,7 +33,6 @@ class LossScaleDetector(Detector):
 
     name = "loss_scale"
     needs = "loss_scale"
-    update_needs = "loss_scale"
 
     def __init__(self, config: LossScaleConfig) -> None:
         super().__init__(config)

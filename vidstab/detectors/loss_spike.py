@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import PROMISE_UPDATES, Bounds, Detector, DetectorConfig, EMAStat, Finding, StepStats, below, check, ema_weight
+from .base import Detector, DetectorConfig, EMAStat, Finding, StepStats, check
 
 
 @dataclass
@@ -55,6 +55,7 @@ class LossSpikeDetector(Detector):
     """Ratio OR z-score test after warm-up on the timestep-adjusted loss; flagged steps are not absorbed."""
 
     name = "loss_spike"
+    per_bucket = True
 
     def __init__(self, config: LossSpikeConfig) -> None:
         super().__init__(config)
@@ -101,12 +102,8 @@ class LossSpikeDetector(Detector):
         if not (s.applied and math.isfinite(s.loss)):
             return
         mine = self._batch_buckets(s)
-        if mine:  # the buckets (and the timestep factor) move: beyond what a promise assumed
-            self.break_promise()
         if self._flagged_step != s.step:
             x = s.loss * self.timestep_factor(s, mine)
-            if x < 0:  # beyond what a promise assumed
-                self.break_promise()
             self.ema.add(x)
         # Every applied step teaches the buckets, flagged ones too: otherwise a bucket whose batches are flagged
         # while it is still unknown (the rare t < 100) would never become known. A fault that raises the loss
@@ -116,37 +113,11 @@ class LossSpikeDetector(Detector):
         for b, v in mine:
             self.buckets[b].add(v)
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet during the warm-up; then on raw losses below the lines divided by the largest timestep factor
-        a batch can have (the mean of the known buckets over the smallest of them), for ``PROMISE_UPDATES``
-        updates at once: the EMA keeps ``(1 - a)`` of its mean and of its variance per update while the
-        losses absorbed are not negative, and the buckets stay as they are while no step carries bucket
-        losses (a negative loss or bucket losses break the promise). Before any step carried bucket losses the
-        promise also asks for a loss >= 0 and no bucket losses, and is steady."""
-        c = self.config
-        if self.ema.count < c.warmup_steps:
-            return (), c.warmup_steps - self.ema.count
-        e = self.ema
-        if not e.mean > 0:  # the ratio is inf: any finite loss is flagged
-            return None, 1
-        k = PROMISE_UPDATES
-        keep = (1.0 - ema_weight(e)) ** (k - 1)  # the state after this update and k - 1 more
-        mean = e.mean * keep
-        std = max(math.sqrt(max(e.var, 0.0) * keep), c.min_std_fraction * mean, 1e-12)
-        line = min(mean * c.ratio, mean + c.zscore * std)
-        if not any(b.count for b in self.buckets):  # no step carried bucket losses yet (the attached loop)
-            # Then an update of a quiet step with a loss in [0, line] and no bucket losses breaks nothing: steady.
-            self.promise_steady = True
-            return (("loss", 0.0, below(line)), ("timestep_buckets_filled", 0, 0)), k
-        warm = [b.mean for b in self.buckets if b.count >= c.min_bucket_samples and b.mean > 0]
-        factor = max(1.0, sum(warm) / len(warm) / min(warm)) if warm else 1.0
-        return (("loss", -math.inf, below(line / factor)),), k
 
     def state_dict(self) -> dict:
         return {"ema": self.ema.state_dict(), "buckets": [e.state_dict() for e in self.buckets]}
 
     def load_state_dict(self, d: dict) -> None:
-        self.break_promise()
         self.ema.load_state_dict(d["ema"])
         self.buckets = []
         for b in d.get("buckets", []):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import Bounds, Detector, DetectorConfig, Finding, StepStats, Verdict, check, lr_ratios
+from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check, lr_ratios
 
 
 @dataclass
@@ -54,7 +54,6 @@ class LRBoundDetector(Detector):
 
     name = "lr_bound"
     needs = "lr"
-    update_needs = "findings"  # its update acts only on a step it warned on
 
     def __init__(self, config: LRBoundConfig) -> None:
         super().__init__(config)
@@ -83,13 +82,6 @@ class LRBoundDetector(Detector):
         return Finding(self.name, min(self.verdict, Verdict.WARN),
                        f"learning rate {lr:.3g} is {vs_peak:.2f}x the schedule's peak {peak:.3g}", figures)
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """Quiet, whatever the step and for good, on LRs at most ``warn_peak_ratio`` x the peak (below the
-        skip ratio too) and at most ``skip_scheduled_ratio`` x the scheduled LR: the test has no history (its
-        quiet period after a warning only narrows what it flags), so no update can break this; renewed every 1000 steps, for a config changed mid-run."""
-        self.promise_steady = True
-        c = self.config
-        return (("lr_to_peak", -math.inf, c.warn_peak_ratio), ("lr_to_scheduled", -math.inf, c.skip_scheduled_ratio)), 1000
 
     def update(self, s: StepStats) -> None:
         if self._warned_step == s.step:

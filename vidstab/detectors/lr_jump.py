@@ -47,7 +47,6 @@ class LRJumpDetector(EMAJumpDetector):
     # the peak is the schedule's own (warm-up, warm restart) and no news. This EMA rule is the fallback for
     # LRs the guard cannot place (no base LR known): on every other step it is not called at all.
     needs = "lr_unplaced"
-    update_needs = "lr_unplaced"
     reanchor = True  # a new LR level set on purpose (a warm restart) is the reference from then on
 
     def value(self, s: StepStats) -> float | None:

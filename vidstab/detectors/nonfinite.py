@@ -25,7 +25,6 @@ class NonFiniteDetector(Detector):
     """
 
     name = "nonfinite"
-    finite_quiet = True  # observe below: quiet without non-finite ranks and with a finite norm
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.overflow:

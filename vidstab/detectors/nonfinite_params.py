@@ -22,7 +22,6 @@ class NonFiniteParamsDetector(Detector):
 
     name = "nonfinite_params"
     needs = "param_norm"
-    finite_quiet = True  # quiet on a finite parameter norm
 
     def observe(self, s: StepStats) -> Finding | None:
         if s.param_norm is None or math.isfinite(s.param_norm):

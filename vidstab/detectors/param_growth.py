@@ -16,7 +16,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .base import PROMISE_UPDATES, Bounds, Detector, DetectorConfig, Finding, StepStats, below, check
+from .base import Detector, DetectorConfig, Finding, StepStats, check
 
 
 @dataclass
@@ -41,7 +41,6 @@ class ParamGrowthDetector(Detector):
 
     name = "param_growth"
     needs = "param_norm"
-    update_needs = "param_norm"
 
     def __init__(self, config: ParamGrowthConfig) -> None:
         super().__init__(config)
@@ -88,17 +87,6 @@ class ParamGrowthDetector(Detector):
             {"param_norm": s.param_norm, "reference": ref[1], "growth": growth},
         )
 
-    def promise(self) -> tuple[Bounds | None, int]:
-        """On norms from the lowest sample kept to ``max_growth`` x it, for ``PROMISE_UPDATES`` updates: every
-        reference the window can pick later is a kept sample or a newer one, and with the newer ones in the band
-        none is lower, so no later line is lower than this one (steady)."""
-        if not self.lows:
-            return (), 1  # the first sample makes the reference
-        low = self.lows[0][1]
-        if not low > 0:
-            return None, 1
-        self.promise_steady = True
-        return (("param_norm", low, below(low * self.config.max_growth)),), PROMISE_UPDATES
 
     def update(self, s: StepStats) -> None:
         if s.findings and any(f.detector == self.name for f in s.findings):

@@ -40,14 +40,12 @@ class UpdateRatioDetector(EMAJumpDetector):
 
     name = "update_ratio"
     needs = "update_ratio"
-    update_needs = "update_ratio"
     absorb_skipped = False
 
     @property
     def warmup(self) -> int:
         return self.config.warmup_samples
 
-    screen_field = "update_per_lr"  # what value() reads: the promise bounds it
 
     def value(self, s: StepStats) -> float | None:
         # Per unit of LR: an AdamW update scales with the LR, so the schedule itself (a warm restart, the end

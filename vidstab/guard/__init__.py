@@ -1,14 +1,14 @@
 """The guard: the orchestrator of one optimizer step, in lockstep on every rank (see :mod:`.core`).
 
-===============  =========================================================================================
-``core``         :class:`Guard` (state, ``backward``, ``step`` and the data flow of one guarded step) and
-                 :func:`attach`
-``wrapping``     the patches on the user's own ``backward``/``clip_grad_norm_``/``optimizer.step``/
-                 ``lr_scheduler.step`` (the unmodified loop)
-``stats``        the gathered ``[world, k]`` table read into one ``StepStats``
-``reporting``    metrics, events, incident bundles and non-finite localisation, after the step
-``result``       :class:`StepResult`
-===============  =========================================================================================
+=====================  ===================================================================================
+``core``               :class:`Guard` (the facade: ``backward``, ``step``, state) and :func:`attach`
+``recorder``           the micro-steps of the accumulation window (on-device statistics, batch references)
+``stats``              the one producer of a step's statistics, from the reduced summary
+``optimizer_control``  apply or skip: the only place the optimizer, the scheduler and the scaler are touched
+``reporting``          metrics lines, events, incident bundles and non-finite localisation, after the step
+``wrapping``           the patches on the user's own calls (the unmodified loop)
+``result``             :class:`StepResult`
+=====================  ===================================================================================
 
 The LR multiplier the guard holds for recovery lives in :mod:`vidstab.lr`.
 """

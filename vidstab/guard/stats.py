@@ -1,5 +1,6 @@
-"""Step 3's input: the gathered ``[world, k]`` table (:mod:`vidstab.signals`) read into one
-:class:`~vidstab.detectors.StepStats`, the same on every rank. Pure host arithmetic on the table."""
+"""The one producer of a step's statistics: the reduced summary (and, on a step that shows something, every
+rank's vector) read into one :class:`~vidstab.detectors.StepStats`, the same on every rank. Every consumer --
+detectors, metrics lines, incident bundles, replay, benchmarks -- reads a step's statistics from here."""
 
 from __future__ import annotations
 
@@ -7,16 +8,25 @@ import math
 from typing import Sequence
 
 from .. import signals as S
-from ..detectors import StepStats, Verdict
+from ..detectors import MIXED_BUCKET, StepStats, Verdict
+
+
+def anomalous(summary: Sequence[float], layout: S.Layout) -> bool:
+    """Whether the summary shows a rank with a non-finite value or an exception, or a non-finite norm: every rank's
+    vector is then gathered to name them (the same answer on every rank)."""
+    L = layout
+    return bool(summary[L.ranks_loss_bad] or summary[L.ranks_input_bad] or summary[L.ranks_exception]
+                or summary[L.norm_nan] or summary[L.norm_inf])
 
 
 def build_stats(
     step: int,
-    table: list[list[float]],
+    summary: Sequence[float],
     layout: S.Layout,
     *,
+    rows: Sequence[Sequence[float]] | None = None,
+    bucket: str = "default",
     max_grad_norm: float | None,
-    norm_known: bool,
     sharded: bool,
     scale_known: bool,
     has_scaler: bool,
@@ -24,88 +34,58 @@ def build_stats(
     lr_peak: float | None,
     lr_scheduled: float | None,
 ) -> StepStats:
-    """The statistics of one step from every rank's row.
+    """The statistics of one step.
 
-    ``sharded``: FSDP, each rank holds a shard, so parameter/update sums of squares add up over ranks
-    (under DDP every rank holds all parameters: rank 0's row is taken). ``scale_known``: the rows carry a
-    GradScaler scale. ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow.
-    ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`).
-    """
-    isfinite, nan = math.isfinite, math.nan
-    grad_norm = first_bad = best_absmax = None
-    loss_sum = loss_cnt = sum_sq = numel = 0.0
-    rank_loss, rank_absmax, rank_seconds = [], [], []
-    nonfinite_loss_ranks, nonfinite_input_ranks, exception_ranks = [], [], []
-    for i, r in enumerate(table):  # one pass over the rows (this runs every step, on every rank)
-        norm = r[S.GRAD_NORM]
-        if not isfinite(norm):
-            if first_bad is None:
-                first_bad = norm
-        elif grad_norm is None or norm > grad_norm:
-            grad_norm = norm
-        rank_sum, bad_losses = S.loss_count(r)
-        count = r[S.LOSS_TOTAL] - bad_losses
-        loss_sum += rank_sum
-        loss_cnt += count
-        rank_loss.append(rank_sum / count if count > 0 else nan)
-        bad_inputs = S.inputs_nonfinite(r)
-        absmax = max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0
-        if isfinite(absmax):
-            if best_absmax is None or absmax > best_absmax:
-                best_absmax = absmax
-        elif bad_inputs:
-            absmax = nan
-        rank_absmax.append(absmax)
-        rank_seconds.append(r[S.LOCAL_SECONDS])
-        sum_sq += r[S.IN_SUMSQ]
-        numel += r[S.IN_NUMEL]
-        if bad_losses > 0:
-            nonfinite_loss_ranks.append(i)
-        if bad_inputs:
-            nonfinite_input_ranks.append(i)
-        if r[S.EXCEPTIONS] > 0:
-            exception_ranks.append(i)
-    if first_bad is not None:
-        grad_norm = first_bad
-    buckets = _bucket_means(table, layout) if layout.buckets else []
+    ``summary``: the reduced vector (:func:`vidstab.signals.reduce_and_read`). ``rows``: every rank's own vector,
+    when gathered (:func:`vidstab.signals.gather_rows`): the per-rank fields come from them. ``bucket``: this
+    rank's name for the window's shape bucket (the summary says whether every rank had it). ``sharded``: FSDP,
+    parameter sums of squares add up over ranks. ``scale_known``: a GradScaler scale is in the vectors.
+    ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow.
+    ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`)."""
+    L, x = layout, summary
+    norm_known = x[L.norm_known] > 0
+    grad_norm = math.nan if x[L.norm_nan] or not norm_known else math.inf if x[L.norm_inf] else x[L.grad_norm]
+    world = int(x[L.ranks])
     param_norm = update_ratio = None
-    if table[0][S.PARAM_PENDING] > 0:
-        psq = sum(r[S.PARAM_SQ] for r in table) if sharded else table[0][S.PARAM_SQ]
-        usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
+    if x[L.param_measured] > 0:
+        psq, usq = (x[L.param_sq_sum], x[L.update_sq_sum]) if sharded else (x[L.param_sq_max], x[L.update_sq_max])
         param_norm = math.sqrt(psq) if psq >= 0 else math.nan
         update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
+    slowest = S.decode_slowest(x[L.slowest])
     s = StepStats(
         step=step,
-        grad_norm=grad_norm if norm_known else math.nan,
+        grad_norm=grad_norm,
         grad_norm_known=norm_known,
-        loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan,
-        world_size=len(table),
+        loss=x[L.loss_sum] / x[L.loss_count] if x[L.loss_count] > 0 else math.nan,
+        world_size=world,
         max_grad_norm=max_grad_norm,
         clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
         lr=lr,
-        loss_scale=table[0][S.LOSS_SCALE] if scale_known else None,
         lr_peak=lr_peak,
         lr_scheduled=lr_scheduled,
+        loss_scale=x[L.loss_scale] if scale_known else None,
         param_norm=param_norm,
         update_ratio=update_ratio,
-        nonfinite_loss_ranks=nonfinite_loss_ranks,
-        nonfinite_input_ranks=nonfinite_input_ranks,
-        exception_ranks=exception_ranks,
-        rank_loss=rank_loss,
-        rank_input_absmax=rank_absmax,
-        rank_seconds=rank_seconds,
-        timestep_bucket_loss=buckets,
-        # the largest FINITE absmax: a rank with non-finite inputs is the nonfinite detector's case
-        input_absmax=0.0 if best_absmax is None else best_absmax,
-        input_nonfinite=len(nonfinite_input_ranks),
-        input_rms=_rms(sum_sq, numel),
+        timestep_bucket_loss=[sm / c if c > 0 else None for sm, c in zip(x[L.bucket_sum], x[L.bucket_count])],
+        input_absmax=x[L.in_absmax],  # the largest FINITE absmax: non-finite inputs are the nonfinite detector's
+        input_nonfinite=int(x[L.ranks_input_bad]),
+        input_rms=math.sqrt(x[L.in_sumsq] / x[L.in_numel]) if x[L.in_numel] > 0 else None,
+        slowest_rank=slowest[0] if slowest else None,
+        slowest_seconds=slowest[1] if slowest else None,
+        seconds_sum=x[L.seconds],
+        first_bad_rank=int(-x[L.first_bad_rank]) if x[L.first_bad_rank] > S.NOT_BAD else None,
+        bucket=bucket if x[L.bucket] == -x[L.neg_bucket] else MIXED_BUCKET,
     )
-    s.overflow = bool(
-        has_scaler
-        and norm_known
-        and not math.isfinite(grad_norm)
-        and not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks or s.exception_ranks)
-    )
+    if rows is not None:
+        s.nonfinite_loss_ranks = [r for r, v in enumerate(rows) if v[L.ranks_loss_bad] > 0]
+        s.nonfinite_input_ranks = [r for r, v in enumerate(rows) if v[L.ranks_input_bad] > 0]
+        s.exception_ranks = [r for r, v in enumerate(rows) if v[L.ranks_exception] > 0]
+        s.rank_loss = [v[L.loss_sum] / v[L.loss_count] if v[L.loss_count] > 0 else math.nan for v in rows]
+        s.rank_input_absmax = [math.nan if v[L.ranks_input_bad] > 0 else v[L.in_absmax] if v[L.in_numel] > 0 else 0.0
+                               for v in rows]
+        s.rank_seconds = [v[L.seconds] if S.decode_slowest(v[L.slowest]) else -1.0 for v in rows]
+    s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
+                      and not (x[L.ranks_loss_bad] or x[L.ranks_input_bad] or x[L.ranks_exception]))
     return s
 
 
@@ -118,24 +98,3 @@ def bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:
     loud = [f for f in s.findings if f.verdict >= Verdict.WARN and f.detector not in ignore]
     return (bool(s.nonfinite_input_ranks) and bool(loud) and all(f.detector == "nonfinite" for f in loud)
             and set(s.nonfinite_loss_ranks) <= set(s.nonfinite_input_ranks) and not s.exception_ranks)
-
-
-def _bucket_means(table: list[list[float]], layout: S.Layout) -> list[float | None]:
-    """Mean loss per timestep bucket over ranks (``None`` for an empty bucket). A loop that passes no
-    per-sample losses (the attached loop) leaves every count at 0: one look at the counts, no division."""
-    cnt_slice = layout.bucket_count
-    if len(table) == 1:
-        cnts = table[0][cnt_slice]
-        if not any(cnts):
-            return [None] * layout.buckets
-        sums = table[0][layout.bucket_sum]
-    else:
-        cnts = [sum(col) for col in zip(*(r[cnt_slice] for r in table))]
-        if not any(cnts):
-            return [None] * layout.buckets
-        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
-    return [x / c if c > 0 else None for x, c in zip(sums, cnts)]
-
-
-def _rms(sum_sq: float, count: float) -> float | None:
-    return math.sqrt(sum_sq / count) if count > 0 else None

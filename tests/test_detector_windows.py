@@ -1,6 +1,6 @@
 """The windowed detectors judge in O(1)/O(log n) per step and reach what their batch definitions reach.
 
-Each windowed detector (``clip_rate``, ``grad_growth``, ``input_scale``, ``straggler``, ``param_growth``) is
+Each windowed detector (``clip_rate``, ``grad_growth``, ``input_scale``, ``param_growth``) is
 run side by side with its batch definition (the window re-read in full every step: the previous
 implementation, kept here verbatim as the reference) on a long random sequence that wraps its window many
 times and produces findings, skips and re-arms. Findings (step, message, figures) and saved state must
@@ -20,8 +20,7 @@ import pytest
 
 from vidstab import StepStats, Verdict
 from vidstab.detectors import (ClipRateConfig, ClipRateDetector, Finding, GradGrowthConfig, GradGrowthDetector,
-                               InputScaleConfig, InputScaleDetector, ParamGrowthConfig, ParamGrowthDetector,
-                               StragglerConfig, StragglerDetector)
+                               InputScaleConfig, InputScaleDetector, ParamGrowthConfig, ParamGrowthDetector)
 from vidstab.detectors.input_scale import DriftCusum, smooth_window
 from vidstab.detectors.windows import SlopeWindow, SortedWindow, median_without, slope
 
@@ -169,28 +168,6 @@ class PlainWindow(deque):
         return self
 
 
-class BatchStraggler(StragglerDetector):
-    def _resize(self, world):
-        if len(self.times) != world:
-            self.times = [PlainWindow(maxlen=self.config.window) for _ in range(world)]
-            self.streak, self.quiet_until = [0] * world, [-1] * world
-
-    def _medians(self, s):
-        medians = []
-        for r, t in enumerate(s.rank_seconds):
-            window = list(self.times[r])
-            if t >= 0:
-                window = window[1:] + [t] if len(window) == self.config.window else window + [t]
-            if len(window) < self.config.window:
-                return None
-            medians.append(statistics.median(window))
-        return medians
-
-    @staticmethod
-    def _others(medians):
-        return [statistics.median(medians[:r] + medians[r + 1:]) for r in range(len(medians))]
-
-
 class BatchParamGrowth(ParamGrowthDetector):
     def _reference(self, step):
         old = [(st, v) for st, v in self.samples if st <= step - self.config.window]
@@ -236,17 +213,6 @@ def scale_run(n, rng):
     return out
 
 
-def straggler_seq(n, rng):
-    out = []
-    for i in range(n):
-        slow = (i // 150) % 3  # which rank is slow in this stretch (rank 0: nobody)
-        times = [round(0.01 * math.exp(rng.gauss(0, 0.2)) * (2.0 if r == slow and slow else 1.0), 4) for r in range(4)]
-        if rng.random() < 0.03:
-            times[rng.randrange(4)] = -1.0  # unknown time
-        out.append(dict(step=i, grad_norm=1.0, loss=1.0, rank_seconds=times, world_size=4))
-    return out
-
-
 def param_run(n, rng):
     out, p = [], 10.0
     for i in range(n):
@@ -264,7 +230,6 @@ CASES = {
                     scale_run),
     "input_scale_given": (InputScaleDetector, BatchInputScale, InputScaleConfig(reference_rms=1.0, drift_threshold=0),
                           scale_run),
-    "straggler": (StragglerDetector, BatchStraggler, StragglerConfig(window=7, patience=3, quiet_steps=60), straggler_seq),
     "param_growth": (ParamGrowthDetector, BatchParamGrowth, ParamGrowthConfig(window=100, max_growth=1.2), param_run),
 }
 

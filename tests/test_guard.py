@@ -293,7 +293,7 @@ def test_grad_spike_captures_the_window_largest_input_first(tmp_path):
     first = json.loads((spike.incidents[0] / "incident.json").read_text())
     assert first["micro_step"] == 1 and first["sample_ids"] == ["clip-009-0", "clip-009-1"]  # ... largest input first
     assert results[6].skipped and len(results[6].incidents) == 1  # the per-rank budget (max_incidents=3) holds
-    assert guard.incidents_written == 3
+    assert guard.reporter.incidents_written == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -1,15 +1,16 @@
-"""The gathered table -> StepStats in one pass over the rows: the same statistics as the per-field reading.
+"""The one producer of a step's statistics against a plain reference computed from the raw per-micro-step values.
 
-``build_stats`` runs every optimizer step on every rank; it reads each row once. The reference below is the
-per-field reading (one comprehension per field); both must agree on random tables of 1-5 ranks with
-non-finite norms, losses and inputs, exceptions, buckets, parameter norms and scales, in both encodings of
-the counts: rows that count non-finite input values and losses on the device, and rows that carry one
-micro-step's loss raw and leave non-finite inputs to the absmax columns (``vidstab.signals``).
+Each rank's micro-steps go through the real path: ``Window.record`` per micro-step, ``Window.pack`` (device ops)
+into the rank's vector, the collective's SUM/MAX result (``signals.reduce_rows``: the multi-process tests run the
+real all_reduce), ``build_stats`` and the metrics line. The reference never sees a vector: it is the textbook
+definition of each statistic over the raw numbers each rank fed in (losses, input tensors, per-sample losses and
+timesteps, norms, parameter sums). Random cases cover gradient accumulation 1-4, world size 1-4, timestep buckets,
+a GradScaler's scale and NaN/Inf cells; changing a mean to a sum, or dropping a micro-step, anywhere in the path
+fails it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -18,173 +19,185 @@ import torch
 
 from vidstab import signals as S
 from vidstab.detectors import StepStats
-from vidstab.guard.stats import _rms, build_stats
+from vidstab.guard.reporting import metrics_line
+from vidstab.guard.stats import anomalous, build_stats
+
+NB = 4  # timestep buckets
+T = 1000.0  # num_train_timesteps
 
 
-def reference_build_stats(step, table, layout, *, max_grad_norm, norm_known, sharded, scale_known, has_scaler,
-                          lr, lr_peak, lr_scheduled):
-    norms = [r[S.GRAD_NORM] for r in table]
-    bad = [n for n in norms if not math.isfinite(n)]
-    grad_norm = bad[0] if bad else max(norms)
-    raw = [r[S.LOSS_TOTAL] == 1 and not math.isfinite(r[S.LOSS_SUM]) for r in table]  # one micro-step, raw loss
-    bad_losses = [1.0 if w else r[S.LOSS_NONFINITE] for r, w in zip(table, raw)]
-    sums = [0.0 if w else r[S.LOSS_SUM] for r, w in zip(table, raw)]
-    counts = [r[S.LOSS_TOTAL] - b for r, b in zip(table, bad_losses)]
-    loss_sum, loss_cnt = sum(sums), sum(counts)
-    rank_loss = [x / c if c > 0 else math.nan for x, c in zip(sums, counts)]
-    buckets = []
-    if layout.buckets:
-        sums = [sum(col) for col in zip(*(r[layout.bucket_sum] for r in table))]
-        cnts = [sum(col) for col in zip(*(r[layout.bucket_count] for r in table))]
-        buckets = [x / c if c > 0 else None for x, c in zip(sums, cnts)]
-    param_norm = update_ratio = None
-    if table[0][S.PARAM_PENDING] > 0:
-        psq = sum(r[S.PARAM_SQ] for r in table) if sharded else table[0][S.PARAM_SQ]
-        usq = sum(r[S.UPDATE_SQ] for r in table) if sharded else table[0][S.UPDATE_SQ]
-        param_norm = math.sqrt(psq) if psq >= 0 else math.nan
-        update_ratio = math.sqrt(usq) / param_norm if param_norm and math.isfinite(param_norm) and usq >= 0 else None
-    absmax = [max(r[S.IN_ABSMAX_HI], r[S.IN_ABSMAX_LO]) if r[S.IN_NUMEL] > 0 else 0.0 for r in table]
-    in_nonfinite = [r[S.NONFINITE_ALL] - r[S.LOSS_NONFINITE] > 0 or (r[S.IN_NUMEL] > 0 and not (
-        math.isfinite(r[S.IN_ABSMAX_HI]) and math.isfinite(r[S.IN_ABSMAX_LO]))) for r in table]
-    absmax = [a if math.isfinite(a) or not n else math.nan for a, n in zip(absmax, in_nonfinite)]
-    s = StepStats(
-        step=step, grad_norm=grad_norm if norm_known else math.nan, grad_norm_known=norm_known,
-        loss=loss_sum / loss_cnt if loss_cnt > 0 else math.nan, world_size=len(table), max_grad_norm=max_grad_norm,
-        clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
-        lr=lr, loss_scale=table[0][S.LOSS_SCALE] if scale_known else None, lr_peak=lr_peak, lr_scheduled=lr_scheduled,
-        param_norm=param_norm, update_ratio=update_ratio,
-        nonfinite_loss_ranks=[i for i, b in enumerate(bad_losses) if b > 0],
-        nonfinite_input_ranks=[i for i, n in enumerate(in_nonfinite) if n],
-        exception_ranks=[i for i, r in enumerate(table) if r[S.EXCEPTIONS] > 0],
-        rank_loss=rank_loss, rank_input_absmax=absmax, rank_seconds=[r[S.LOCAL_SECONDS] for r in table],
-        timestep_bucket_loss=buckets, input_absmax=max((a for a in absmax if math.isfinite(a)), default=0.0),
-        input_nonfinite=sum(in_nonfinite),
-        input_rms=_rms(sum(r[S.IN_SUMSQ] for r in table), sum(r[S.IN_NUMEL] for r in table)),
+def random_rank(rng: random.Random, accum: int, rank: int, bad: bool) -> dict:
+    """One rank's raw values for one optimizer step."""
+    micro = []
+    for _ in range(accum):
+        b = rng.randint(1, 3)
+        x = torch.randn(b, 2, 3, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * rng.uniform(0.1, 4)
+        extra = torch.randn(b, 5, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) if rng.random() < 0.5 else None
+        loss = rng.uniform(0.1, 2.0)
+        if bad and rng.random() < 0.4:
+            loss = rng.choice([math.nan, math.inf])
+        if bad and rng.random() < 0.3:
+            x.view(-1)[rng.randrange(x.numel())] = rng.choice([math.nan, math.inf, -math.inf])
+        psl = torch.tensor([rng.uniform(0.1, 2.0) for _ in range(b)], dtype=torch.float64)
+        if bad and rng.random() < 0.2:
+            psl[0] = math.nan
+        t = torch.tensor([rng.uniform(0, T - 1e-6) for _ in range(b)], dtype=torch.float64)
+        micro.append(dict(loss=loss, inputs=[x] + ([extra] if extra is not None else []), psl=psl, t=t,
+                          error=bad and rng.random() < 0.1))
+    return dict(micro=micro, seconds=rng.choice([-1.0, rng.uniform(0.001, 0.5)]), rank=rank)
+
+
+def vector(raw: dict, grad_norm, param_sums, scale, stop=False) -> list[float]:
+    """The rank's vector through the real Window."""
+    w = S.Window(torch.device("cpu"), NB, T)
+    for m in raw["micro"]:
+        batch = {f"in{i}": x for i, x in enumerate(m["inputs"])}
+        w.record(torch.tensor(m["loss"]), batch, m["psl"], m["t"], m["error"], bucket="b")
+    return w.pack(grad_norm, stop=stop, param_sq=param_sums[0], update_sq=param_sums[1], loss_scale=scale,
+                  seconds=raw["seconds"], rank=raw["rank"]).tolist()
+
+
+def reference(ranks: list[dict], grad_norm, psq, usq, sharded, scale, max_grad_norm) -> dict:
+    """The statistics by their definitions, over the raw values."""
+    finite_losses = [m["loss"] for r in ranks for m in r["micro"] if math.isfinite(m["loss"])]
+    bad_loss = [i for i, r in enumerate(ranks) if any(not math.isfinite(m["loss"]) for m in r["micro"])]
+    values = [[v for m in r["micro"] for x in m["inputs"] for v in x.double().view(-1).tolist()] for r in ranks]
+    bad_input = [i for i, vs in enumerate(values) if any(not math.isfinite(v) for v in vs)]
+    ok = [vs for i, vs in enumerate(values) if i not in bad_input]
+    flat = [v for vs in ok for v in vs]
+    per_bucket = [[] for _ in range(NB)]
+    for r in ranks:
+        for m in r["micro"]:
+            for loss, t in zip(m["psl"].tolist(), m["t"].tolist()):
+                if math.isfinite(loss):
+                    per_bucket[min(int(t * NB / T), NB - 1)].append(loss)
+    timed = [(r["seconds"], i) for i, r in enumerate(ranks) if r["seconds"] >= 0]
+    norm = grad_norm.item() if grad_norm is not None else math.nan
+    measured = psq is not None
+    p = (sum(psq) if sharded else psq[0]) if measured else None
+    u = (sum(usq) if sharded else usq[0]) if measured else None
+    rank_loss = []
+    for r in ranks:
+        fl = [m["loss"] for m in r["micro"] if math.isfinite(m["loss"])]
+        rank_loss.append(sum(fl) / len(fl) if fl else math.nan)
+    return dict(
+        loss=sum(finite_losses) / len(finite_losses) if finite_losses else math.nan,
+        grad_norm=norm, world_size=len(ranks),
+        clipped=max_grad_norm is not None and math.isfinite(norm) and norm > max_grad_norm,
+        nonfinite_loss_ranks=bad_loss, nonfinite_input_ranks=bad_input,
+        exception_ranks=[i for i, r in enumerate(ranks) if any(m["error"] for m in r["micro"])],
+        input_absmax=max((abs(v) for v in flat), default=0.0),
+        input_rms=math.sqrt(sum(v * v for v in flat) / len(flat)) if flat else None,
+        input_nonfinite=len(bad_input),
+        timestep_bucket_loss=[sum(b) / len(b) if b else None for b in per_bucket],
+        param_norm=math.sqrt(p) if measured else None,
+        update_ratio=math.sqrt(u) / math.sqrt(p) if measured and p > 0 else None,
+        loss_scale=scale.item() if scale is not None else None,
+        slowest_rank=max(timed)[1] if timed else None,
+        slowest_seconds=max(timed)[0] if timed else None,
+        rank_loss=rank_loss,
+        rank_input_absmax=[math.nan if i in bad_input else max((abs(v) for v in vs), default=0.0)
+                           for i, vs in enumerate(values)],
+        input_means=[sum(vs) / len(vs) if vs else None for vs in values],
+        first_bad_rank=min(set(bad_loss) | set(bad_input) |
+                           {i for i, r in enumerate(ranks) if any(m["error"] for m in r["micro"])}, default=None),
     )
-    s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
-                      and not (s.nonfinite_loss_ranks or s.nonfinite_input_ranks or s.exception_ranks))
-    return s
 
 
-def random_row(rng, layout):
-    row = [0.0] * layout.width
-    odd = lambda p, x: (rng.choice([math.nan, math.inf, -math.inf]) if rng.random() < p else x)  # noqa: E731
-    micro = rng.choice([1, 1, 2, 4])
-    row[S.GRAD_NORM] = odd(0.1, rng.uniform(0.0, 5.0))
-    bad_losses = rng.choice([0] * 8 + [1, micro])
-    row[S.LOSS_TOTAL], row[S.LOSS_NONFINITE] = float(micro), float(bad_losses)
-    row[S.LOSS_SUM] = sum(rng.uniform(0.1, 2.0) for _ in range(micro - bad_losses))
-    numel = rng.choice([0.0, 4096.0, 8192.0])
-    bad_inputs = float(rng.choice([0] * 8 + [1, 37])) if numel else 0.0
-    row[S.IN_NUMEL] = numel
-    if numel:
-        hi, lo = rng.uniform(0.0, 6.0), rng.uniform(0.0, 6.0)
-        row[S.IN_ABSMAX_HI] = odd(1.0, hi) if bad_inputs else odd(0.03, hi)  # a non-finite absmax without a count: overflow
-        row[S.IN_ABSMAX_LO] = lo
-        row[S.IN_SUM] = rng.uniform(-50, 50)
-        row[S.IN_SUMSQ] = rng.choice([math.nan, math.inf]) if bad_inputs else numel * rng.uniform(0.5, 2.0)
-    row[S.NONFINITE_ALL] = bad_inputs + bad_losses
-    if rng.random() < 0.5:  # the device's encoding: no input count, one micro-step's loss carried raw
-        row[S.NONFINITE_ALL] = bad_losses
-        if micro == 1:
-            row[S.LOSS_SUM] = rng.choice([math.nan, math.inf]) if bad_losses else row[S.LOSS_SUM]
-            row[S.LOSS_NONFINITE] = row[S.NONFINITE_ALL] = 0.0
-    row[S.EXCEPTIONS] = float(rng.random() < 0.05)
-    row[S.LOCAL_SECONDS] = rng.choice([-1.0, rng.uniform(0.001, 0.05)])
-    row[S.LOSS_SCALE] = 65536.0
-    no_buckets = rng.random() < 0.2  # the attached loop passes no per-sample losses: every count 0
-    for b in range(layout.buckets):
-        count = 0.0 if no_buckets else rng.choice([0.0, 1.0, 3.0])
-        row[layout.bucket_sum.start + b], row[layout.bucket_count.start + b] = count * rng.uniform(0, 2), count
-    return row
+def close(a, b, rel=1e-6) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, list):
+        return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b))
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)  # float32 sums of O(1) values
 
 
-@pytest.mark.parametrize("world", [1, 2, 5])
-def test_one_pass_build_stats_equals_the_per_field_reading(world):
-    rng = random.Random(world)
-    for trial in range(400):
-        layout = S.Layout(rng.choice([0, 4]))
-        table = [random_row(rng, layout) for _ in range(world)]
-        pending = rng.random() < 0.3
-        for r in table:
-            r[S.PARAM_PENDING] = float(pending)
-            r[S.PARAM_SQ], r[S.UPDATE_SQ] = rng.choice([100.0, math.nan, -1.0]), rng.choice([0.01, -1.0])
-        kw = dict(max_grad_norm=rng.choice([None, 1.0]), norm_known=rng.random() > 0.1, sharded=rng.random() < 0.5,
-                  scale_known=rng.random() < 0.3, has_scaler=rng.random() < 0.3, lr=1e-4, lr_peak=1e-4, lr_scheduled=None)
-        got, want = build_stats(trial, table, layout, **kw), reference_build_stats(trial, table, layout, **kw)
-        g, w = dataclasses.asdict(got), dataclasses.asdict(want)
-        assert repr(g) == repr(w), (trial, table)  # repr: NaN == NaN, and -0.0 != 0.0
+@pytest.mark.parametrize("seed", range(40))
+def test_the_producer_equals_the_definitions_over_the_raw_values(seed):
+    rng = random.Random(seed)
+    world, accum = rng.randint(1, 4), rng.randint(1, 4)
+    bad = rng.random() < 0.5
+    ranks = [random_rank(rng, accum, r, bad and rng.random() < 0.6) for r in range(world)]
+    grad_norm = torch.tensor(rng.choice([rng.uniform(0.1, 5), rng.uniform(0.1, 5), math.nan, math.inf]) if bad
+                             else rng.uniform(0.1, 5))
+    sharded, measured = rng.random() < 0.5, rng.random() < 0.5
+    psq = [rng.uniform(1, 10) for _ in range(world)] if measured else None
+    usq = [rng.uniform(0, 0.1) for _ in range(world)] if measured else None
+    if measured and not sharded:  # DDP: every rank holds every parameter
+        psq, usq = [psq[0]] * world, [usq[0]] * world
+    scale = torch.tensor(float(2 ** rng.randint(0, 16))) if rng.random() < 0.3 else None
+    max_grad_norm = rng.choice([None, 1.0])
+    rows = [vector(r, grad_norm, (torch.tensor(psq[i]), torch.tensor(usq[i])) if measured else (None, None), scale)
+            for i, r in enumerate(ranks)]
+    layout = S.Layout(NB)
+    summary = S.reduce_rows(rows, layout)
+    s = build_stats(3, summary, layout, rows=rows, bucket="b", max_grad_norm=max_grad_norm, sharded=sharded,
+                    scale_known=scale is not None, has_scaler=scale is not None, lr=1e-3, lr_peak=1e-3, lr_scheduled=1e-3)
+    ref = reference(ranks, grad_norm, psq, usq, sharded, scale, max_grad_norm)
+    for name, want in ref.items():
+        if name == "input_means":
+            continue
+        if name == "slowest_seconds" and want is not None:  # carried in whole microseconds
+            assert abs(s.slowest_seconds - want) <= 1e-6
+            continue
+        assert close(getattr(s, name), want), (name, getattr(s, name), want)
+    assert s.bucket == "b" and s.step == 3
+    assert s.overflow == (scale is not None and not math.isfinite(ref["grad_norm"]) and not (
+        ref["nonfinite_loss_ranks"] or ref["nonfinite_input_ranks"] or ref["exception_ranks"]))
+    assert anomalous(summary, layout) == bool(ref["nonfinite_loss_ranks"] or ref["nonfinite_input_ranks"]
+                                              or ref["exception_ranks"] or not math.isfinite(ref["grad_norm"]))
+    # Each rank's metrics line: the step's statistics and its own figures.
+    for r, row in enumerate(rows):
+        line = metrics_line(s, row, layout, r, 0.0, 0, 0)
+        assert close(line["loss"], ref["loss"]) and close(line["loss_rank"], ref["rank_loss"][r])
+        if r in ref["nonfinite_input_ranks"]:
+            assert line["input_nonfinite"] == 1 and math.isnan(line["input_absmax"])
+        else:
+            assert line["input_nonfinite"] == 0 and close(line["input_mean"], ref["input_means"][r])
+            assert close(line["input_absmax"], ref["rank_input_absmax"][r])
 
 
-@pytest.mark.parametrize("micro_steps,tensors,buckets", [(1, 1, 10), (1, 0, 0), (3, 2, 10), (2, 1, 0), (1, 3, 4)])
-def test_a_one_process_row_finished_on_the_host_is_the_gathered_row(micro_steps, tensors, buckets):
-    """``Window.pack_for_host`` (one process: nothing gathered) gives the row ``Window.pack`` builds, NaN,
-    inf, bf16 inputs, several micro-steps and timestep buckets included."""
-    gen = torch.Generator().manual_seed(micro_steps * 10 + tensors)
-    w = S.Window(torch.device("cpu"), buckets, 1000)
-    for m in range(micro_steps):
-        batch = {}
-        for j in range(tensors):
-            x = torch.randn(2, 3, 4, generator=gen) * (j + 1)
-            if (m + j) % 3 == 1:
-                x[0, 1, 2] = float("nan") if j % 2 else float("inf")
-            batch[f"x{j}"] = x.bfloat16() if j == 2 else x
-        loss = torch.tensor(float("nan") if m == 1 else 0.25 + m)
-        per_sample, t = torch.rand(2, generator=gen), torch.tensor([10.0, 990.0])
-        w.record(loss, batch, per_sample if buckets else None, t if buckets else None, error=m == 2)
-    args = (torch.tensor(1.5), True, torch.tensor(4.0), None, None, 0.125)
-    expected = w.pack(*args).tolist()
-    got = S.gather_and_read(None, w.pack_for_host(*args))[0]
-    assert len(got) == len(expected) == S.Layout(buckets).width
-    for col, (a, b) in enumerate(zip(got, expected)):
-        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6), (col, a, b)
-
-
-def test_the_screen_values_read_off_the_raw_one_process_row_are_those_of_the_finished_row():
-    """``host_row_values`` (a healthy step's screen, reading the raw read without finishing the row) gives exactly
-    what ``row_values`` reads off the finished row, None included: one micro-step with zero, one or two input
-    tensors (its own path), and the layouts it hands over (several micro-steps, bucket losses, a loss scale,
-    the parameter sums), through NaN and inf losses, inputs and norms, an exception and a stop request."""
-    from vidstab.guard.healthy import host_row_values, row_values
-
+def test_without_rows_the_summary_alone_gives_the_same_step_figures():
+    """A healthy step of many ranks is judged on the summary alone: every step-level figure is the one the rows
+    give; only the per-rank lists are left empty."""
     rng = random.Random(7)
-    gen = torch.Generator().manual_seed(7)
-    special = [1.0, math.nan, math.inf, -math.inf]
-    seen_none = seen_fast = 0
-    for trial in range(600):
-        buckets = rng.choice([0, 0, 4])
-        w = S.Window(torch.device("cpu"), buckets, 1000)
-        micro_steps = rng.choice([1, 1, 1, 2])
-        tensors = rng.choice([0, 1, 1, 1, 2])
-        for m in range(micro_steps):
-            batch = {}
-            for j in range(tensors):
-                x = torch.randn(2, 3, 4, generator=gen) * rng.choice([0.5, 3.0])
-                if rng.random() < 0.1:
-                    x[0, 1, 2] = rng.choice(special[1:])
-                batch[f"x{j}"] = x
-            loss = torch.tensor(rng.choice([0.25, 0.5]) if rng.random() > 0.1 else rng.choice(special[1:]))
-            per_sample, t = torch.rand(2, generator=gen), torch.tensor([10.0, 990.0])
-            with_buckets = buckets and rng.random() < 0.5
-            w.record(loss, batch, per_sample if with_buckets else None, t if with_buckets else None,
-                     error=rng.random() < 0.05)
-        measured = rng.random() < 0.3
-        norm = None if rng.random() < 0.05 else torch.tensor(rng.choice([0.7, 3.0, *special[1:]]))
-        row = w.pack_for_host(norm, rng.random() < 0.05, torch.tensor(rng.choice([100.0, math.nan])) if measured else None,
-                              torch.tensor(0.01) if measured else None, torch.tensor(2.0**16) if rng.random() < 0.05 else None,
-                              0.125)
-        table = S.gather_and_read(None, row)
-        lr = rng.choice([None, 1e-4])
-        args = (w.layout, rng.choice([None, 1.0]), lr, rng.choice([None, 1e-4]), rng.choice([None, lr]))
-        got = host_row_values(table, *args)
-        raw_path = table._row is None  # not finished: read off the raw values
-        want = row_values(table[0], *args)
-        assert repr(got) == repr(want), (trial, table[0])  # repr: NaN == NaN
-        seen_none += got is None
-        seen_fast += raw_path
-        assert raw_path or not (micro_steps == 1 and not buckets and norm is not None
-                                and table.present[3] is False), trial
-    assert seen_none > 50 and seen_fast > 200  # both outcomes, mostly on the raw path
+    ranks = [random_rank(rng, 2, r, False) for r in range(4)]
+    rows = [vector(r, torch.tensor(0.5), (None, None), None) for r in ranks]
+    layout = S.Layout(NB)
+    summary = S.reduce_rows(rows, layout)
+    kw = dict(bucket="b", max_grad_norm=1.0, sharded=False, scale_known=False, has_scaler=False, lr=None, lr_peak=None,
+              lr_scheduled=None)
+    with_rows, alone = build_stats(0, summary, layout, rows=rows, **kw), build_stats(0, summary, layout, **kw)
+    assert not anomalous(summary, layout)
+    for f in StepStats.__dataclass_fields__:
+        if not f.startswith("rank_"):
+            assert close(getattr(alone, f), getattr(with_rows, f)) if isinstance(getattr(alone, f), (float, list)) \
+                else getattr(alone, f) == getattr(with_rows, f), f
+    assert alone.rank_loss == [] and len(with_rows.rank_loss) == 4
+
+
+def test_a_step_of_ranks_in_different_buckets_is_mixed():
+    layout = S.Layout(0)
+    rows = []
+    for rank, bucket in enumerate(["1x16x5x32x32", "1x16x5x32x32", "4x16x1x16x16"]):
+        w = S.Window(torch.device("cpu"), 0, T)
+        w.record(torch.tensor(1.0), {"latents": torch.ones(2, 3)}, bucket=bucket)
+        rows.append(w.pack(torch.tensor(1.0), stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=0.1,
+                           rank=rank).tolist())
+    kw = dict(max_grad_norm=None, sharded=False, scale_known=False, has_scaler=False, lr=None, lr_peak=None,
+              lr_scheduled=None)
+    assert build_stats(0, S.reduce_rows(rows, layout), layout, bucket="1x16x5x32x32", **kw).bucket == "mixed"
+    assert build_stats(0, S.reduce_rows(rows[:2], layout), layout, bucket="1x16x5x32x32", **kw).bucket == "1x16x5x32x32"
+
+
+def test_the_default_bucket_is_the_shape_of_the_input_with_the_most_dimensions():
+    w = S.Window(torch.device("cpu"), 0, T)
+    w.record(torch.tensor(1.0), {"text": torch.ones(2, 77, 8), "latents": torch.ones(2, 16, 5, 8, 8), "t": torch.ones(2)})
+    assert w.shape_bucket == "2x16x5x8x8"
+    w.record(torch.tensor(1.0), {"latents": torch.ones(1, 16, 9, 8, 8)})
+    assert w.shape_bucket == "mixed"  # two micro-steps of different shapes in one window
 
 
 def test_detectors_with_nothing_to_judge_are_not_built_or_not_called(tmp_path):

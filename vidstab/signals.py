@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -375,7 +376,7 @@ class Window:
         host_sum = [float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0]
         host_max = [float(grad_norm is not None), float(param_sq is not None), slowest_key(seconds, rank), key, -key,
                     float(m)]
-        host = torch.tensor(host_sum + host_max, dtype=dt)
+        host = torch.from_numpy(np.array(host_sum + host_max, dtype=np.float64 if dt is torch.float64 else np.float32))
         host = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
         dev_sum, dev_max = torch.stack(sums), torch.stack(maxes)
         # Into Layout order: sums (device then host), timestep buckets, maxima (device then host), reordered once.
@@ -450,6 +451,13 @@ def reduce_and_read(local: torch.Tensor, layout: Layout, world_size: int) -> tup
     flat = torch.cat([sums, maxes, local]).tolist()  # the host sync
     n = local.numel()
     return flat[:n], flat[n:]
+
+
+def reduce_rows(rows: Sequence[Sequence[float]], layout: Layout) -> list[float]:
+    """The summary :func:`reduce_and_read`'s two all_reduces produce from these ranks' vectors (a simulated
+    collective, for benchmarks and tests)."""
+    k = layout.sum_width
+    return [sum(c) for c in zip(*(r[:k] for r in rows))] + [max(c) for c in zip(*(r[k:] for r in rows))]
 
 
 def gather_rows(local: torch.Tensor, world_size: int) -> list[list[float]]:

@@ -138,6 +138,13 @@ class PerBucket(Detector):
         self.current = inst
         return inst
 
+    def __getattr__(self, name: str) -> Any:
+        """The last step's bucket's detector answers for what this wrapper does not have (its ``ema``, ...)."""
+        current = self.__dict__.get("current")
+        if current is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(current, name)
+
     def observe(self, s: StepStats) -> Finding | None:
         return self.of(s.bucket).observe(s)
 
@@ -155,9 +162,8 @@ class PerBucket(Detector):
         if "buckets" not in d:  # saved by a guard without buckets
             self._unplaced = d
             return
-        for bucket, state in d["buckets"].items():
+        for bucket, state in d["buckets"].items():  # saved least recently used first: the last one is current
             self.of(bucket).load_state_dict(state)
-        self.current = None
 
 
 def build_detectors(config: Any, world_size: int | None = None) -> list[Detector]:

@@ -195,11 +195,11 @@ class Guard:
             stats = judge(self.detectors, self._stats(step, summary, rows, max_grad_norm, scale is not None))
         # 3. Apply or skip: nothing else runs between the read and the optimizer step.
         skipped = stats.verdict >= Verdict.SKIP and not self.control.observe_only
+        measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
-            self.control.skip()
+            self.control.skip(measure)
         else:
-            stats.applied = self.control.apply(self.control.measures(step) and stats.verdict < Verdict.ROLLBACK,
-                                               step_scheduler)
+            stats.applied = self.control.apply(measure, step_scheduler)
         # 4. After the step: counters and detector statistics (they absorb applied steps only), then evidence.
         self._count(stats, skipped)
         absorb(self.detectors, stats)

@@ -69,8 +69,9 @@ class OptimizerControl:
             self.param_sums = self.probe.sums(before)
         return applied
 
-    def skip(self) -> None:
-        """Drop the step: poisoned gradients are never used, the schedule waits for the next applied step."""
+    def skip(self, measure: bool) -> None:
+        """Drop the step: poisoned gradients are never used, the schedule waits for the next applied step.
+        ``measure``: take the weights' norm (no update to measure)."""
         self.scheduler_held = True
         self.optimizer.zero_grad(set_to_none=True)
         _set_skipped(self.optimizer, True)
@@ -80,6 +81,8 @@ class OptimizerControl:
                 scaler.update()
             except (AssertionError, RuntimeError):
                 pass
+        if measure:
+            self.param_sums = self.probe.sums(None)
 
     def plain_step(self, clip: Any, params: list, max_grad_norm: float | None) -> None:
         """``enabled=False``: exactly a plain Accelerate step."""

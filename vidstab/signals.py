@@ -14,7 +14,7 @@ Columns (float64: a hash, a rank id or a count is exact), first those summed ove
 
     sum:  loss_sum, loss_count, loss_nonfinite, ranks_loss_bad, ranks_input_bad, ranks_exception, stop,
           in_sum, in_sumsq, in_numel, param_sq, update_sq, seconds, ranks, bucket_sum[nb], bucket_count[nb]
-    max:  grad_norm, norm_nan, norm_inf, norm_known, in_absmax, param_sq, update_sq, param_measured,
+    max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
           loss_scale, first_bad_rank (as -rank), slowest (seconds and rank in one number), bucket, -bucket,
           micro_steps
 
@@ -33,13 +33,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-NOT_BAD = -1e18
+NOT_BAD = -float(2 ** 24)
 """``first_bad_rank`` column of a rank that was not bad (any real rank's ``-rank`` is larger)."""
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_VALUES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "ranks_input_bad", "in_sum", "in_sumsq",
+                 "in_absmax", "in_numel", "param_sq", "update_sq", "grad_norm", "norm_nan", "norm_nonfinite", "loss_scale",
+                 "first_bad_rank")
+"""What :meth:`Window.pack` computes on the device, in its order."""
+HOST_VALUES = ("ranks_exception", "stop", "seconds", "ranks", "norm_known", "param_measured", "slowest", "bucket",
+               "neg_bucket", "micro_steps")
+"""What the host knows of the step, in :meth:`Window.pack`'s order."""
+_HOST_COUNT = len(HOST_VALUES)
 _SLOWEST_SCALE = 1e6  # seconds to microseconds in the ``slowest`` column
 _RANK_SPAN = 65536  # ``slowest = round(seconds * 1e6) * 65536 + rank``: exact in float64 up to ~38 h a step
 
@@ -52,7 +59,7 @@ class Layout:
 
     SUM_NAMES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "ranks_input_bad", "ranks_exception",
                  "stop", "in_sum", "in_sumsq", "in_numel", "param_sq_sum", "update_sq_sum", "seconds", "ranks")
-    MAX_NAMES = ("grad_norm", "norm_nan", "norm_inf", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
+    MAX_NAMES = ("grad_norm", "norm_nan", "norm_nonfinite", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
                  "param_measured", "loss_scale", "first_bad_rank", "slowest", "bucket", "neg_bucket", "micro_steps")
 
     @property
@@ -71,6 +78,17 @@ class Layout:
         if name in Layout.MAX_NAMES:
             return self.sum_width + Layout.MAX_NAMES.index(name)
         raise AttributeError(name)
+
+    def pack_index(self) -> torch.Tensor:
+        """Where each column comes from in :meth:`Window.pack`'s ``[device values, host values, buckets]``."""
+        d, h = len(DEVICE_VALUES), len(HOST_VALUES)
+        src = {name: i for i, name in enumerate(DEVICE_VALUES)} | {name: d + i for i, name in enumerate(HOST_VALUES)}
+        alias = {"param_sq_sum": "param_sq", "param_sq_max": "param_sq", "update_sq_sum": "update_sq",
+                 "update_sq_max": "update_sq"}
+        index = [src[alias.get(n, n)] for n in self.SUM_NAMES]
+        index += [d + h + i for i in range(2 * self.buckets)]
+        index += [src[alias.get(n, n)] for n in self.MAX_NAMES]
+        return torch.tensor(index, dtype=torch.long)
 
     @property
     def bucket_sum(self) -> slice:
@@ -270,6 +288,12 @@ class Window:
         self.num_train_timesteps = float(num_train_timesteps)
         self.input_keys = None if input_keys is None else tuple(input_keys)
         self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
+        self._zero32 = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._zeros4 = torch.zeros(4, device=self.device, dtype=self.dtype)
+        self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
+        self._host_buf = torch.zeros(_HOST_COUNT, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        self._host_np = self._host_buf.numpy()
+        self._pack_index = self.layout.pack_index().to(self.device)
         self.reset()
 
     def reset(self) -> None:
@@ -343,49 +367,44 @@ class Window:
         rank: int,
     ) -> torch.Tensor:
         """The rank's vector for this step (:data:`Layout` columns); device ops only, no host sync."""
-        dt, dev, zero = self.dtype, self.device, self._zero
-        m = len(self.losses)
-        if m:
-            losses = torch.stack(self.losses).to(dt)
-            finite = torch.isfinite(losses)
-            loss_sum, loss_count = torch.where(finite, losses, zero).sum(), finite.sum().to(dt)
+        dt, dev = self.dtype, self.device
+        m, n = len(self.losses), len(self.in_values) // 4
+        f32 = torch.float32
+        scalars = [self._zero32 if v is None else v.detach().to(dev, f32).reshape(())
+                   for v in (grad_norm, param_sq, update_sq, loss_scale)]
+        raw = torch.stack(scalars + self.losses + self.in_values).to(dt)
+        bad = (raw - raw) != 0  # x - x is NaN exactly where x is NaN or infinite
+        clean, badf = raw.masked_fill(bad, 0.0), bad.to(dt)
+        loss_bad = badf[4:4 + m].sum()
+        if n:
+            v = clean[4 + m:].view(n, 4)
+            in_bad = badf[4 + m:].amax()
+            # A rank with a non-finite input adds nothing to the input statistics (its flag says why).
+            inputs = torch.stack([v[:, 2].sum(), v[:, 3].square().sum(), v[:, :2].abs().amax(),
+                                  torch.full((), float(self.in_numel), dtype=dt, device=dev)]) * (1 - in_bad)
         else:
-            loss_sum = loss_count = zero
-        loss_bad = m - loss_count
-        if self.in_values:
-            v = torch.stack(self.in_values).to(dt).view(-1, 4)
-            absmax, in_sum, in_sumsq = v[:, :2].abs().amax(), v[:, 2].sum(), v[:, 3].square().sum()
-            inputs_ok = torch.isfinite(absmax) & torch.isfinite(in_sum) & torch.isfinite(in_sumsq)
-        else:
-            absmax = in_sum = in_sumsq = zero
-            inputs_ok = torch.ones((), dtype=torch.bool, device=dev)
-        numel = torch.full((), float(self.in_numel), dtype=dt, device=dev)
-        norm = zero if grad_norm is None else grad_norm.detach().to(dev, dt).reshape(())
-        norm_finite = torch.isfinite(norm)
-        psq = zero if param_sq is None else param_sq.to(dev, dt).reshape(())
-        usq = zero if update_sq is None else update_sq.to(dev, dt).reshape(())
-        scale = zero if loss_scale is None else loss_scale.to(dev, dt).reshape(())
-        bad = (loss_bad > 0) | ~inputs_ok | (self.exceptions > 0)
-        bad_rank = torch.where(bad, torch.full((), -float(rank), dtype=dt, device=dev), torch.full((), NOT_BAD, dtype=dt, device=dev))
-        sums = [loss_sum, loss_count, loss_bad, (loss_bad > 0).to(dt), (~inputs_ok).to(dt),
-                torch.where(inputs_ok, in_sum, zero), torch.where(inputs_ok, in_sumsq, zero), torch.where(inputs_ok, numel, zero),
-                psq, usq]
-        maxes = [torch.where(norm_finite, norm, zero), torch.isnan(norm).to(dt), torch.isinf(norm).to(dt),
-                 torch.where(inputs_ok, absmax, zero), psq, usq, scale, bad_rank]
+            inputs, in_bad = self._zeros4, self._zero
+        bad_rank = (loss_bad > 0) | (in_bad > 0) | (self.exceptions > 0)
+        # The device values in DEVICE_VALUES order, then the host ones in HOST_VALUES order (Layout.pack_index).
+        device = torch.cat([
+            torch.stack([clean[4:4 + m].sum(), m - loss_bad, loss_bad, (loss_bad > 0).to(dt), in_bad]),
+            inputs,
+            torch.stack([raw[1], raw[2], clean[0], (raw[0] != raw[0]).to(dt), badf[0], raw[3],
+                         torch.where(bad_rank, -float(rank), NOT_BAD).to(dt)]),
+        ])
         key = bucket_hash(self.shape_bucket)
-        host_sum = [float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0]
-        host_max = [float(grad_norm is not None), float(param_sq is not None), slowest_key(seconds, rank), key, -key,
-                    float(m)]
-        host = torch.from_numpy(np.array(host_sum + host_max, dtype=np.float64 if dt is torch.float64 else np.float32))
-        host = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
-        dev_sum, dev_max = torch.stack(sums), torch.stack(maxes)
-        # Into Layout order: sums (device then host), timestep buckets, maxima (device then host), reordered once.
-        s, x = dev_sum, dev_max
-        pieces = [s[0:3], s[3:5], host[0:2], s[5:8], s[8:10], host[2:4]]
-        if self.layout.buckets:
-            pieces.append(self._buckets() if self.bucket_parts else torch.zeros(2 * self.layout.buckets, dtype=dt, device=dev))
-        pieces += [x[0:3], host[4:5], x[3:4], x[4:6], host[5:6], x[6:8], host[6:10]]
-        return torch.cat(pieces)
+        host = self._host_values([float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0,
+                                  float(grad_norm is not None), float(param_sq is not None),
+                                  slowest_key(seconds, rank), key, -key, float(m)])
+        buckets = self._buckets() if self.bucket_parts else self._no_buckets
+        src = torch.cat([device, host, buckets])
+        return src.index_select(0, self._pack_index)
+
+    def _host_values(self, values: list[float]) -> torch.Tensor:
+        """Host-known values on the device: written into a (pinned) host buffer without a torch op, then one
+        non-blocking copy (none on a CPU). The buffer is rewritten only after the step's read, long after the copy."""
+        self._host_np[:] = values
+        return self._host_buf if self.device.type == "cpu" else self._host_buf.to(self.device, non_blocking=True)
 
     def _buckets(self) -> torch.Tensor:
         nb, dt, dev = self.layout.buckets, self.dtype, self.device

@@ -16,7 +16,7 @@ def anomalous(summary: Sequence[float], layout: S.Layout) -> bool:
     vector is then gathered to name them (the same answer on every rank)."""
     L = layout
     return bool(summary[L.ranks_loss_bad] or summary[L.ranks_input_bad] or summary[L.ranks_exception]
-                or summary[L.norm_nan] or summary[L.norm_inf])
+                or summary[L.norm_nonfinite])
 
 
 def build_stats(
@@ -44,7 +44,7 @@ def build_stats(
     ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`)."""
     L, x = layout, summary
     norm_known = x[L.norm_known] > 0
-    grad_norm = math.nan if x[L.norm_nan] or not norm_known else math.inf if x[L.norm_inf] else x[L.grad_norm]
+    grad_norm = math.nan if x[L.norm_nan] or not norm_known else math.inf if x[L.norm_nonfinite] else x[L.grad_norm]
     world = int(x[L.ranks])
     param_norm = update_ratio = None
     if x[L.param_measured] > 0:

@@ -28,7 +28,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import orjson
 
@@ -97,9 +97,6 @@ class EventLog:
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
-        self.before_flush: Callable[[], None] | None = None
-        """Called before the buffered metrics lines are encoded (the guard completes them: log_metrics) and before
-        any other event is added (the guard first logs the healthy steps it holds back: vidstab/guard/healthy.py)."""
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
@@ -108,41 +105,25 @@ class EventLog:
         Anything but ``metrics`` is encoded and reaches the file at once."""
         if kind == "metrics":
             return self.log_metrics(step, fields)
-        failed = None
-        try:
-            self._complete()  # what the owner holds back comes first: the file stays in step order
-        except Exception as exc:  # noqa: BLE001 - the event is written first, then it is raised
-            failed = exc
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
         self._pending.append(line)
         self.flush()
-        if failed is not None:
-            raise failed
         return rec
 
     def log_metrics(self, step: int, fields: dict, when: float | None = None) -> dict:
-        """Buffer one ``metrics`` line; returns ``fields``, which the log keeps (no copy). It is encoded, after the
-        line's header, when the buffer is flushed, together with the others: after a training step the
-        encoder's code is cold in the CPU caches, and one loop over the buffer pays for that once per flush,
-        not once per step. Until then its owner may still add to it (:attr:`before_flush` runs first).
-        ``when``: the line's ``time`` (default: now), for a line written after its step."""
+        """Buffer one ``metrics`` line (a copy of ``fields``: the record cannot change once logged) and return it;
+        it is encoded when the buffer is flushed. ``when``: the line's ``time`` (default: now)."""
+        fields = dict(fields)
         self._pending.append((time.time() if when is None else when, int(step), fields))
         if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
         return fields
 
-    def _complete(self) -> None:
-        """Let the owner complete and add what it holds back (:attr:`before_flush`)."""
-        if self.before_flush is not None:
-            self.before_flush()
-
     def _metrics_line(self, entry: tuple) -> bytes:
-        """One buffered metrics line, encoded. orjson where the fields are plain finite JSON (every healthy step):
-        about 6 us a line in a flush (the check of the values included) against 13 us for ``json``, whose float
-        ``repr`` was most of it (one flush of ~90 lines: 1.5 -> 0.8 ms on this project's 2-core CPU;
-        ``benchmarks/RESULTS.md``, "What the median step carries"). The values read back are the same; the spelling may differ (``1e-5`` for
-        ``1e-05``, UTF-8 for ``\\u00e9``), both standard JSON."""
+        """One buffered metrics line, encoded: with orjson where the fields are plain finite JSON (every healthy
+        step; about twice as fast as ``json``), else with vidstab's strict spelling. The values read back are the
+        same; the spelling may differ (``1e-5`` for ``1e-05``, UTF-8 for ``\\u00e9``), both standard JSON."""
         t, step, fields = entry
         rec = {"schema": SCHEMA, "time": t, "step": step, "rank": self.rank, "kind": "metrics", **fields}
         if _plain_finite(fields):
@@ -161,11 +142,6 @@ class EventLog:
         """Write the buffered lines now (one ``write`` call)."""
         if not self._pending or self._f.closed:
             return
-        failed = None
-        try:
-            self._complete()
-        except Exception as exc:  # noqa: BLE001 - what is buffered is written first, then it is raised
-            failed = exc
         lines = [p.encode("utf-8") if p.__class__ is str else self._metrics_line(p) for p in self._pending]
         lines.append(b"")
         data = b"\n".join(lines)
@@ -174,8 +150,6 @@ class EventLog:
         view = memoryview(data)
         while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
             view = view[self._f.write(view):]
-        if failed is not None:
-            raise failed
 
     def close(self) -> None:
         """Flush, fsync and close (further :meth:`log` calls raise)."""

@@ -270,7 +270,7 @@ def floating_inputs(batch: "Mapping[str, Any] | list[Any] | None", keys: Sequenc
         values = batch
     else:
         values = batch.values() if keys is None else (batch.get(k) for k in keys)
-    out = []  # a loop, not a comprehension: it runs on every micro-step (HostRow.finish says why)
+    out = []
     for x in values:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0:
             out.append(x)

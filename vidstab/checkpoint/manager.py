@@ -100,7 +100,7 @@ class CheckpointManager:
         self._objects: dict[str, Any] = {}
         self._deleters: list[threading.Thread] = []
         # One long-lived writer thread, started at the first async save: starting a thread per save made
-        # ``save`` wait for the new thread's start-up while DCP's own thread held the GIL (~5-9 ms of the stall).
+        # ``save`` wait for the new thread's start-up while DCP's own thread held the GIL.
         self._writer: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[tuple[SaveJob, threading.Event]] = queue.SimpleQueue()
         self._job_done: threading.Event | None = None  # set by the writer when the pending async job is done
@@ -155,7 +155,7 @@ class CheckpointManager:
         """Save a checkpoint of ``step``; returns the final folder path (complete once :meth:`wait` returns
         when saving asynchronously). Raises :class:`CheckpointError` for a failure of this save (sync)
         or of the previous async one."""
-        # ONE agreement of all ranks before anything is written (each collective costs ~1 ms of the stall):
+        # ONE agreement of all ranks before anything is written (each collective adds to the stall):
         # the previous async save's outcome, whether the parameters are finite, this snapshot's outcome,
         # and the folder nonce (rank 0's, the others add 0).
         prev_job, prev_err = self._join_pending()

@@ -17,7 +17,7 @@ class ExceptionConfig(DetectorConfig):
 
 
 class ExceptionDetector(Detector):
-    """Every rank learns which ranks failed, through the gathered table, at the same step."""
+    """Every rank learns which ranks failed, through the per-rank detail of the step, at the same step."""
 
     name = "exception"
     needs = "exception_ranks"

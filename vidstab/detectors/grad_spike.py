@@ -21,7 +21,7 @@ class GradSpikeConfig(DetectorConfig):
     zscore: float = 6.0
     """Flag when the z-score of ``log(norm)`` against the EMA mean/std of ``log(norm)`` is ``>= zscore``.
     In log space because gradient norms are positive with multiplicative, heavy-tailed noise: an epsilon
-    UNet's norm reaches 3.5-5x its mean on healthy batches of small timesteps (issue 11), which a linear
+    UNet's norm reaches 3.5-5x its mean on healthy batches of small timesteps, which a linear
     z-test with a std floored at 25% of the mean calls a 6-sigma spike."""
     beta: float = 0.98
     """EMA decay per applied step (0.98: a memory of about 50 steps, slow enough to trust)."""

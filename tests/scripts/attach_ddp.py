@@ -53,8 +53,10 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
     model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    # A short straggler window so a 20-step test run can show it (defaults: 20 steps, 10 in a row).
-    config = vidstab.GuardConfig.from_dict({"straggler": {"window": 6, "patience": 4, "warmup_steps": 2}})
+    # A short straggler window so a 20-step test run can show it (defaults: 10 slow of 20 steps); every rank's
+    # metrics line every 2 steps, so that the report's rank table has a few (default: every 50).
+    config = vidstab.GuardConfig.from_dict({"straggler": {"window": 6, "patience": 4, "warmup_steps": 2},
+                                            "rank_log_every": 2})
     guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=args.out)
 
     rank = accelerator.process_index

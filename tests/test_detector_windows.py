@@ -155,7 +155,7 @@ class BatchInputScale(InputScaleDetector):
     def state_dict(self):
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent),
                 "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None,
-                "drift": DriftCusum(self.config.drift_lag).state_dict()}  # off in these cases: it stays empty
+                "drifts": {"default": DriftCusum(self.config.drift_lag).state_dict()}}  # off in these cases: it stays empty
 
 
 class PlainWindow(deque):

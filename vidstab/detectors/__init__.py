@@ -132,6 +132,7 @@ class PerBucket(Detector):
             if self._unplaced is not None:
                 inst.load_state_dict(self._unplaced)
                 self._unplaced = None
+
             while len(self.instances) >= self.max_buckets:
                 self.instances.pop(next(iter(self.instances)))
         self.instances[bucket] = inst

@@ -225,11 +225,14 @@ class DriftCusum:
         self.up_since, self.down_since = int(d.get("up_since", -1)), int(d.get("down_since", -1))
 
 
+MAX_DRIFTS = 64
+"""Shape buckets whose drift sums ``input_scale`` keeps at once."""
+
+
 class InputScaleDetector(Detector):
     """Median RMS of the recent steps against a frozen (or user-given) reference RMS, and a CUSUM drift test."""
 
     name = "input_scale"
-    per_bucket = True
     needs = "input_rms"
 
     def __init__(self, config: InputScaleConfig) -> None:
@@ -241,7 +244,8 @@ class InputScaleDetector(Detector):
         self.quiet_until = -1
         self._warned_step: int | None = None
         self._measured = False  # whether the window was sized (after ``reference_steps`` applied steps)
-        self.drift = DriftCusum(config.drift_lag)
+        self.drifts: dict[str, DriftCusum] = {}  # the drift test's sums, per shape bucket
+        self.drift = self._drift_of("default")
         self._advanced: tuple | None = None  # (step, rms, log rms, the sums after it) computed by observe
 
     def observe(self, s: StepStats) -> Finding | None:
@@ -257,6 +261,7 @@ class InputScaleDetector(Detector):
         far = max(ratio, 1.0 / ratio)
         act = far >= self.config.act_ratio
         if not act and not (far >= self.config.warn_ratio and s.step >= self.quiet_until):
+            self._drift_of(s.bucket)
             return self._drift_finding(s.step, x) if s.step >= self.quiet_until else None
         figures = {"input_rms": x, "judged_rms": judged, "reference_rms": ref, "ratio": ratio}
         source = "given" if self.config.reference_rms is not None else f"first {self.config.reference_steps} steps"
@@ -267,6 +272,16 @@ class InputScaleDetector(Detector):
         self._warned_step = s.step
         return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
 
+
+    def _drift_of(self, bucket: str) -> DriftCusum:
+        """The drift test of ``bucket`` (made on first use, the least recently used dropped past MAX_DRIFTS): a
+        latent's level does not depend on its shape, but a switch of resolution nudges its RMS enough for a
+        CUSUM to take it for a drift, so each bucket drifts against its own baseline."""
+        d = self.drifts.pop(bucket, None) or DriftCusum(self.config.drift_lag)
+        while len(self.drifts) >= MAX_DRIFTS:
+            self.drifts.pop(next(iter(self.drifts)))
+        self.drifts[bucket] = self.drift = d
+        return d
 
     def _drift_on(self) -> bool:
         return self.config.drift_threshold > 0 and self.drift.count >= max(2, self.config.reference_steps)
@@ -293,6 +308,7 @@ class InputScaleDetector(Detector):
         return Finding(self.name, min(self.verdict, Verdict.WARN), msg, figures)
 
     def update(self, s: StepStats) -> None:
+        self._drift_of(s.bucket)
         if self._warned_step == s.step:
             self.quiet_until = s.step + self.config.quiet_steps
         x = s.input_rms
@@ -326,7 +342,7 @@ class InputScaleDetector(Detector):
     def state_dict(self) -> dict:
         return {"early": list(self.early), "reference": self.reference, "recent": list(self.recent.values),
                 "quiet_until": self.quiet_until, "smooth_steps": self.smooth if self._measured else None,
-                "drift": self.drift.state_dict()}
+                "drifts": {k: d.state_dict() for k, d in self.drifts.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.early = [float(x) for x in d.get("early", [])]
@@ -338,8 +354,9 @@ class InputScaleDetector(Detector):
         self.smooth = int(smooth) if smooth is not None else self.config.smooth_steps
         self.recent = SortedWindow(self.smooth, (float(x) for x in d.get("recent", [])))
         self.quiet_until = int(d.get("quiet_until", -1))
-        self.drift = DriftCusum(self.config.drift_lag)
-        self.drift.load_state_dict(d.get("drift", {}))
+        self.drifts = {}
+        for bucket, state in (d.get("drifts") or {"default": d.get("drift", {})}).items():
+            self._drift_of(bucket).load_state_dict(state)
         self._advanced = None  # a state saved before the drift test: it starts afresh
 
 

@@ -71,13 +71,12 @@ class Layout:
     def width(self) -> int:
         return self.sum_width + len(self.MAX_NAMES)
 
-    def __getattr__(self, name: str) -> int:
-        """The position of a named column (``layout.loss_sum``)."""
-        if name in Layout.SUM_NAMES:
-            return Layout.SUM_NAMES.index(name)
-        if name in Layout.MAX_NAMES:
-            return self.sum_width + Layout.MAX_NAMES.index(name)
-        raise AttributeError(name)
+    def __post_init__(self) -> None:
+        """Each column's position as a plain attribute (``layout.loss_sum``): read many times a step."""
+        for i, name in enumerate(self.SUM_NAMES):
+            object.__setattr__(self, name, i)
+        for i, name in enumerate(self.MAX_NAMES):
+            object.__setattr__(self, name, self.sum_width + i)
 
     def pack_index(self) -> torch.Tensor:
         """Where each column comes from in :meth:`Window.pack`'s ``[device values, host values, buckets]``."""

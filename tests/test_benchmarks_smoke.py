@@ -149,6 +149,26 @@ def test_heldout_draw_c_scenarios():
     assert [v[L.in_numel] for v in rec.vectors] == [2 * 4 * 8 * 8] * 3 and rec.bucket == ["2x4x8x8"] * 3
 
 
+def test_bench_guard_scale_quick():
+    """The scale benchmark runs every world size: the new healthy step's bytes are the same at every size while the
+    old gather grows with the world, and both paths name the same bad rank on the anomalous step (no timing
+    asserted)."""
+    out = _run("bench_guard_scale.py", "--quick")
+    assert out["benchmark"] == "guard_scale" and out["worlds"] == [1, 8, 64, 1024, 8192]
+    wire = out["bytes_per_rank"]
+    assert {b["new_healthy"] for b in wire.values()} == {8 * out["width_new"]} and out["bytes_flat_new_healthy"]
+    assert wire["8192"]["old"] == 4 * out["width_old"] * 8192 and wire["8"]["old"] == 4 * out["width_old"] * 8
+    for world, c in out["checks"].items():
+        n = int(world)
+        assert c["verdict_new"] == c["verdict_old"] == "SKIP"
+        assert c["bad_ranks_new"] == c["bad_ranks_old"] == [n // 2]
+        assert c["rows_read_on_anomaly"] is (n > 1) and c["rows_read_on_healthy"] is False  # only on the anomaly
+        assert c["healthy_verdict_new"] == "OK"
+    for figures in out["host_us_median"].values():
+        assert set(figures) == {"new_healthy", "new_anomalous", "old_healthy", "old_anomalous"}
+        assert all(isinstance(x, float) and x > 0 for x in figures.values())
+
+
 @pytest.mark.slow
 def test_bench_chaos_quick():
     out = _run("bench_chaos.py", "--quick")

@@ -8,10 +8,13 @@ only: the wall time of the whole step in both modes, and in the attached blocks 
 ``optimizer.step()`` minus the optimizer's own step (timed by ``torch.optim.Optimizer.register_step_pre_hook`` /
 ``register_step_post_hook``), i.e. the guard's work in that call: packing, the two fixed-size all_reduces (which
 include waiting for the other rank) and the one host read, judging, reporting. Rank 0 prints the medians and means
-side by side; last line one JSON object.
+side by side. ``--baseline_src DIR`` runs the same measurement a second time with the ``vidstab`` package of
+``DIR`` (a checkout of an older revision: ``git worktree add /tmp/old REV``) and prints both side by side. Last line
+one JSON object.
 
     python benchmarks/bench_guard_ddp.py                          # transformer, 24 blocks of 60 steps (~1 min)
     python benchmarks/bench_guard_ddp.py --model mlp --blocks 40
+    python benchmarks/bench_guard_ddp.py --baseline_src /tmp/old  # this tree's guard beside an older revision's
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def worker(args) -> None:
         print(f"{'guard in optimizer.step() (optimizer left out)':<44}{statistics.median(own_us):>10.1f}"
               f"{statistics.fmean(own_us):>10.1f}")
         print(f"attached / plain (medians): {med['attached'] / med['plain']:.3f}; findings on healthy steps: {findings}")
-        print(json.dumps({"benchmark": "guard_ddp", "model": description, "processes": accelerator.num_processes,
+        print(json.dumps({"benchmark": "guard_ddp", "vidstab": os.path.dirname(os.path.dirname(vidstab.__file__)), "model": description, "processes": accelerator.num_processes,
                           "step_median_us": {m: round(v, 1) for m, v in med.items()},
                           "step_mean_us": {m: round(statistics.fmean(v), 1) for m, v in step_us.items()},
                           "guard_in_optimizer_step_median_us": round(statistics.median(own_us), 1),
@@ -114,14 +117,45 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=24, help="blocks of steps, alternately plain and attached")
     ap.add_argument("--block", type=int, default=60, help="steps per block")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--baseline_src", default=None,
+                    help="a checkout of another revision whose vidstab is measured the same way, side by side")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run_dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    runs = {"current": None}
+    if args.baseline_src:
+        runs["baseline"] = os.path.abspath(args.baseline_src)
+    results = {}
+    for name, src in runs.items():
+        stdout = launch(args, src)
+        print(f"== {name} ({src or 'this tree'})")
+        sys.stdout.write("\n".join(stdout.strip().splitlines()[:-1]) + "\n")
+        results[name] = json.loads(stdout.strip().splitlines()[-1])
+    if len(results) == 1:
+        print(json.dumps(results["current"]))
+        return
+    cur, base = results["current"], results["baseline"]
+    print(f"{'us per step (rank 0)':<44}{'current':>10}{'baseline':>10}")
+    for label, key in (("whole step, plain (median)", ("step_median_us", "plain")),
+                       ("whole step, attached (median)", ("step_median_us", "attached")),
+                       ("guard in optimizer.step() (median)", ("guard_in_optimizer_step_median_us",)),
+                       ("guard in optimizer.step() (mean)", ("guard_in_optimizer_step_mean_us",))):
+        c, b = cur, base
+        for k in key:
+            c, b = c[k], b[k]
+        print(f"{label:<44}{c:>10.1f}{b:>10.1f}")
+    print(json.dumps({"benchmark": "guard_ddp", "processes": cur["processes"], "current": cur, "baseline": base}))
+
+
+def launch(args, src: str | None) -> str:
+    """One 2-process run of :func:`worker` (with the vidstab package of ``src`` first on the path when given)."""
     run_dir = tempfile.mkdtemp(prefix="vidstab-bench-ddp-")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if src:
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            os.path.abspath(__file__), "--worker", "--run_dir", run_dir, "--model", args.model,
@@ -130,7 +164,7 @@ def main() -> None:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-5000:])
         raise SystemExit(proc.returncode)
-    sys.stdout.write(proc.stdout)
+    return proc.stdout
 
 
 if __name__ == "__main__":

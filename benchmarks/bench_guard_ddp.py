@@ -88,7 +88,10 @@ def worker(args) -> None:
                     own_us.append(took / 1e3)
     for h in handles:
         h.remove()
-    findings = sum(1 for e in vidstab.read_events(args.run_dir) if e["kind"] in ("warn", "skip", "rollback_request"))
+    findings: dict[str, int] = {}
+    for e in vidstab.read_events(args.run_dir):
+        if e["kind"] in ("warn", "skip", "rollback_request"):
+            findings[e.get("detector", "?")] = findings.get(e.get("detector", "?"), 0) + 1
     guard.close()
     if accelerator.is_main_process:
         med = {m: statistics.median(v) for m, v in step_us.items()}
@@ -99,14 +102,14 @@ def worker(args) -> None:
             print(f"{'whole step, ' + m:<44}{med[m]:>10.1f}{statistics.fmean(step_us[m]):>10.1f}")
         print(f"{'guard in optimizer.step() (optimizer left out)':<44}{statistics.median(own_us):>10.1f}"
               f"{statistics.fmean(own_us):>10.1f}")
-        print(f"attached / plain (medians): {med['attached'] / med['plain']:.3f}; findings on healthy steps: {findings}")
+        print(f"attached / plain (medians): {med['attached'] / med['plain']:.3f}; findings on healthy steps: {findings or 'none'}")
         print(json.dumps({"benchmark": "guard_ddp", "vidstab": os.path.dirname(os.path.dirname(vidstab.__file__)), "model": description, "processes": accelerator.num_processes,
                           "step_median_us": {m: round(v, 1) for m, v in med.items()},
                           "step_mean_us": {m: round(statistics.fmean(v), 1) for m, v in step_us.items()},
                           "guard_in_optimizer_step_median_us": round(statistics.median(own_us), 1),
                           "guard_in_optimizer_step_mean_us": round(statistics.fmean(own_us), 1),
                           "ratio_of_medians": round(med["attached"] / med["plain"], 4),
-                          "findings_on_healthy_steps": findings}))
+                          "findings_on_healthy_steps": sum(findings.values()), "findings_by_detector": findings}))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -156,7 +156,8 @@ def test_bench_guard_scale_quick():
     out = _run("bench_guard_scale.py", "--quick")
     assert out["benchmark"] == "guard_scale" and out["worlds"] == [1, 8, 64, 1024, 8192]
     wire = out["bytes_per_rank"]
-    assert {b["new_healthy"] for b in wire.values()} == {8 * out["width_new"]} and out["bytes_flat_new_healthy"]
+    assert {b["new_healthy"] for w, b in wire.items() if w != "1"} == {8 * out["width_new"]} and out["bytes_flat_new_healthy"]
+    assert wire["1"] == {"new_healthy": 0, "new_anomalous": 0, "old": 0}  # one process: nothing on the wire
     assert wire["8192"]["old"] == 4 * out["width_old"] * 8192 and wire["8"]["old"] == 4 * out["width_old"] * 8
     for world, c in out["checks"].items():
         n = int(world)

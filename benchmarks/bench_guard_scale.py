@@ -296,6 +296,15 @@ class Paths:
         return s
 
 
+def same_figures(a: StepStats, b: StepStats) -> bool:
+    """Whether two paths read the same step figures off the same world (the baseline measures the same work)."""
+    def close(x, y) -> bool:
+        return (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6))
+    pairs = [(a.loss, b.loss), (a.grad_norm, b.grad_norm), (a.input_rms, b.input_rms), (a.input_absmax, b.input_absmax),
+             *zip(a.timestep_bucket_loss, b.timestep_bucket_loss)]
+    return len(a.timestep_bucket_loss) == len(b.timestep_bucket_loss) and all(close(x, y) for x, y in pairs)
+
+
 def payload_bytes(world: int, layout: signals.Layout, buckets: int) -> dict:
     """Bytes each rank's collectives move per step (module docstring); one process moves none."""
     if world == 1:
@@ -333,11 +342,12 @@ def main() -> None:
         s_new, read_rows = p.decide_new("anomalous")
         s_old = p.decide_old("anomalous")
         healthy, read_rows_healthy = p.decide_new("healthy")
-        p.decide_old("healthy")
+        healthy_old = p.decide_old("healthy")
         checks[n] = {"verdict_new": s_new.verdict.name, "verdict_old": s_old.verdict.name,
                      "bad_ranks_new": s_new.nonfinite_loss_ranks, "bad_ranks_old": s_old.nonfinite_loss_ranks,
                      "rows_read_on_anomaly": read_rows, "rows_read_on_healthy": read_rows_healthy,
-                     "healthy_verdict_new": healthy.verdict.name}
+                     "healthy_verdict_new": healthy.verdict.name,
+                     "healthy_stats_agree": same_figures(healthy, healthy_old)}
     clock = time.perf_counter_ns
     times = {(n, path, kind): [] for n in worlds for path in ("new", "old") for kind in ("healthy", "anomalous")}
     shuffler = random.Random(0)

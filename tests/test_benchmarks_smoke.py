@@ -164,7 +164,7 @@ def test_bench_guard_scale_quick():
         assert c["verdict_new"] == c["verdict_old"] == "SKIP"
         assert c["bad_ranks_new"] == c["bad_ranks_old"] == [n // 2]
         assert c["rows_read_on_anomaly"] is (n > 1) and c["rows_read_on_healthy"] is False  # only on the anomaly
-        assert c["healthy_verdict_new"] == "OK"
+        assert c["healthy_verdict_new"] == "OK" and c["healthy_stats_agree"]  # the baseline reads the same figures
     for figures in out["host_us_median"].values():
         assert set(figures) == {"new_healthy", "new_anomalous", "old_healthy", "old_anomalous"}
         assert all(isinstance(x, float) and x > 0 for x in figures.values())

@@ -145,7 +145,7 @@ def fixed_batches(shape: tuple[int, ...], device: torch.device | str = "cpu", n:
 
 def user_loop_step(accelerator: Accelerator, model, opt, sched, batch: tuple[torch.Tensor, ...]) -> None:
     """One optimizer step of the user's own Accelerate loop on one ``(latents, noise, timesteps)`` batch: what
-    ``vidstab.attach`` guards as it is (the profiling and revision-comparison benchmarks run it)."""
+    ``vidstab.attach`` guards as it is (``bench_guard_ddp.py`` runs it)."""
     x, noise, t = batch
     with accelerator.accumulate(model):
         loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)

@@ -1,14 +1,11 @@
 """What parts of the guard's step cost: an explicit guard with the defaults against the same guard without
 one part, on one model, paired per round.
 
-Four explicit guards (``vidstab.Guard``) train ONE model, optimizer and scheduler of ``bench_guard_overhead.py``'s
-size classes: ``default`` twice (the second, ``default_again``, is the A/A noise floor), ``no_detectors``
-(every detector's ``enabled=False``) and ``inputs_at_backward`` (the last micro-step recorded, its input
-reductions included, right after its backward, as the guard did before 2026-12-02, instead of right before the
-packing, after the clip: ``Guard._hold``). Each round runs one step of each in a random order; reported: the median
+Three explicit guards (``vidstab.Guard``) train ONE model, optimizer and scheduler of ``bench_guard_overhead.py``'s
+size classes: ``default`` twice (the second, ``default_again``, is the A/A noise floor) and ``no_detectors``
+(every detector's ``enabled=False``). Each round runs one step of each in a random order; reported: the median
 of the per-round differences of this thread's CPU time to ``default``. ``no_detectors - default`` is what the
-detectors add (judging, updates, promises, published thresholds); ``inputs_at_backward - default`` what
-recording the last micro-step at the packing saves. Last line: one JSON object.
+detectors add (judging, updates, published thresholds). Last line: one JSON object.
 
     python benchmarks/ablate_guard_detectors.py                       # transformer, ~1 minute
     python benchmarks/ablate_guard_detectors.py --model mlp --rounds 3000
@@ -35,7 +32,7 @@ import bench_guard_overhead as bench  # noqa: E402  (same models, same batches)
 import vidstab  # noqa: E402
 from vidstab import GuardConfig  # noqa: E402
 
-VARIANTS = ("default", "default_again", "no_detectors", "inputs_at_backward")
+VARIANTS = ("default", "default_again", "no_detectors")
 
 
 def every_detector_off() -> GuardConfig:
@@ -67,8 +64,6 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
             guard.backward(loss, batch={"latents": x})
-            if name == "inputs_at_backward":  # the baseline: every micro-step recorded at once
-                guard._record_held()
             guard.step(max_grad_norm=1.0)
 
     for i in range(args.warmup):
@@ -91,12 +86,10 @@ def main() -> None:
     for name in VARIANTS:
         print(f"{name:<16}{detectors[name]:>10}{diff_us[name]:>+26.1f}")
     print(f"the detectors cost {-diff_us['no_detectors']:.1f} us per step (A/A {diff_us['default_again']:+.1f} us)")
-    print(f"recording the last micro-step at the packing instead of after the backward saves {diff_us['inputs_at_backward']:.1f} us per step")
     print(json.dumps({"benchmark": "ablate_guard_detectors", "model": description, "rounds": args.rounds,
                       "default_step_ms": round(default_ms, 3), "detectors": detectors,
                       "us_vs_default": {k: round(v, 1) for k, v in diff_us.items()},
-                      "detectors_us": round(-diff_us["no_detectors"], 1),
-                      "inputs_at_packing_saves_us": round(diff_us["inputs_at_backward"], 1)}))
+                      "detectors_us": round(-diff_us["no_detectors"], 1)}))
 
 
 if __name__ == "__main__":

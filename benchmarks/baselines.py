@@ -5,9 +5,10 @@ all have the same shape: ``observe(StepRecord) -> bool`` (True = the rule fires 
 step of a recording in order, and they keep whatever state their source keeps -- including its blind
 spots (e.g. a running mean that a NaN poisons forever), because that is what users run today.
 
-``VidstabReplay`` hands each recorded step, as the packed row the guard gathers, to a real ``vidstab.Guard``:
-its own statistics builder and judge (observe all, then update with the final verdict and whether the
-step was applied), so detection is compared on identical runs and nothing of the guard is re-implemented.
+``VidstabReplay`` hands each recorded step, as the vector a rank packs (``vidstab.signals.Layout``), to the
+guard's own statistics producer (``vidstab.guard.stats.build_stats``) and judge (observe all, then update with
+the final verdict and whether the step was applied), so detection is compared on identical runs and nothing of
+the guard is re-implemented.
 
 Offline replay is valid for detection quality because every detector here is a pure function of the
 per-step signals. Caveat: in a live run a detector that SKIPs or rolls back changes the trajectory after
@@ -225,100 +226,97 @@ def new_baselines() -> list:
 
 
 # ------------------------------------------------------------------------------------------------------
-# vidstab's detectors, replayed through the guard itself
+# vidstab's detectors, replayed through the guard's own statistics producer and judge
 # ------------------------------------------------------------------------------------------------------
 class VidstabReplay:
-    """vidstab's detectors judging recorded steps with the guard's OWN statistics builder and judge.
+    """vidstab's detectors judging recorded steps with the guard's OWN statistics producer and judge.
 
-    A real :class:`vidstab.Guard` (real CPU ``Accelerator``, a one-parameter stand-in model: the recorded
-    row carries every model-dependent number) is built once. Per step, the recorded packed row (the
-    ``[world=1, k]`` table of :mod:`vidstab.signals`) goes through ``Guard._build_stats``; the three LR
-    values the guard reads from the optimizer and the scheduler (the param group's LR, the schedule's
-    peak, the scheduler's own LR) are set to the recorded ones first. Then ``vidstab.detectors.judge``,
-    ``applied = verdict <= WARN`` (the unguarded trajectory), ``vidstab.detectors.absorb``: the guard's
-    two phases. Nothing about what detectors see is re-implemented here.
+    The detectors are the ones a one-process :class:`vidstab.Guard` builds from the config
+    (``vidstab.detectors.build_detectors``). Per step, the recorded vector (a rank's :class:`vidstab.signals.Layout`
+    columns; with one process it is also the reduced summary) goes through ``vidstab.guard.stats.build_stats`` with
+    the three LR values the guard reads from the optimizer and the scheduler (the param group's LR, the schedule's
+    peak, the scheduler's own LR) and the step's shape bucket; then ``vidstab.detectors.judge``,
+    ``applied = verdict <= WARN`` (the unguarded trajectory), ``vidstab.detectors.absorb``: the guard's two phases.
+    Nothing about what detectors see is re-implemented here.
     """
 
     name = "vidstab"
 
     def __init__(self, config=None, max_grad_norm: float = 1.0, lr_peak: float | None = None) -> None:
-        import tempfile
-
-        import torch
-        from accelerate import Accelerator
-
+        from vidstab import signals
         from vidstab.config import GuardConfig
-        from vidstab.detectors import Verdict, absorb, judge
-        from vidstab.guard import Guard
+        from vidstab.detectors import Verdict, absorb, build_detectors, judge
+        from vidstab.guard.stats import build_stats
 
         self.config = config if config is not None else GuardConfig()
         self.max_grad_norm = max_grad_norm
         self.lr_peak = lr_peak
-        self._tmp = tempfile.TemporaryDirectory(prefix="vidstab-replay-")
-        model = torch.nn.Linear(1, 1, bias=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr_peak or 1.0)
-        self._scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
-        self.guard = Guard(Accelerator(cpu=True), model, optimizer, self._scheduler, self.config, self._tmp.name,
-                           register_hooks=False)
-        self._judge, self._absorb, self._Verdict = judge, absorb, Verdict
+        self.layout = signals.Layout(self.config.timestep_buckets)
+        self.detectors = build_detectors(self.config, world_size=1)
+        self._build_stats, self._judge, self._absorb, self._Verdict = build_stats, judge, absorb, Verdict
+        self._signals = signals
         self._prev: StepRecord | None = None
 
-    @property
-    def detectors(self) -> list:
-        return self.guard.detectors
+    def stats_of_vector(self, step: int, vector: list[float], lr: float | None, lr_peak: float | None,
+                        lr_scheduled: float | None, bucket: str = "default", scale_known: bool = False):
+        """``build_stats`` of one recorded one-process vector, as the guard's step calls it."""
+        vector = list(vector)
+        return self._build_stats(step, vector, self.layout, rows=[vector], bucket=bucket,
+                                 max_grad_norm=self.max_grad_norm, sharded=False, scale_known=scale_known,
+                                 has_scaler=False, lr=lr, lr_peak=lr_peak, lr_scheduled=lr_scheduled)
 
-    def stats_of_row(self, step: int, row: list[float], lr: float | None, lr_peak: float | None,
-                     lr_scheduled: float | None):
-        """``Guard._build_stats`` of one recorded row, with the guard's LR sources set to the recorded values."""
-        g = self.guard
-        if lr is not None:
-            g.optimizer.param_groups[0]["lr"] = lr
-        g._lr.base_lrs = [lr_peak] if lr_peak is not None else []
-        g.lr_multiplier = 1.0
-        self._scheduler._last_lr = [lr_scheduled] if lr_scheduled is not None else []
-        return g._build_stats(step, [list(row)], self.max_grad_norm, True)
-
-    def observe_row(self, step: int, row: list[float], lr: float | None = None, lr_peak: float | None = None,
-                    lr_scheduled: float | None = None) -> list:
-        """Judge one recorded row as the guard would; returns the findings (empty: no alarm)."""
-        s = self.stats_of_row(step, row, lr, lr_peak, lr_scheduled)
-        self._judge(self.guard._plan, s)  # the guard's plan: its detectors' promises included
+    def observe_stats(self, s) -> list:
+        """Judge one step's statistics as the guard does, then absorb them; returns the findings (empty: no alarm)."""
+        self._judge(self.detectors, s)
         s.applied = s.verdict <= self._Verdict.WARN
-        self._absorb(self.guard._plan, s)
+        self._absorb(self.detectors, s)
         return list(s.findings)
 
-    def row_of_record(self, r: StepRecord) -> list[float]:
-        """The packed row the guard would have gathered for a tuning-split ``StepRecord`` (recorded before
-        rows were kept): the parameter norm measured after the previous ``param_norm_every`` step, no input
-        RMS (the tuning recordings hold only the absmax), no timestep buckets."""
-        from vidstab import signals as S
+    def observe_vector(self, step: int, vector: list[float], lr: float | None = None, lr_peak: float | None = None,
+                       lr_scheduled: float | None = None, bucket: str = "default", scale_known: bool = False) -> list:
+        """Judge one recorded vector as the guard would; returns the findings (empty: no alarm)."""
+        return self.observe_stats(self.stats_of_vector(step, vector, lr, lr_peak, lr_scheduled, bucket, scale_known))
 
-        row = [0.0] * S.Layout(self.config.timestep_buckets).width
+    def vector_of_record(self, r: StepRecord) -> list[float]:
+        """The vector :meth:`vidstab.signals.Window.pack` would have made for a tuning-split ``StepRecord`` (recorded
+        without vectors) on one process: one micro-step, the parameter norm measured after the previous
+        ``param_norm_every`` step, no input RMS (the tuning recordings hold only the absmax; ``input_scale`` ignores
+        a non-positive RMS), no timestep buckets, no time measured."""
+        S, L = self._signals, self.layout
+        v = [0.0] * L.width
+        g = r.grad_norm
+        v[L.norm_known] = 1.0
+        v[L.grad_norm] = g if _finite(g) else 0.0
+        v[L.norm_nan], v[L.norm_inf] = float(math.isnan(g)), float(math.isinf(g))
         finite_loss = _finite(r.loss)
-        row[S.GRAD_NORM], row[S.NORM_OK] = r.grad_norm, 1.0
-        row[S.LOSS_TOTAL], row[S.LOSS_SUM] = 1.0, (r.loss if finite_loss else 0.0)
-        row[S.LOSS_NONFINITE] = 0.0 if finite_loss else 1.0
-        # One input "tensor" whose absmax is the recorded one; no sum of squares recorded, so its RMS reads 0
-        # (input_scale ignores a non-positive RMS).
-        row[S.IN_NUMEL], row[S.IN_ABSMAX_HI] = 1.0, r.input_absmax
-        row[S.NONFINITE_ALL] = float(r.input_nonfinite) + row[S.LOSS_NONFINITE]
-        row[S.LOSS_SCALE] = 0.0 if r.loss_scale is None else r.loss_scale
-        self.guard._scale_known = r.loss_scale is not None  # what the guard's own step sets from the scaler
+        v[L.loss_sum], v[L.loss_count] = (r.loss, 1.0) if finite_loss else (0.0, 0.0)
+        v[L.loss_nonfinite] = v[L.ranks_loss_bad] = 0.0 if finite_loss else 1.0
+        inputs_ok = not r.input_nonfinite
+        v[L.ranks_input_bad] = 0.0 if inputs_ok else 1.0
+        # One input "tensor" whose absmax is the recorded one (a rank with non-finite inputs carries no input figures).
+        v[L.in_numel], v[L.in_absmax] = (1.0, r.input_absmax) if inputs_ok else (0.0, 0.0)
+        v[L.first_bad_rank] = 0.0 if (not finite_loss or not inputs_ok) else S.NOT_BAD  # -rank of rank 0
+        v[L.loss_scale] = 0.0 if r.loss_scale is None else r.loss_scale
+        v[L.ranks] = v[L.micro_steps] = 1.0
+        v[L.slowest] = S.slowest_key(-1.0, 0)
+        v[L.bucket] = S.bucket_hash("default")
+        v[L.neg_bucket] = -v[L.bucket]
         prev, every = self._prev, self.config.param_norm_every
         if prev is not None and every > 0 and prev.step % every == 0:
-            row[S.PARAM_PENDING] = 1.0
-            row[S.PARAM_SQ] = prev.param_norm ** 2 if _finite(prev.param_norm) else math.nan
+            psq = prev.param_norm ** 2 if _finite(prev.param_norm) else math.nan
             ur = prev.update_ratio * prev.param_norm if _finite(prev.update_ratio) and _finite(prev.param_norm) else -1.0
-            row[S.UPDATE_SQ] = ur * ur if ur >= 0 else -1.0
-        return row
+            usq = ur * ur if ur >= 0 else -1.0
+            v[L.param_measured] = 1.0
+            v[L.param_sq_sum] = v[L.param_sq_max] = psq
+            v[L.update_sq_sum] = v[L.update_sq_max] = usq
+        return v
 
     def observe(self, r: StepRecord) -> list:
         """Judge a tuning-split ``StepRecord`` (its LR peak is the one given at construction; the
         scheduler's own LR was not recorded)."""
-        row = self.row_of_record(r)
+        vector = self.vector_of_record(r)
         self._prev = r
-        return self.observe_row(r.step, row, r.lr, self.lr_peak, None)
+        return self.observe_vector(r.step, vector, r.lr, self.lr_peak, None, scale_known=r.loss_scale is not None)
 
     def close(self) -> None:
-        self.guard.close()
-        self._tmp.cleanup()
+        """Nothing to release (kept: callers close every replay)."""

@@ -410,18 +410,15 @@ def print_e2e(table: dict, setup: E2ESetup) -> None:
 QUIET_PER_1K = 1.0
 
 
-def _step_record(rec, i: int):
-    """The baselines' view (``StepRecord``) of one recorded held-out row."""
-    from vidstab import signals as S
-
+def _step_record(rec, i: int, s):
+    """The baselines' view (``StepRecord``) of one recorded held-out step, read off the statistics ``s`` the guard's
+    own producer made of its vector (``VidstabReplay.stats_of_vector``)."""
     from benchmarks.scenarios.recorder import StepRecord
 
-    row = rec.rows[i]
-    g = row[S.GRAD_NORM]
+    g = s.grad_norm
     loss = rec.loss[i]
     return StepRecord(i, loss, g, rec.lr[i], bool(math.isfinite(g) and g > 1.0), math.nan, math.nan,
-                      not math.isfinite(loss), False, max(row[S.IN_ABSMAX_HI], row[S.IN_ABSMAX_LO]) if row[S.IN_NUMEL] > 0 else 0.0,
-                      int(S.inputs_nonfinite(row)), None)
+                      not math.isfinite(loss), False, s.input_absmax, s.input_nonfinite, None)
 
 
 def judge_heldout(rec, vidstab_config=None, findings: list | None = None) -> dict:
@@ -432,11 +429,12 @@ def judge_heldout(rec, vidstab_config=None, findings: list | None = None) -> dic
     alarms: dict[str, list[int]] = {r.name: [] for r in rules}
     alarms.update({"vidstab": [], "vidstab[act]": []})
     for i in range(len(rec)):
-        r = _step_record(rec, i)
+        s = vid.stats_of_vector(i, rec.vectors[i], rec.lr[i], rec.lr_peak[i], rec.lr_scheduled[i], rec.bucket[i])
+        r = _step_record(rec, i, s)
         for rule in rules:
             if rule.observe(r):
                 alarms[rule.name].append(i)
-        found = vid.observe_row(i, rec.rows[i], rec.lr[i], rec.lr_peak[i], rec.lr_scheduled[i])
+        found = vid.observe_stats(s)
         if found:
             alarms["vidstab"].append(i)
         if any(f.verdict >= 2 for f in found):

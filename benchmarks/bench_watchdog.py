@@ -10,7 +10,7 @@ variants, on 2 real CPU processes (gloo, DDP) so the straggler detector has rank
   :class:`vidstab.watchdog.Watchdog` (its default timeouts, its thread polling once a second), beaten at the
   three phases the trainer reports (``data``, ``forward_backward``, ``guard``).
 
-Each rank's own compute time travels in the row the guard gathers in both variants (it is part of the guard,
+Each rank's own compute time travels in the vector the guard reduces in both variants (it is part of the guard,
 whose own cost ``bench_guard_overhead.py`` measures); what differs is exactly what item 7 asks about. Each
 variant has its own model, optimizer and guard. The variants run interleaved, one step each per round in
 alternating order (both ranks in the same order, their collectives in step), so drift and the load of a shared

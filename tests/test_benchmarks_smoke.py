@@ -57,7 +57,7 @@ def test_baselines_follow_their_published_rules():
 
 
 def test_vidstab_replay_uses_the_guards_own_statistics_builder():
-    """The replay judges the packed row the guard gathers (vidstab.signals) through Guard._build_stats."""
+    """The replay judges the vector a rank packs (vidstab.signals) through the guard's one statistics producer."""
     import torch
 
     from benchmarks import baselines as B
@@ -67,14 +67,33 @@ def test_vidstab_replay_uses_the_guards_own_statistics_builder():
     w = signals.Window(torch.device("cpu"), v.config.timestep_buckets, 1000, ("latents",))
     x = 2.0 * torch.ones(2, 3)
     w.record(torch.tensor(0.5), {"latents": x}, None, None, False)
-    row = w.pack(torch.tensor(0.7), False, None, None, None).tolist()
-    s = v.stats_of_row(0, row, lr=1e-4, lr_peak=2e-4, lr_scheduled=1e-4)
+    vector = w.pack(torch.tensor(0.7), stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=-1.0,
+                    rank=0).tolist()
+    s = v.stats_of_vector(0, vector, lr=1e-4, lr_peak=2e-4, lr_scheduled=1e-4, bucket=w.shape_bucket)
     assert (s.grad_norm, s.loss, s.input_absmax, s.input_rms, s.lr, s.lr_peak, s.lr_scheduled) == pytest.approx(
         (0.7, 0.5, 2.0, 2.0, 1e-4, 2e-4, 1e-4))
+    assert s.bucket == "2x3"
     # An LR x10^4 the scheduled one at the first step of a run: refused by lr_bound, no history needed.
-    found = v.observe_row(0, row, lr=1.0, lr_peak=2e-4, lr_scheduled=1e-4)
+    found = v.observe_vector(0, vector, lr=1.0, lr_peak=2e-4, lr_scheduled=1e-4)
     assert any(f.detector == "lr_bound" and f.verdict >= 2 for f in found)
     v.close()
+
+
+def test_vidstab_replay_of_a_record_reads_back_what_was_recorded():
+    """A tuning-split StepRecord made into a vector reads back, through the guard's producer, as recorded."""
+    from benchmarks import baselines as B
+    from benchmarks.scenarios.recorder import StepRecord
+
+    v = B.VidstabReplay()
+    v.observe(StepRecord(0, 0.4, 0.9, 1e-4, False, 10.0, 1e-3, False, False, 3.0, 0, None))  # measures the weights
+    r = StepRecord(1, 0.5, 1.5, 1e-4, True, 11.0, 2e-3, False, False, 3.5, 0, None)
+    s = v.stats_of_vector(1, v.vector_of_record(r), r.lr, None, None)
+    assert (s.loss, s.grad_norm, s.input_absmax, s.param_norm, s.update_ratio) == pytest.approx((0.5, 1.5, 3.5, 10.0, 1e-3))
+    assert s.clipped and s.first_bad_rank is None and s.world_size == 1
+    bad = StepRecord(2, float("nan"), float("inf"), 1e-4, False, 11.0, 2e-3, True, False, 3.5, 7, None)
+    s = v.stats_of_vector(2, v.vector_of_record(bad), bad.lr, None, None)
+    assert math.isnan(s.loss) and s.grad_norm == math.inf and s.input_nonfinite == 1
+    assert s.first_bad_rank == 0 and s.nonfinite_loss_ranks == [0] and s.nonfinite_input_ranks == [0]
 
 
 def test_vidstab_replay_skips_a_nan_step():
@@ -126,7 +145,29 @@ def test_heldout_draw_c_scenarios():
     assert len(qk) == 4 and all(r.steps == 640 and r.fault.endswith("=0.1") for r in qk)
     assert not set(H.DRAW_SEEDS["C"]) & set(H.DRAW_SEEDS["A"] + H.DRAW_SEEDS["B"] + tuple(range(20)))
     rec = H._run(H.HeldoutRun(H.SMALL_BATCH_FAMILY, "constant_nowarmup", 0, steps=3, tail=0), None)
-    assert [row[S.IN_NUMEL] for row in rec.rows] == [2 * 4 * 8 * 8] * 3
+    L = S.Layout(10)
+    assert [v[L.in_numel] for v in rec.vectors] == [2 * 4 * 8 * 8] * 3 and rec.bucket == ["2x4x8x8"] * 3
+
+
+def test_bench_guard_scale_quick():
+    """The scale benchmark runs every world size: the new healthy step's bytes are the same at every size while the
+    old gather grows with the world, and both paths name the same bad rank on the anomalous step (no timing
+    asserted)."""
+    out = _run("bench_guard_scale.py", "--quick")
+    assert out["benchmark"] == "guard_scale" and out["worlds"] == [1, 8, 64, 1024, 8192]
+    wire = out["bytes_per_rank"]
+    assert {b["new_healthy"] for w, b in wire.items() if w != "1"} == {8 * out["width_new"]} and out["bytes_flat_new_healthy"]
+    assert wire["1"] == {"new_healthy": 0, "new_anomalous": 0, "old": 0}  # one process: nothing on the wire
+    assert wire["8192"]["old"] == 4 * out["width_old"] * 8192 and wire["8"]["old"] == 4 * out["width_old"] * 8
+    for world, c in out["checks"].items():
+        n = int(world)
+        assert c["verdict_new"] == c["verdict_old"] == "SKIP"
+        assert c["bad_ranks_new"] == c["bad_ranks_old"] == [n // 2]
+        assert c["rows_read_on_anomaly"] is (n > 1) and c["rows_read_on_healthy"] is False  # only on the anomaly
+        assert c["healthy_verdict_new"] == "OK" and c["healthy_stats_agree"]  # the baseline reads the same figures
+    for figures in out["host_us_median"].values():
+        assert set(figures) == {"new_healthy", "new_anomalous", "old_healthy", "old_anomalous"}
+        assert all(isinstance(x, float) and x > 0 for x in figures.values())
 
 
 @pytest.mark.slow

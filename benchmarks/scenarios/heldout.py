@@ -12,10 +12,10 @@ fault at step 300, seeds 0-19. This split keeps all of that apart:
   attention logits) and fast ones; a 30-step "fine-tune" with an LR bug from step 12;
 * seeds 100 and up.
 
-Each run is recorded once with the guard's own statistics (``vidstab.signals.Window`` -> the packed row
-the guard gathers, plus the three LR values the guard reads) and cached as strict JSON under
-``benchmarks/.cache/heldout/``; detectors are then replayed on the recorded rows through the guard's own
-statistics builder and judge (``benchmarks/baselines.py``).
+Each run is recorded once with the guard's own statistics (``vidstab.signals.Window`` -> the vector a rank
+packs, its shape bucket, plus the three LR values the guard reads) and cached as strict JSON under
+``benchmarks/.cache/heldout/``; detectors are then replayed on the recorded vectors through the guard's own
+statistics producer and judge (``benchmarks/baselines.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from vidstab.strict_json import from_json_safe, to_json_safe
 
 from .recorder import CACHE_DIR, FAILURE_FACTOR, HEALTHY_WINDOW
 
-HELDOUT_VERSION = 1
+#: Bump when what a recording holds changes (invalidates the cache): 2 = ``vidstab.signals.Layout`` vectors and
+#: shape buckets instead of the gathered rows of version 1.
+HELDOUT_VERSION = 2
 FAMILIES = ("dit", "unet_eps", "plain_tf_flow")
 SCHEDULES = ("cosine_warmup", "linear", "constant_nowarmup", "long_warmup", "cosine_restarts", "step_decay",
              "batch_change")
@@ -57,7 +59,7 @@ HEALTHY_ONLY_DRAWS = {"E": 5}
 C_SCENARIO_DRAWS = ("C", "D")
 HEALTHY_SEEDS = DRAW_SEEDS["A"]
 RUN_STEPS = 400
-PARAM_NORM_EVERY = 10  # the guard's default cadence; the recorded rows carry it
+PARAM_NORM_EVERY = 10  # the guard's default cadence; the recorded vectors carry it
 MAX_GRAD_NORM = 1.0
 #: Samples per step of the small-batch UNet (``unet_eps_small_batch``): with uniform DDPM timesteps, about 1
 #: step in 100 draws only t < 100, where the epsilon target is hardest to predict and gradients are largest.
@@ -256,14 +258,16 @@ def make_scheduler(name: str, optimizer, steps: int):
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class HeldoutRecording:
-    """Recorded rows of one held-out run (strict JSON; non-finite floats as strings)."""
+    """Recorded vectors of one held-out run (strict JSON; non-finite floats as strings)."""
 
     name: str
     onset: int
     kind: str | None
     family: str
-    rows: list = field(default_factory=list)
-    """Per step: the guard's packed row (``vidstab.signals.Layout``) of the single rank."""
+    vectors: list = field(default_factory=list)
+    """Per step: the single rank's vector (``vidstab.signals.Layout`` columns; with one rank also the summary)."""
+    bucket: list = field(default_factory=list)
+    """Per step: the window's shape bucket (``vidstab.signals.Window.shape_bucket``), as the guard names it."""
     lr: list = field(default_factory=list)
     lr_peak: list = field(default_factory=list)
     lr_scheduled: list = field(default_factory=list)
@@ -273,7 +277,7 @@ class HeldoutRecording:
     seconds: float = 0.0
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.vectors)
 
     def to_json(self) -> str:
         return json.dumps(to_json_safe(dataclasses.asdict(self)), allow_nan=False)
@@ -371,7 +375,9 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
         window.record(loss, {"latents": x}, per_sample, draws["timesteps"], False)
-        row = window.pack(norm, False, *pending, None)
+        vector = window.pack(norm, stop=False, param_sq=pending[0], update_sq=pending[1], loss_scale=None, seconds=-1.0,
+                          rank=0)
+        rec.bucket.append(window.shape_bucket)
         window.reset()
         pending = (None, None)
         measure = step % PARAM_NORM_EVERY == 0
@@ -381,7 +387,7 @@ def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
         if measure:
             cur = [p.detach() for p in params]
             pending = (signals.sum_of_squares(cur), signals.sum_of_squares([b - c for b, c in zip(before, cur)]))
-        rec.rows.append([float(v) for v in row.tolist()])
+        rec.vectors.append([float(v) for v in vector.tolist()])
         rec.lr.append(lr)
         rec.lr_peak.append(peak0)
         rec.lr_scheduled.append(lr_sched)

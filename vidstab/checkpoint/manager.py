@@ -435,6 +435,14 @@ class CheckpointManager:
                 continue
         return None
 
+    def _unverified_message(self, which: str, unverified: list[tuple[str, str]]) -> str:
+        sub = rel(self.root, self.output_dir)
+        listed = "; ".join(f"{n}: {why}" for n, why in unverified)
+        return (f"nothing to load for {which!r}: {sub} holds {len(unverified)} checkpoint folder(s) that cannot be "
+                f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten. Restore their "
+                f"manifests, or start over with --overwrite_output_dir and without --resume_from_checkpoint "
+                f"(overwrite=True: the earlier run, these folders included, is moved to previous-runs/, not deleted)")
+
     # ------------------------------------------------------------------ load
     def load(self, which: str = "latest", resume_event: bool = True) -> dict | None:
         """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
@@ -452,6 +460,9 @@ class CheckpointManager:
         self._finish_pending()
         cands = self._candidates(which)
         if not cands and which in ("latest", "last_good"):
+            unverified = layout.unverifiable(self.root)
+            if unverified:
+                raise CheckpointError(self._unverified_message(which, unverified))
             logger.info("no checkpoint under %s to resume from", self.root)
             return None
         self._check_world_size(cands)

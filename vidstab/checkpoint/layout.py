@@ -32,7 +32,6 @@ steps of the old trajectory) are never fallbacks and are the first to be rotated
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import re
@@ -43,6 +42,7 @@ from typing import Any
 
 from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir
+from ..limits import loads_bounded
 from .config import CheckpointError, CheckpointInfo
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",
@@ -194,7 +194,7 @@ def read_manifest(path: str) -> dict:
         if size > MAX_MANIFEST_BYTES:
             os.close(fd)
             raise ValueError(f"{size} bytes, far more than any manifest")
-        man = json.loads(_read_exactly(fd, size))
+        man = loads_bounded(_read_exactly(fd, size), MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: no manifest.json (incomplete save)") from None
     except _NotRegular as e:

@@ -28,6 +28,7 @@ from .. import statedict_io as sio
 from ..atomic import fsync_paths
 from ..events import log_event
 from ..exit_fence import register_exit_fence
+from ..limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
@@ -379,7 +380,7 @@ class CheckpointManager:
             if len(names) >= self.config.keep_for_incidents:
                 break
             try:
-                named = json.loads((bundle / META_FILE).read_bytes()).get("checkpoint")
+                named = read_json_file(bundle / META_FILE).get("checkpoint")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(named, str):

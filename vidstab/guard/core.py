@@ -29,7 +29,6 @@ GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import time
 import weakref
@@ -47,6 +46,7 @@ from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
+from ..limits import read_json_file
 from ..lr import LRMultiplier
 from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, host_row_values, queued_stats, table_values
 from .param_probe import ParamProbe
@@ -517,8 +517,7 @@ class Guard(UserLoopWrapping, GuardReporting):
     def _load_state_hook(self, models: Any, input_dir: str) -> None:
         path = Path(input_dir) / GUARD_STATE_FILE
         if path.exists():
-            with open(path, encoding="utf-8") as f:
-                self.load_state_dict(json.load(f))
+            self.load_state_dict(read_json_file(path))
             self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier)
 
     # ------------------------------------------------------------------ helpers

@@ -115,7 +115,7 @@ def test_a_hung_rank_is_ended_by_the_watchdog_then_the_job_restarts_and_ends_bit
     stacks = (out / "vidstab" / f"hang-rank1-step{step:06d}.txt").read_text()
     assert "in maybe_hang" in stacks and "in train_step" in stacks  # where the hung rank was stuck
     r = events(out, 0, "restart")[0]
-    assert r["cause"] == "hang" and 1 in r["culprit_ranks"] and r["ranks"]["1"]["phase"] == "data", (step, r)
+    assert r["cause"] == "hang" and r["culprit_ranks"] == [1] and r["ranks"]["1"]["phase"] == "data", (step, r)
     assert "hang" in {e["kind"] for e in events(out, 1)}
     assert "job restarts</th><td>1: hang (ranks" in (out / "report.html").read_text()  # the dashboard says it too
     assert_same_weights(out, reference)

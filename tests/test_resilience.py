@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_utils import REPO, TRAIN, events, fast_flags, free_port
+from trainer_utils import REPO, TRAIN, events, fast_flags, free_port, shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -82,13 +82,15 @@ def test_the_launch_these_tests_use_is_the_one_readme_documents():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted, with rank 1 five times slower from step 2 and a tight watchdog: healthy, so never killed."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    launch(out, "--inject_fault", "slow@2:1=5", "--watchdog_timeout", "3")
-    for rank in (0, 1):
-        kinds = {e["kind"] for e in events(out, rank)}
-        assert "hang" not in kinds and "restart" not in kinds and "crash" not in kinds
-    assert not list((out / "vidstab").glob("hang-*"))
-    return out
+    def build(folder):
+        out = folder / "run"
+        launch(out, "--inject_fault", "slow@2:1=5", "--watchdog_timeout", "3")
+        for rank in (0, 1):
+            kinds = {e["kind"] for e in events(out, rank)}
+            assert "hang" not in kinds and "restart" not in kinds and "crash" not in kinds
+        assert not list((out / "vidstab").glob("hang-*"))
+
+    return shared_run(tmp_path_factory, "resilience-reference", build) / "run"
 
 
 def test_a_slow_but_healthy_rank_is_never_killed_by_the_watchdog(reference):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from trainer_utils import REPO, events, run_trainer
+from trainer_utils import REPO, events, run_trainer, shared_run
 
 sys.path.insert(0, str(REPO / "recipes"))
 import args as train_args  # noqa: E402  (recipes/args.py: the trainer's flags)
@@ -95,11 +96,14 @@ def test_lr_power_shapes_the_polynomial_decay():
 @pytest.fixture(scope="module")
 def flags_run(tmp_path_factory):
     """One 8-step run that sets the flags of the two tests below (none of them touches what another checks)."""
-    out = tmp_path_factory.mktemp("flags") / "run"
-    proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
-                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0",
-                       "--report_to", "tensorboard", "--logging_steps", "3", "--logging_dir", "tb", "--tracker_name", "my-project")
-    return out, proc
+    def build(folder):
+        proc = run_trainer(folder / "run", "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
+                           "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0",
+                           "--report_to", "tensorboard", "--logging_steps", "3", "--logging_dir", "tb", "--tracker_name", "my-project")
+        (folder / "stdout.txt").write_text(proc.stdout)
+
+    folder = shared_run(tmp_path_factory, "train-flags", build)
+    return folder / "run", subprocess.CompletedProcess([], 0, (folder / "stdout.txt").read_text(), "")
 
 
 def test_epochs_scale_lr_and_restarts_reach_the_run(flags_run):

@@ -32,7 +32,24 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-import vidstab
+
+def _exit_unless_this_vidstab() -> None:
+    """Stop with one clear line when ``import vidstab`` would give PyPI's unrelated ``vidstab`` package (the
+    check is vidstab/install_check.py of this clone, loaded by path: the ``vidstab`` on the path may not be ours)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vidstab_install_check",
+                                                  Path(__file__).resolve().parents[1] / "vidstab" / "install_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    problem = check.wrong_vidstab()
+    if problem:
+        sys.exit(f"recipes/train.py: {problem}")
+
+
+_exit_unless_this_vidstab()
+
+import vidstab  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp

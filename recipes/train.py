@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -185,7 +186,8 @@ class Run:
         self.launch = LaunchInfo.from_env()
         if self.launch.is_restart and args.resume_from_checkpoint is None and not args.no_auto_resume:
             args.resume_from_checkpoint = "latest"  # a torch-elastic restart resumes (--no_auto_resume: not)
-        vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
+        self.run_lock = vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint,
+                                              overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
         self.faults = FaultInjector(args.inject_fault, acc.process_index, restart_count=self.launch.restart_count)
@@ -355,6 +357,16 @@ def validate(run: Run, step: int) -> None:
 # --------------------------------------------------------------------------------------------------------
 # Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
 # --------------------------------------------------------------------------------------------------------
+def finished_before(args: argparse.Namespace, step: int) -> bool:
+    """Whether a resume at ``step`` finds a run that already ended cleanly there (its last ``stop`` event: exit 0
+    after the export, at the last step): then there is nothing to train, export or report again. A run killed
+    between its last checkpoint and its export has no such event and finishes its end-of-run work."""
+    stops = vidstab.read_events(args.output_dir, "stop")
+    last = stops[-1] if stops else None
+    return (step >= args.max_train_steps and last is not None and last.get("exit_code") == 0
+            and isinstance(last.get("step"), int) and last["step"] >= args.max_train_steps)
+
+
 def restart_record(run: Run) -> dict | None:
     """Why a torch-elastic restart happened (None on a first attempt). Resuming from the latest valid checkpoint
     is decided in ``Run.__init__``, before the run folder is claimed."""
@@ -391,7 +403,13 @@ def logged_crash(guard: vidstab.Guard):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args)
-    acc, guard = run.accelerator, run.guard
+    with run.run_lock:  # released at the end: the next launch must not take a finished run for a killed one
+        return train(run)
+
+
+def train(run: Run) -> int:
+    """Resume or start, train to --max_train_steps, save, export, validate, report; returns the exit code."""
+    args, acc, guard = run.args, run.accelerator, run.guard
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "train_config.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=True))
@@ -420,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
+            if finished_before(args, step):
+                acc.print(f"the run in {args.output_dir} already finished: step {step} of --max_train_steps "
+                          f"{args.max_train_steps}, exported and reported; nothing to do. Raise --max_train_steps to "
+                          f"train on from step {step}.")
+                acc.end_training()
+                return 0
     if restart is not None:
         guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
         acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
@@ -505,5 +529,17 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main`; a launch that cannot start (the output folder, the launch, the config, the checkpoint) ends with
+    one line naming the problem and exit code 2, not a traceback; the main process says it, the others only exit."""
+    user_errors = (vidstab.run_dir.RunDirError, vidstab.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
+    try:
+        return main(argv)
+    except user_errors as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"recipes/train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main())

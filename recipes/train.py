@@ -357,6 +357,31 @@ def validate(run: Run, step: int) -> None:
 # --------------------------------------------------------------------------------------------------------
 # Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
 # --------------------------------------------------------------------------------------------------------
+def incident_note(args: argparse.Namespace, rank: int, step: int, bundle: Path) -> str:
+    """One line for an incident bundle just written: where it is, the command that replays it, and whether the
+    replay will have trained weights (the bundle names a checkpoint) or only a fresh initialisation."""
+    from vidstab.limits import read_json_file
+
+    try:
+        checkpoint = read_json_file(Path(bundle) / "incident.json").get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        checkpoint = None
+    line = f"step {step}, rank {rank}: incident bundle {bundle}; replay it with: vidstab replay {bundle}"
+    if not checkpoint:
+        line += (f" (no checkpoint was saved before step {step}, --checkpointing_steps {args.checkpointing_steps}: the "
+                 f"replay runs on a fresh initialisation, so only data problems reproduce; a smaller "
+                 f"--checkpointing_steps keeps trained weights to replay on)")
+    return line
+
+
+def incidents_summary(output_dir: str) -> str:
+    """``incidents N (newest ...; replay: vidstab replay ...), `` for the end-of-run line, or nothing."""
+    bundles = vidstab.list_incidents(output_dir)
+    if not bundles:
+        return ""
+    return f"incidents {len(bundles)} (newest {bundles[-1]}; replay: vidstab replay {bundles[-1]}), "
+
+
 def finished_before(args: argparse.Namespace, step: int) -> bool:
     """Whether a resume at ``step`` finds a run that already ended cleanly there (its last ``stop`` event: exit 0
     after the export, at the last step): then there is nothing to train, export or report again. A run killed
@@ -459,6 +484,8 @@ def train(run: Run) -> int:
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
+            for bundle in result.incidents:  # written by this rank: said by this rank, where and how to replay it
+                print(incident_note(args, acc.process_index, step, bundle), flush=True)
             step += 1
             if result.applied and math.isfinite(result.loss):
                 first_loss = result.loss if first_loss is None else first_loss
@@ -521,6 +548,7 @@ def train(run: Run) -> int:
         acc.print(
             f"done: {step}/{args.max_train_steps} steps, loss {first_loss if first_loss is None else round(first_loss, 4)} -> "
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
+            + incidents_summary(args.output_dir)
             + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
                if run.checkpoint_failures else "") +
             f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "

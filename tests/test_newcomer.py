@@ -50,3 +50,15 @@ def test_the_same_command_twice_ends_in_one_clear_line_and_a_finished_run_says_s
     assert "resumes</th><td>2 (at steps 3, 3)" in page
     assert "processes</th><td>1 (rank 0)" in page and "ranks 0" not in page
     assert re.search(r"wall time</th><td>\d+ s over 3 launches", page), re.search(r"wall time</th><td>[^<]*", page)
+
+
+def test_an_incident_says_where_its_bundle_is_how_to_replay_it_and_that_it_has_no_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    done = run_trainer(out, "--max_train_steps", "4", "--inject_fault", "nan_batch@2")  # default --checkpointing_steps 100
+    (bundle,) = (out / "vidstab" / "incidents").iterdir()
+    said = [line for line in done.stdout.splitlines() if "incident bundle" in line]
+    assert len(said) == 1 and f"replay it with: vidstab replay {bundle}" in said[0], done.stdout[-3000:]
+    assert "no checkpoint was saved before step 2, --checkpointing_steps 100" in said[0]
+    assert "fresh initialisation" in said[0]
+    last = done.stdout.strip().splitlines()[-1]
+    assert "skipped 1" in last and f"incidents 1 (newest {bundle}; replay: vidstab replay {bundle})" in last, last

@@ -62,3 +62,26 @@ def test_an_incident_says_where_its_bundle_is_how_to_replay_it_and_that_it_has_n
     assert "fresh initialisation" in said[0]
     last = done.stdout.strip().splitlines()[-1]
     assert "skipped 1" in last and f"incidents 1 (newest {bundle}; replay: vidstab replay {bundle})" in last, last
+    _strip_rows_are_the_clips(out)
+
+
+def _strip_rows_are_the_clips(out):
+    """strip.png holds one row per clip, each that clip's frames: closer to its own MP4 (decoded; H.264 adds
+    noise of its own) than to any other clip's. Rows that look alike are clips that look alike."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    (folder,) = sorted((out / "validation").glob("step_*"))[-1:]
+    clips = []
+    for mp4 in sorted(folder.glob("clip_*.mp4")):
+        with av.open(str(mp4)) as container:
+            clips.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(float))
+    t, h, w, _ = clips[0].shape
+    strip = np.asarray(Image.open(folder / "strip.png")).astype(float)
+    scale = strip.shape[0] // (len(clips) * h)
+    strip = strip[::scale, ::scale]
+    rows = [strip[i * h:(i + 1) * h].reshape(h, t, w, 3).transpose(1, 0, 2, 3) for i in range(len(clips))]
+    for i, row in enumerate(rows):
+        gaps = [float(np.abs(row - clip).mean()) for clip in clips]
+        assert int(np.argmin(gaps)) == i, (i, gaps)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,24 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
-import vidstab
+
+def _exit_unless_this_vidstab() -> None:
+    """Stop with one clear line when ``import vidstab`` would give PyPI's unrelated ``vidstab`` package (the
+    check is vidstab/install_check.py of this clone, loaded by path: the ``vidstab`` on the path may not be ours)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vidstab_install_check",
+                                                  Path(__file__).resolve().parents[1] / "vidstab" / "install_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    problem = check.wrong_vidstab()
+    if problem:
+        sys.exit(f"recipes/train.py: {problem}")
+
+
+_exit_unless_this_vidstab()
+
+import vidstab  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
@@ -168,7 +186,8 @@ class Run:
         self.launch = LaunchInfo.from_env()
         if self.launch.is_restart and args.resume_from_checkpoint is None and not args.no_auto_resume:
             args.resume_from_checkpoint = "latest"  # a torch-elastic restart resumes (--no_auto_resume: not)
-        vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
+        self.run_lock = vidstab.claim_run_dir(acc, out, resume=args.resume_from_checkpoint,
+                                              overwrite=args.overwrite_output_dir)
         set_seed(args.seed, device_specific=False)
         apply_backend_flags(args)
         self.faults = FaultInjector(args.inject_fault, acc.process_index, restart_count=self.launch.restart_count)
@@ -338,6 +357,41 @@ def validate(run: Run, step: int) -> None:
 # --------------------------------------------------------------------------------------------------------
 # Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
 # --------------------------------------------------------------------------------------------------------
+def incident_note(args: argparse.Namespace, rank: int, step: int, bundle: Path) -> str:
+    """One line for an incident bundle just written: where it is, the command that replays it, and whether the
+    replay will have trained weights (the bundle names a checkpoint) or only a fresh initialisation."""
+    from vidstab.limits import read_json_file
+
+    try:
+        checkpoint = read_json_file(Path(bundle) / "incident.json").get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        checkpoint = None
+    line = f"step {step}, rank {rank}: incident bundle {bundle}; replay it with: vidstab replay {bundle}"
+    if not checkpoint:
+        line += (f" (no checkpoint was saved before step {step}, --checkpointing_steps {args.checkpointing_steps}: the "
+                 f"replay runs on a fresh initialisation, so only data problems reproduce; a smaller "
+                 f"--checkpointing_steps keeps trained weights to replay on)")
+    return line
+
+
+def incidents_summary(output_dir: str) -> str:
+    """``incidents N (newest ...; replay: vidstab replay ...), `` for the end-of-run line, or nothing."""
+    bundles = vidstab.list_incidents(output_dir)
+    if not bundles:
+        return ""
+    return f"incidents {len(bundles)} (newest {bundles[-1]}; replay: vidstab replay {bundles[-1]}), "
+
+
+def finished_before(args: argparse.Namespace, step: int) -> bool:
+    """Whether a resume at ``step`` finds a run that already ended cleanly there (its last ``stop`` event: exit 0
+    after the export, at the last step): then there is nothing to train, export or report again. A run killed
+    between its last checkpoint and its export has no such event and finishes its end-of-run work."""
+    stops = vidstab.read_events(args.output_dir, "stop")
+    last = stops[-1] if stops else None
+    return (step >= args.max_train_steps and last is not None and last.get("exit_code") == 0
+            and isinstance(last.get("step"), int) and last["step"] >= args.max_train_steps)
+
+
 def restart_record(run: Run) -> dict | None:
     """Why a torch-elastic restart happened (None on a first attempt). Resuming from the latest valid checkpoint
     is decided in ``Run.__init__``, before the run folder is claimed."""
@@ -374,7 +428,13 @@ def logged_crash(guard: vidstab.Guard):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args)
-    acc, guard = run.accelerator, run.guard
+    with run.run_lock:  # released at the end: the next launch must not take a finished run for a killed one
+        return train(run)
+
+
+def train(run: Run) -> int:
+    """Resume or start, train to --max_train_steps, save, export, validate, report; returns the exit code."""
+    args, acc, guard = run.args, run.accelerator, run.guard
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.output_dir) / "train_config.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=True))
@@ -403,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
+            if finished_before(args, step):
+                acc.print(f"the run in {args.output_dir} already finished: step {step} of --max_train_steps "
+                          f"{args.max_train_steps}, exported and reported; nothing to do. Raise --max_train_steps to "
+                          f"train on from step {step}.")
+                acc.end_training()
+                return 0
     if restart is not None:
         guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
         acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
@@ -418,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
+            for bundle in result.incidents:  # written by this rank: said by this rank, where and how to replay it
+                print(incident_note(args, acc.process_index, step, bundle), flush=True)
             step += 1
             if result.applied and math.isfinite(result.loss):
                 first_loss = result.loss if first_loss is None else first_loss
@@ -480,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         acc.print(
             f"done: {step}/{args.max_train_steps} steps, loss {first_loss if first_loss is None else round(first_loss, 4)} -> "
             f"{last_loss if last_loss is None else round(last_loss, 4)}, skipped {guard.skipped_total}, "
+            + incidents_summary(args.output_dir)
             + (f"checkpoint saves failed {run.checkpoint_failures} (newest intact: {run.checkpoints.latest_path_str()}), "
                if run.checkpoint_failures else "") +
             f"outputs in {args.output_dir} (vidstab/checkpoints/, logs/, vidstab/events-rank*.jsonl{', transformer/, validation/' if exported else ''}, "
@@ -488,5 +557,17 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main`; a launch that cannot start (the output folder, the launch, the config, the checkpoint) ends with
+    one line naming the problem and exit code 2, not a traceback; the main process says it, the others only exit."""
+    user_errors = (vidstab.run_dir.RunDirError, vidstab.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
+    try:
+        return main(argv)
+    except user_errors as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"recipes/train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main())

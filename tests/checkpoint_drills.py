@@ -426,6 +426,56 @@ def drill_damaged_unmovable(work: Path) -> str:
     return f"saved step 4 as {Path(path).name}; message: {text[:120]}"
 
 
+def drill_every_manifest_gone(work: Path) -> str:
+    """Every ``manifest.json`` and both pointers gone: ``load("latest")`` refuses, naming each folder it cannot
+    verify, instead of "no checkpoint, starting from scratch"; a later save of one of those steps moves the
+    folder to ``unverified-step_*`` with every byte kept, never replaces it."""
+    t = train_and_save(work / "run", [2, 4, 6])
+    before = {p.relative_to(t.ckpt.root): p.read_bytes() for p in Path(t.ckpt.root).rglob("*.safetensors")}
+    for step in (2, 4, 6):
+        (t.folder(step) / "manifest.json").unlink()
+    for ptr in ("latest", "last_good"):
+        (Path(t.ckpt.root) / ptr).unlink()
+    t2 = Trainee(work / "run")
+    msg = expect_error(lambda: t2.ckpt.load("latest"), "cannot be verified", "step_000002", "step_000004",
+                       "step_000006", "no manifest.json", "--overwrite_output_dir")
+    expect_error(lambda: t2.ckpt.load("last_good"), "cannot be verified")
+    t2.train(4)
+    t2.save()  # the same step as the unverifiable step_000004
+    root = Path(t.ckpt.root)
+    kept = root / "unverified-step_000004"
+    assert kept.is_dir() and (root / "step_000004" / "manifest.json").is_file()
+    after = {Path(str(p.relative_to(root)).replace("unverified-", "")): p.read_bytes()
+             for p in root.rglob("*.safetensors") if not str(p.relative_to(root)).startswith("step_000004")}
+    assert after == before, "a folder that could not be verified lost or changed a file"
+    return f"refused: {msg[:150]}; step_000004 kept as {kept.name}"
+
+
+def drill_oversized_or_deep_state_json(work: Path) -> str:
+    """``optimizer.json`` replaced by a file beyond the JSON cap, and ``scheduler.json`` by one nested
+    200,000 deep, each with a matching manifest entry (size and checksum): refused before parsing, naming the
+    file and the setting, and the resume falls back to the intact checkpoint."""
+    out = []
+    for target, content in (("optimizer.json", b'{"pad": "' + b"x" * 3_000_000 + b'"}'),
+                            ("scheduler.json", b"[" * 200_000 + b"]" * 200_000)):
+        t = train_and_save(work / target, [2, 4])
+        (t.folder(4) / target).write_bytes(content)
+        man = manifest(t.folder(4))
+        man["files"][target] = crc_entry(content)
+        write_manifest(t.folder(4), man)
+        before = os.environ.get("VIDSTAB_MAX_JSON_BYTES")
+        os.environ["VIDSTAB_MAX_JSON_BYTES"] = str(1 << 20)
+        try:
+            reason = assert_fell_back(t, 4, 2, target, "VIDSTAB_MAX_JSON_BYTES" if target == "optimizer.json" else "nested")
+        finally:
+            if before is None:
+                os.environ.pop("VIDSTAB_MAX_JSON_BYTES")
+            else:
+                os.environ["VIDSTAB_MAX_JSON_BYTES"] = before
+        out.append(reason[:90])
+    return "; ".join(out)
+
+
 def drill_world_size_changed(work: Path) -> str:
     """A checkpoint written by 2 processes is refused by a 1-process resume with a message that says why
     and what to do; every candidate would be refused the same way, so it does not fall back."""
@@ -648,6 +698,8 @@ DRILLS: dict[str, Callable[[Path], str]] = {
     "order_after_rollback": drill_order_after_rollback,
     "damaged_unmovable": drill_damaged_unmovable,
     "world_size_changed": drill_world_size_changed,
+    "every_manifest_gone": drill_every_manifest_gone,
+    "oversized_or_deep_state_json": drill_oversized_or_deep_state_json,
     "no_such_checkpoint": drill_no_such_checkpoint,
     "classic_damage": drill_classic_damage,
     "accelerate_and_diffusers_coexist": drill_accelerate_and_diffusers_coexist,

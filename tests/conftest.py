@@ -8,9 +8,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (.ci/run), keep the tests that share a module- or session-scoped
-    fixture (one real training run read by several tests) on one worker, so that run happens once. Reads
-    pytest's fixture resolution of each test (`_fixtureinfo`, not public API): if a pytest release moves it,
-    nothing is grouped and a shared run happens once per worker that needs it, slower but still correct."""
+    fixture (one real training run read by several tests) on one worker: tests are joined when they share any
+    such fixture, also through a third test (a test using two shared fixtures joins both groups), and each
+    joined set is one xdist_group. The shared runs themselves are also built once per session whatever the
+    schedule (`trainer_utils.shared_run`: a lock and a cache folder all workers see), so grouping only saves
+    the waiting. Reads pytest's fixture resolution of each test (`_fixtureinfo`, not public API): if a pytest
+    release moves it, nothing is grouped, still correct."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    shared_by_item = []
     for item in items:
         defs_by_name = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None) or {}
         shared = []
@@ -21,8 +33,15 @@ def pytest_collection_modifyitems(config, items):
                 continue  # pytest's own (tmp_path_factory, ...) are defined with an empty baseid
             # two modules may each define a module fixture of one name: they are different runs
             shared.append(name if scope == "session" else f"{item.path.name}::{name}")
+        for key in shared:
+            parent[find(key)] = find(shared[0])
+        shared_by_item.append(shared)
+    members: dict[str, list[str]] = {}
+    for key in list(parent):
+        members.setdefault(find(key), []).append(key)
+    for item, shared in zip(items, shared_by_item):
         if shared and not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(sorted(shared)[0]))
+            item.add_marker(pytest.mark.xdist_group(min(members[find(shared[0])])))
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +62,10 @@ def nan_batch_rank1_run(tmp_path_factory):
     steps), shared by the tests that read what it leaves behind: the lockstep skip and the incident bundle
     (tests/test_train.py), the bundle's replay and the dashboard (tests/test_incident_e2e.py). Tests only
     add files to it (a replay report); none changes what another reads."""
-    from trainer_utils import run_trainer
+    from trainer_utils import run_trainer, shared_run
 
-    out = tmp_path_factory.mktemp("nan_batch_rank1") / "run"
-    run_trainer(out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1", nproc=2,
-                html_report=True)
-    return out
+    def build(folder):
+        run_trainer(folder / "run", "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1",
+                    nproc=2, html_report=True)
+
+    return shared_run(tmp_path_factory, "nan_batch_rank1", build) / "run"

@@ -11,10 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from trainer_utils import shared_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "tests", "scripts", "ckpt_train.py")
@@ -33,33 +36,33 @@ def _run(out, *extra, check=True):
 
 
 class _Reference:
-    """The uninterrupted run, started in the background as soon as the first test asks for it: it overlaps
-    that test's own runs (which never read it until they compare final weights); :meth:`folder` waits."""
+    """The uninterrupted run, built once per test session (:func:`trainer_utils.shared_run`) in a background
+    thread as soon as the first test asks for it: it overlaps that test's own runs (which never read it until
+    they compare final weights); :meth:`folder` waits."""
 
-    def __init__(self, out):
-        self.out = out
-        self.proc = subprocess.Popen([sys.executable, TRAIN, "--out", str(out), *ARGS], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=ENV)
+    def __init__(self, tmp_path_factory):
+        self.path, self.error = None, None
+        self.thread = threading.Thread(target=self._build, args=(tmp_path_factory,), daemon=True)
+        self.thread.start()
+
+    def _build(self, tmp_path_factory):
+        try:
+            self.path = shared_run(tmp_path_factory, "chaos-reference", _run)
+        except BaseException as e:  # noqa: BLE001 - raised again in the test that waits for it
+            self.error = e
 
     def folder(self):
-        if self.proc.returncode is None:
-            try:
-                output, _ = self.proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-                raise
-            assert self.proc.returncode == 0, output
-        return self.out
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    ref = _Reference(tmp_path_factory.mktemp("reference"))
+    ref = _Reference(tmp_path_factory)
     yield ref
-    if ref.proc.poll() is None:
-        ref.proc.kill()
-        ref.proc.communicate()
+    ref.thread.join()
 
 
 def _assert_same_as_reference(run, reference):

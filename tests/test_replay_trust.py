@@ -102,8 +102,11 @@ def test_a_vidstab_function_that_writes_files_is_not_a_model_factory(tmp_path, c
     assert "vidstab.atomic:write_atomic" in capsys.readouterr().err
     assert not target.exists()
     # ... nor a class spec naming a function
-    with pytest.raises(UntrustedImportError, match="not a torch.nn.Module class"):
+    with pytest.raises(UntrustedImportError, match="defines no class 'write_atomic'"):
         resolve("vidstab.atomic:write_atomic", "model.class", kind="model_class")
+    # ... and a class the module only imports (a re-export) is checked after the import
+    with pytest.raises(UntrustedImportError, match="not a torch.nn.Module class"):
+        resolve("vidstab.capture:Path", "model.class", kind="model_class")
 
 
 def test_trusted_names_resolve_old_bundle_paths_included(tmp_path):

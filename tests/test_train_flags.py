@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from trainer_utils import REPO, events, run_trainer
+from trainer_utils import REPO, events, run_trainer, shared_run
 
 sys.path.insert(0, str(REPO / "recipes"))
 import args as train_args  # noqa: E402  (recipes/args.py: the trainer's flags)
@@ -95,11 +97,14 @@ def test_lr_power_shapes_the_polynomial_decay():
 @pytest.fixture(scope="module")
 def flags_run(tmp_path_factory):
     """One 8-step run that sets the flags of the two tests below (none of them touches what another checks)."""
-    out = tmp_path_factory.mktemp("flags") / "run"
-    proc = run_trainer(out, "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
-                       "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0",
-                       "--report_to", "tensorboard", "--logging_steps", "3", "--logging_dir", "tb", "--tracker_name", "my-project")
-    return out, proc
+    def build(folder):
+        proc = run_trainer(folder / "run", "--num_train_epochs", "2", "--scale_lr", "--learning_rate", "1e-5", "--lr_scheduler", "cosine_with_restarts",
+                           "--lr_num_cycles", "2", "--lr_warmup_steps", "0", "--height", "32", "--width", "48", "--num_validation_videos", "0",
+                           "--report_to", "tensorboard", "--logging_steps", "3", "--logging_dir", "tb", "--tracker_name", "my-project")
+        (folder / "stdout.txt").write_text(proc.stdout)
+
+    folder = shared_run(tmp_path_factory, "train-flags", build)
+    return folder / "run", subprocess.CompletedProcess([], 0, (folder / "stdout.txt").read_text(), "")
 
 
 def test_epochs_scale_lr_and_restarts_reach_the_run(flags_run):
@@ -131,3 +136,26 @@ def test_logging_steps_tracker_name_and_logging_dir(flags_run):
     tag = next(t for t in acc.Tags()["scalars"] if t.endswith("loss"))
     assert [e.step for e in acc.Scalars(tag)] == [0, 3, 6]
     assert math.isfinite(acc.Scalars(tag)[0].value)
+
+
+def test_every_flag_in_train_help_says_what_it_does_and_its_default():
+    """`python recipes/train.py --help`, as a newcomer runs it: every flag has a help text, every default shows,
+    and --inject_fault lists every fault kind the trainer accepts."""
+    import subprocess
+
+    from vidstab.faults import FAULT_KINDS
+
+    done = subprocess.run([sys.executable, str(REPO / "recipes" / "train.py"), "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    parser = train_args.build_parser()
+    silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert not silent, f"flags without help: {silent}"
+    # The options part: one entry per flag, from its "  --flag" line to the next.
+    entries = {m.group(1): " ".join(m.group(2).split())
+               for m in re.finditer(r"^  (--\w+)(.*?)(?=^  -|^\S|\Z)", done.stdout, re.S | re.M)}
+    for flag, default in (("--learning_rate", "0.0003"), ("--max_grad_norm", "1.0"), ("--checkpointing_steps", "100"),
+                          ("--hidden_size", "64"), ("--seed", "0")):
+        assert f"(default: {default})" in entries[flag], (flag, entries.get(flag))
+    inject = entries["--inject_fault"]
+    assert all(kind in inject for kind in FAULT_KINDS), inject

@@ -166,7 +166,10 @@ def _attempt(run_dir, rank, last_words: str | None, **fields):
 
 @pytest.mark.parametrize("rank0, rank1, cause, culprits", [
     (("crash", {"error": "RuntimeError: Connection closed by peer"}), (None, {}), "killed", [1]),
-    (("hang", {"phase": "guard"}), ("hang", {"phase": "data"}), "hang", [0, 1]),
+    # Rank 1 hung fetching data; rank 0 got to the guard's gather and waited for it there: only rank 1.
+    (("hang", {"phase": "guard"}), ("hang", {"phase": "data"}), "hang", [1]),
+    (("hang", {"phase": "data"}), ("hang", {"phase": "forward_backward"}), "hang", [0]),
+    (("hang", {"phase": "data"}), ("hang", {"phase": "data"}), "hang", [0, 1]),  # cannot be told apart: both
     (("crash", {"error": "RuntimeError: boom"}), ("crash", {"error": "RuntimeError: boom"}), "exception", [0, 1]),
     (("stop", {"exit_code": 0}), ("stop", {"exit_code": 0}), "stopped", [0, 1]),
 ])

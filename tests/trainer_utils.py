@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "train.py"
@@ -85,11 +87,69 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
                 f.close()
 
 
+# Rendezvous ports come from below the kernel's ephemeral range (32768-60999 on Linux), so no connection a
+# concurrent launch opens (gloo, TCPStore clients) is ever given one; each is reserved with a lock file held
+# for the life of this process, so no other test process (another xdist worker, another pytest session on
+# the machine) hands out the same port while this one may still be using it.
+PORT_RANGE = (20000, 32000)
+PORT_LOCKS = Path(tempfile.gettempdir()) / "vidstab-test-ports"
+_reserved: dict[int, int] = {}  # port -> fd of its lock file, open until this process exits
+
+
 def free_port() -> int:
-    """A port free right now on 127.0.0.1 (torchrun's rendezvous with ``--master_port 0`` does not form here)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port on 127.0.0.1 no other launch uses: bindable now, outside the ephemeral range, and
+    reserved for this process (torchrun's rendezvous with ``--master_port 0`` does not form here)."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    low, high = PORT_RANGE
+    start = low + (os.getpid() * 7919 + len(_reserved) * 104729) % (high - low)
+    for i in range(high - low):
+        port = low + (start - low + i) % (high - low)
+        if port in _reserved:
+            continue
+        fd = os.open(PORT_LOCKS / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                continue
+        _reserved[port] = fd
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this test session sees (the session's base temp folder)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_run(where, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once per test session however the tests that
+    read it are spread over xdist workers: the first worker builds it holding a lock, the others wait on
+    that lock and reuse it. A build that failed is not retried by the others: they fail with its error.
+    ``where``: pytest's ``tmp_path_factory`` (the session's folder), or a folder."""
+    root = (Path(where) if isinstance(where, (str, os.PathLike)) else shared_dir(where)) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    folder, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if failed.exists():
+            raise AssertionError(f"the shared run {name} failed on another worker:\n{failed.read_text()[-6000:]}")
+        if not done.exists():
+            try:
+                build(folder)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
+            done.write_text("ok")
+    return folder
 
 
 def torchrun_cmd(nproc: int, script: str | Path, *args: str) -> list[str]:

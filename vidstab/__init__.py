@@ -13,10 +13,8 @@ Three lines in a plain Accelerate loop::
 
 __version__ = "0.1.0"
 
-from .config import GuardConfig, config_hash
-from .detectors import ConfigError, Detector, DetectorConfig, Finding, StepStats, Verdict, register_detector
-from .events import EventLog, read_events
-from .guard import Guard, StepResult, attach
+from .install_check import DISTRIBUTION as __distribution__  # tells this package from PyPI's other "vidstab"
+from .install_check import check_same_folder as _check_same_folder
 
 __all__ = [
     "__version__",
@@ -51,9 +49,23 @@ __all__ = [
     "WithSampleIds",
 ]
 
-# name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
-# not break the others.
+# name -> module: imported on first use, so `import vidstab` (and `vidstab --help`) does not import torch,
+# and one module's problem does not break the others.
 _LAZY = {
+    "GuardConfig": "config",
+    "config_hash": "config",
+    "ConfigError": "detectors",
+    "Detector": "detectors",
+    "DetectorConfig": "detectors",
+    "Finding": "detectors",
+    "StepStats": "detectors",
+    "Verdict": "detectors",
+    "register_detector": "detectors",
+    "EventLog": "events",
+    "read_events": "events",
+    "Guard": "guard",
+    "StepResult": "guard",
+    "attach": "guard",
     "CheckpointManager": "checkpoint",
     "CheckpointConfig": "checkpoint",
     "Recovery": "recovery",
@@ -72,10 +84,23 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
+    if not name.startswith("__"):
+        try:  # a submodule (vidstab.faults, vidstab.guard, ...) used as an attribute
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'vidstab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_check_same_folder()

@@ -55,6 +55,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder
+from .limits import TooLarge, env_name, limits, read_json_file
 from .localize import tensor_stats
 from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
@@ -411,9 +412,11 @@ def read_incident(path: str | os.PathLike) -> Incident:
     if not meta_path.is_file():
         raise IncidentError(f"{meta_path} is missing: {path} is not a complete incident bundle")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IncidentError(f"{meta_path} is corrupt (not valid JSON: {e})") from e
+        meta = read_json_file(meta_path)
+    except TooLarge as e:
+        raise IncidentError(str(e)) from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise IncidentError(f"{meta_path} is corrupt (not valid JSON: {e})") from None
     if not isinstance(meta, dict):
         raise IncidentError(f"{meta_path} is corrupt: expected a JSON object, got {type(meta).__name__}")
     missing = [f for f in REQUIRED_FIELDS if f not in meta]
@@ -437,6 +440,10 @@ def read_incident(path: str | os.PathLike) -> Incident:
     if not batch_path.is_file():
         raise IncidentError(f"{batch_path} is missing: the bundle has no batch tensors")
     try:
+        size, cap = batch_path.stat().st_size, limits().batch_bytes
+        if size > cap:
+            raise IncidentError(f"{batch_path}: {size} bytes, more than the {cap} allowed "
+                                f"({env_name('batch_bytes')}); refused unread")
         tensors = load_file(str(batch_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise IncidentError(f"{batch_path} is corrupt or truncated ({type(e).__name__}: {e})") from e

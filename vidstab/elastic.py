@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .events import events_dir, iter_event_file
+from .watchdog import PHASES
 
 __all__ = ["LaunchInfo", "previous_attempt", "shared_store_warning"]
 
@@ -144,11 +145,29 @@ def previous_attempt(run_dir: str | Path, before: float | None = None) -> dict:
         cause = "exception"
     else:
         cause = "stopped"
-    # Earliest first: a hung rank stops beating before the peers that then wait for it in a collective.
     words = {"hang": "hang", "killed": None, "exception": "crash", "stopped": "stop"}[cause]
-    culprits = sorted((r for r, info in ranks.items() if info["last_words"] == words),
+    named = [r for r, info in ranks.items() if info["last_words"] == words]
+    if cause == "hang":
+        named = _least_progress(named, ranks)
+    # Earliest first: a hung rank stops beating before the peers that then wait for it in a collective.
+    culprits = sorted(named,
                       key=lambda r: (ranks[r]["last_time"] if isinstance(ranks[r]["last_time"], (int, float)) else 0.0, r))
     return {"cause": cause, "culprit_ranks": culprits, "ranks": ranks}
+
+
+def _least_progress(hung: list[int], ranks: dict[int, dict]) -> list[int]:
+    """Of the ranks the watchdog ended, those that got least far (step, then phase of the step): ranks run
+    their collectives in lockstep, so a rank further along was waiting for one behind it, not hung itself.
+    Ranks at the same point (or in phases that cannot be ordered) are all named."""
+    order = {p: i for i, p in enumerate(PHASES)}
+    phases_known = all(ranks[r].get("phase") in order for r in hung)
+
+    def progress(r: int) -> tuple:
+        step = ranks[r]["last_step"] if isinstance(ranks[r]["last_step"], int) else -1
+        return (step, order[ranks[r]["phase"]]) if phases_known else (step,)
+
+    least = min((progress(r) for r in hung), default=None)
+    return [r for r in hung if progress(r) == least]
 
 
 def shared_store_warning(environ: Mapping[str, str] | None = None) -> str | None:

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping
 
 import orjson
 
+from .limits import TooLarge, env_name, limits, loads_bounded
 from .strict_json import to_json_safe
 
 SCHEMA = 1
@@ -205,29 +206,60 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
         logging.getLogger(__name__).debug("event log failed: %s", exc)
 
 
+def _bounded_lines(fh: Any, max_bytes: int) -> Iterator[tuple[bytes | None, bool]]:
+    """``(line, is_last)`` of the binary file ``fh``; a line longer than ``max_bytes`` is read past in
+    chunks (never held whole) and given as ``None``."""
+    def one() -> bytes | None | bool:
+        line = fh.readline(max_bytes + 1)
+        if not line:
+            return False
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while (chunk := fh.readline(1 << 20)) and not chunk.endswith(b"\n"):
+                pass
+            return None
+        return line
+
+    current = one()
+    while current is not False:
+        following = one()
+        yield current, following is False
+        current = following
+
+
 def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterator[dict]:
-    """The events of one ``events-rank{R}.jsonl`` file, in file order.
+    """The events of one ``events-rank{R}.jsonl`` file, in file order, read one bounded line at a time.
 
     Lines that do not parse are skipped, with a note appended to ``notes`` when given: a torn last line is
-    expected after a kill, anything else deserves a look.
+    expected after a kill, anything else deserves a look. A line longer than
+    ``vidstab.limits.Limits.event_line_bytes`` or nested deeper than ``json_depth`` is skipped unread, with
+    a note naming it.
     """
     path = Path(path)
     flush_open_logs(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if notes is not None:
-                notes.append(f"{path.name} line {number}: " + (
-                    "truncated last line skipped (the process was probably killed while writing)"
-                    if number == len(lines) else "unparseable line skipped"))
-            continue
-        if isinstance(rec, dict) and "kind" in rec:
-            yield rec
+    max_line = limits().event_line_bytes
+    with open(path, "rb") as f:
+        for number, (line, last) in enumerate(_bounded_lines(f, max_line), start=1):
+            if line is None:
+                if notes is not None:
+                    notes.append(f"{path.name} line {number}: longer than {max_line} bytes "
+                                 f"({env_name('event_line_bytes')}); skipped unread")
+                continue
+            if not line.strip():
+                continue
+            try:
+                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{path.name} line {number}")
+            except TooLarge as e:
+                if notes is not None:
+                    notes.append(f"{e}; line skipped")
+                continue
+            except ValueError:
+                if notes is not None:
+                    notes.append(f"{path.name} line {number}: " + (
+                        "truncated last line skipped (the process was probably killed while writing)"
+                        if last else "unparseable line skipped"))
+                continue
+            if isinstance(rec, dict) and "kind" in rec:
+                yield rec
 
 
 def read_events(run_dir: str | Path, kinds: str | tuple[str, ...] | None = None,

@@ -26,7 +26,6 @@ reset it, and it must survive a restart. On a restart what is carried over is sa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -39,6 +38,7 @@ from typing import Any
 from .atomic import write_json_atomic
 from .checkpoint import CheckpointError, CheckpointManager
 from .events import log_event
+from .limits import read_json_file
 from .lr import match_multiplier
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
@@ -151,8 +151,7 @@ class Recovery:
 
     def _read_state(self) -> dict | None:
         try:
-            with open(os.path.join(self.run_dir, STATE_FILE), "rb") as fh:
-                d = json.loads(fh.read())
+            d = read_json_file(os.path.join(self.run_dir, STATE_FILE), STATE_FILE)
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
             return d

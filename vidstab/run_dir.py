@@ -208,6 +208,8 @@ def _move_aside(output_dir: str, entries: list[str]) -> str:
         dest = f"{base}-{n}"
     os.makedirs(dest)
     for sub in entries:
+        if any(sub.startswith(other.rstrip("/") + "/") for other in entries if other != sub):
+            continue  # inside another entry (the checkpoints under vidstab/): it moves with it
         shutil.move(os.path.join(output_dir, sub), os.path.join(dest, sub))
     return dest
 

@@ -26,6 +26,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from .limits import loads_bounded
+
 __all__ = [
     "flatten",
     "unflatten",
@@ -136,9 +138,9 @@ def dumps(structure: Any) -> bytes:
     return json.dumps(structure, allow_nan=False, indent=1, sort_keys=False).encode()
 
 
-def loads(data: bytes) -> Any:
-    """Parse JSON written by :func:`dumps`."""
-    return json.loads(data)
+def loads(data: bytes, what: str = "JSON state") -> Any:
+    """Parse JSON written by :func:`dumps`, within :class:`vidstab.limits.Limits` (size, nesting)."""
+    return loads_bounded(data, what)
 
 
 # --------------------------------------------------------------------------- file writing

@@ -392,12 +392,12 @@ class ShardedBackend(FullStateBackend):
     def decode(self, ckpt: str, raw: dict[str, bytes], objects: dict[str, Any]) -> dict:
         from safetensors.torch import load as st_load
 
-        out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX])["keys"]}
+        out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX], SHARDED_INDEX)["keys"]}
         through_dcp = {e["object"] for e in out["index"].values()}
         for n, obj in objects.items():
             if isinstance(obj, torch.nn.Module):
                 continue
-            structure = sio.loads(raw[f"{file_stem(n)}.json"])
+            structure = sio.loads(raw[f"{file_stem(n)}.json"], f"{file_stem(n)}.json")
             if is_optimizer(obj):
                 out["objects"][n] = sio.unflatten(structure, {})
             elif n in through_dcp:

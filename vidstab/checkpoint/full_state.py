@@ -149,7 +149,7 @@ class FullStateBackend:
                     out.setdefault("frozen", {})[n] = frozen
             else:
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
-                out["objects"][n] = sio.unflatten(sio.loads(raw[f"{stem}.json"]), tensors)
+                out["objects"][n] = sio.unflatten(sio.loads(raw[f"{stem}.json"], f"{stem}.json"), tensors)
         out.update(self.decode_common(raw))
         return out
 
@@ -158,10 +158,10 @@ class FullStateBackend:
         from safetensors.torch import load as st_load
 
         out: dict[str, Any] = {}
-        out["scaler"] = sio.unflatten(sio.loads(raw["scaler.json"]), {}) if "scaler.json" in raw else None
-        out["trainer"] = sio.unflatten(sio.loads(raw["trainer.json"]), {}) if "trainer.json" in raw else {}
+        out["scaler"] = sio.unflatten(sio.loads(raw["scaler.json"], "scaler.json"), {}) if "scaler.json" in raw else None
+        out["trainer"] = sio.unflatten(sio.loads(raw["trainer.json"], "trainer.json"), {}) if "trainer.json" in raw else {}
         rj = f"rng-rank{self.rank}.json"
-        out["rng"] = (sio.unflatten(sio.loads(raw[rj]), st_load(raw[f"rng-rank{self.rank}.safetensors"]))
+        out["rng"] = (sio.unflatten(sio.loads(raw[rj], rj), st_load(raw[f"rng-rank{self.rank}.safetensors"]))
                       if rj in raw else None)
         return out
 

@@ -32,7 +32,6 @@ steps of the old trajectory) are never fallbacks and are the first to be rotated
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import re
@@ -43,12 +42,14 @@ from typing import Any
 
 from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir
+from ..limits import loads_bounded
 from .config import CheckpointError, CheckpointInfo
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",
            "read_manifest", "verify_file", "verify_checkpoint_files", "read_pointer", "pointer_tmp",
            "replace_pointer", "list_checkpoints", "candidates", "trajectory", "newest", "rotation_order",
-           "remove_stale", "check_file_name", "manifest_entry"]
+           "remove_stale", "check_file_name", "manifest_entry", "unverifiable", "UNVERIFIED_PREFIX",
+           "set_aside_name"]
 
 logger = logging.getLogger("vidstab.checkpoint")
 
@@ -193,7 +194,7 @@ def read_manifest(path: str) -> dict:
         if size > MAX_MANIFEST_BYTES:
             os.close(fd)
             raise ValueError(f"{size} bytes, far more than any manifest")
-        man = json.loads(_read_exactly(fd, size))
+        man = loads_bounded(_read_exactly(fd, size), MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: no manifest.json (incomplete save)") from None
     except _NotRegular as e:
@@ -345,14 +346,13 @@ def replace_pointer(root: str, pointer: str, target: str, fsync: bool, sync_root
 # ---------------------------------------------------------------------------- listing
 
 
-def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Complete-looking checkpoints under ``root`` (a well-formed manifest; folders, not links), oldest step
-    first. Files are not verified."""
-    out = []
+def _step_folders(root: str):
+    """``(name, path, manifest or the CheckpointError saying why it cannot be read)`` of every ``step_*``
+    folder (not a link) under ``root``."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
-        return []
+    except OSError:
+        return
     for n in names:
         if not STEP_RE.match(n):
             continue
@@ -360,12 +360,47 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
         try:
             if not stat.S_ISDIR(os.lstat(p).st_mode):
                 continue
-            man = read_manifest(p)
-        except (OSError, CheckpointError):
+            man: dict | CheckpointError = read_manifest(p)
+        except OSError:
+            continue
+        except CheckpointError as e:
+            man = e
+        yield n, p, man
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Complete-looking checkpoints under ``root`` (a well-formed manifest; folders, not links), oldest step
+    first. Files are not verified."""
+    out = []
+    for n, p, man in _step_folders(root):
+        if isinstance(man, CheckpointError):
             continue
         t = man.get("time")
         out.append(CheckpointInfo(p, n, man["step"], bool(man.get("healthy")), float(t) if t is not None else 0.0, man))
     return sorted(out, key=_order_key)
+
+
+UNVERIFIED_PREFIX = "unverified-"
+"""A ``step_*`` folder without a readable manifest that a save of the same step had to replace is renamed to
+``unverified-step_*`` (never deleted): it is not a checkpoint (no listing or rotation sees it), and its files
+are kept for whoever can restore its manifest."""
+
+
+def unverifiable(root: str) -> list[tuple[str, str]]:
+    """``(name, why)`` of every ``step_*`` folder under ``root`` whose manifest cannot be read (missing,
+    damaged, of another schema): folders that look like checkpoints but cannot be verified, oldest step first."""
+    out = [(n, str(man).removeprefix(f"{n}: ")) for n, _, man in _step_folders(root) if isinstance(man, CheckpointError)]
+    return sorted(out, key=lambda nw: (int(STEP_RE.match(nw[0]).group(1)), _suffix(nw[0])))
+
+
+def set_aside_name(root: str, name: str) -> str:
+    """A free name ``unverified-{name}`` (``-2``, ``-3``, ...) under ``root`` to move the folder ``name`` to."""
+    base = f"{UNVERIFIED_PREFIX}{name}"
+    n, target = 1, base
+    while os.path.lexists(os.path.join(root, target)):
+        n += 1
+        target = f"{base}-{n}"
+    return target
 
 
 def _suffix(name: str) -> int:

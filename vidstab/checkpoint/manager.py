@@ -28,6 +28,7 @@ from .. import statedict_io as sio
 from ..atomic import fsync_paths
 from ..events import log_event
 from ..exit_fence import register_exit_fence
+from ..limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
@@ -379,7 +380,7 @@ class CheckpointManager:
             if len(names) >= self.config.keep_for_incidents:
                 break
             try:
-                named = json.loads((bundle / META_FILE).read_bytes()).get("checkpoint")
+                named = read_json_file(bundle / META_FILE).get("checkpoint")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(named, str):
@@ -435,6 +436,14 @@ class CheckpointManager:
                 continue
         return None
 
+    def _unverified_message(self, which: str, unverified: list[tuple[str, str]]) -> str:
+        sub = rel(self.root, self.output_dir)
+        listed = "; ".join(f"{n}: {why}" for n, why in unverified)
+        return (f"nothing to load for {which!r}: {sub} holds {len(unverified)} checkpoint folder(s) that cannot be "
+                f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten. Restore their "
+                f"manifests, or start over with --overwrite_output_dir and without --resume_from_checkpoint "
+                f"(overwrite=True: the earlier run, these folders included, is moved to previous-runs/, not deleted)")
+
     # ------------------------------------------------------------------ load
     def load(self, which: str = "latest", resume_event: bool = True) -> dict | None:
         """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
@@ -452,6 +461,9 @@ class CheckpointManager:
         self._finish_pending()
         cands = self._candidates(which)
         if not cands and which in ("latest", "last_good"):
+            unverified = layout.unverifiable(self.root)
+            if unverified:
+                raise CheckpointError(self._unverified_message(which, unverified))
             logger.info("no checkpoint under %s to resume from", self.root)
             return None
         self._check_world_size(cands)

@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Callable
 
+from ..limits import env_name, limits
 from .config import CheckpointError
 from .layout import read_manifest, verify_file
 
@@ -35,6 +36,13 @@ def read_checkpoint(path: str, rank: int, is_main: bool, needed: dict[str, str],
     for f, n in needed.items():
         if f not in files:
             raise CheckpointError(f"{name}: has no state for {n!r} ({f})")
+    json_cap = limits().json_bytes
+    for f, meta in files.items():
+        # Parsed JSON takes tens of times its size in memory: a state file larger than any real one is
+        # refused before it is read, whatever its manifest entry says.
+        if f.endswith(".json") and meta["bytes"] > json_cap:
+            raise CheckpointError(f"{name}: {f} is {meta['bytes']} bytes, more than the {json_cap} allowed for a "
+                                  f"JSON state file ({env_name('json_bytes')}); refused unread")
     own_rng = {f"rng-rank{rank}.json", f"rng-rank{rank}.safetensors"}
     raw: dict[str, bytes] = {}
     for f, meta in files.items():

@@ -31,7 +31,8 @@ import torch
 from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir, fsync_paths, publish_folder
 from ..strict_json import dumps_strict
-from .layout import MANIFEST, SCHEMA, pointer_tmp, read_pointer, replace_pointer, rotation_order
+from .config import CheckpointError
+from .layout import MANIFEST, SCHEMA, pointer_tmp, read_manifest, read_pointer, replace_pointer, rotation_order, set_aside_name
 
 __all__ = ["FileSpec", "SaveJob", "write_files", "write_manifest", "publish", "rotate"]
 
@@ -135,6 +136,7 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
             pointers[ptr] = pointer_tmp(root, ptr, job.name, fsync=False)
         if fsync:
             fsync_paths(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
+        _keep_unverifiable(root, job.name)
         # Same step saved again (e.g. after a rollback): the old folder is moved aside and deleted.
         try:
             final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))
@@ -163,6 +165,26 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
     if fsync:
         fsync_dir(root)
     return final
+
+
+def _keep_unverifiable(root: str, name: str) -> None:
+    """A same-step folder whose manifest cannot be read is not vidstab's to delete (it may be the only copy of
+    a run whose manifests were lost): rename it to ``unverified-{name}`` and say so."""
+    path = os.path.join(root, name)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    try:
+        read_manifest(path)
+        return
+    except CheckpointError as e:
+        why = str(e)
+    target = set_aside_name(root, name)
+    try:
+        os.rename(path, os.path.join(root, target))
+    except OSError:
+        return  # publish then goes next to it (step_N-2), as for any folder that cannot be moved
+    logger.warning("checkpoint folder %s cannot be verified (%s); moved to %s instead of being replaced",
+                   path, why, target)
 
 
 _unremovable: set[str] = set()

@@ -24,7 +24,6 @@ step. Under fp16, a non-finite gradient with finite losses everywhere is a norma
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -38,6 +37,7 @@ from ..detectors import Detector, StepStats, Verdict, absorb, build_detectors, j
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence
+from ..limits import read_json_file
 from ..lr import LRMultiplier
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
@@ -334,8 +334,7 @@ class Guard:
     def _load_state_hook(self, models: Any, input_dir: str) -> None:
         path = Path(input_dir) / GUARD_STATE_FILE
         if path.exists():
-            with open(path, encoding="utf-8") as f:
-                self.load_state_dict(json.load(f))
+            self.load_state_dict(read_json_file(path))
             self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier)
 
     def close(self) -> None:

@@ -157,16 +157,23 @@ def _replay(argv: list[str]) -> int:
 def _read_incidents(run_dir: Path) -> list[dict]:
     """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
     from ..capture import list_incidents
+    from ..limits import read_json_file
 
     out = []
     for folder in list_incidents(run_dir):
         try:
-            meta = json.loads((Path(folder) / "incident.json").read_text(encoding="utf-8"))
+            meta = read_json_file(Path(folder) / "incident.json")
+            if not isinstance(meta, dict):
+                raise ValueError("not a JSON object")
         except (OSError, ValueError) as err:
             meta = {"error": f"unreadable incident.json: {err}"}
         meta["path"] = str(folder)
         out.append(meta)
     return out
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _incidents(args: argparse.Namespace) -> int:
@@ -181,12 +188,15 @@ def _incidents(args: argparse.Namespace) -> int:
     if not incidents:
         print(f"no incidents in {run_dir}")
         return EXIT_OK
+    from .terminal import printable  # sample ids and names come from files: never print their control characters
+
     print(f"{'step':>7}  {'rank':>4}  {'detector':<16} {'verdict':<8} sample ids (bad ones marked *) -> bundle")
     for meta in incidents:
-        bad = {str(i) for i in meta.get("bad_sample_ids") or []}
-        ids = ", ".join(f"{i}*" if str(i) in bad else str(i) for i in meta.get("sample_ids") or [])
-        print(f"{str(meta.get('step', '?')):>7}  {str(meta.get('rank', '?')):>4}  {str(meta.get('detector', '')):<16} "
-              f"{str(meta.get('verdict', '')):<8} {ids or meta.get('error', '')} -> {meta['path']}")
+        bad = {str(i) for i in _as_list(meta.get("bad_sample_ids"))}
+        ids = ", ".join(f"{i}*" if str(i) in bad else str(i) for i in _as_list(meta.get("sample_ids")))
+        print(printable(f"{str(meta.get('step', '?')):>7}  {str(meta.get('rank', '?')):>4}  "
+                        f"{str(meta.get('detector', '')):<16} {str(meta.get('verdict', '')):<8} "
+                        f"{ids or meta.get('error', '')} -> {meta['path']}"))
     print(f"{len(incidents)} incident(s); replay one with: vidstab replay <bundle>")
     return EXIT_OK
 
@@ -198,6 +208,7 @@ def _events(args: argparse.Namespace) -> int:
     kinds = set(args.kind or [])
     ranks = set(args.rank or [])
     from ..events import read_events
+    from .terminal import printable
 
     notes: list[str] = []
     records = read_events(run_dir, tuple(kinds) if kinds else None, notes)
@@ -211,9 +222,10 @@ def _events(args: argparse.Namespace) -> int:
             continue
         details = {k: v for k, v in rec.items() if k not in ("schema", "time", "step", "rank", "kind")}
         text = json.dumps(details, separators=(", ", "="), default=str)[1:-1].replace('"', "")
-        print(f"step {rec.get('step', '?'):>7}  rank {rec.get('rank', '?')}  {rec.get('kind', '?'):<10} {text[:300]}")
+        print(printable(f"step {str(rec.get('step', '?')):>7}  rank {rec.get('rank', '?')}  "
+                        f"{str(rec.get('kind', '?')):<10} {text[:300]}"))
     for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"note: {printable(note)}", file=sys.stderr)
     if not args.json:
         print(f"{shown} event(s)", file=sys.stderr)
     return EXIT_OK

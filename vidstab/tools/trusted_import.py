@@ -18,9 +18,11 @@ a trusted module of your own must be importable (installed, or its folder on ``P
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import importlib
+import importlib.util
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -75,6 +77,52 @@ def _allowed_by(module: str, attr: str, trust: Iterable[str]) -> bool:
     return False
 
 
+def _top_level_names(tree: ast.Module) -> dict[str, str]:
+    """Names a module's source binds at its top level: ``{name: "class" | "import" | "other"}``."""
+    names: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = "class"
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.setdefault((alias.asname or alias.name).split(".")[0], "import")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.setdefault(node.name, "other")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    names.setdefault(target.id, "other")
+    return names
+
+
+def _check_class_source(module: str, attr: str, what: str, refuse: Any) -> None:
+    """Before a package's module is imported for a model class named by a file: the module must be a plain
+    source module (never a ``__main__``, which runs a program) whose source, read without running it,
+    defines ``attr`` as a class or imports it (a re-export). A package's root (``diffusers``, ``vidstab``)
+    is imported anyway; its lazily exported classes are checked after the import."""
+    if "__main__" in module.split(".") or attr.split(".")[0].startswith("__"):
+        refuse(f"{module} is a program's entry point (importing it runs it), not a module of model classes")
+    if module in MODEL_CLASS_PACKAGES:
+        return
+    try:
+        spec = importlib.util.find_spec(module)  # imports the parent packages only, never `module` itself
+    except (ImportError, ValueError) as err:
+        raise ImportPathError(f"cannot find module {module!r} named by {what}: {err}") from err
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        if spec is None:
+            raise ImportPathError(f"cannot import module {module!r} named by {what}: no such module")
+        refuse(f"{module} is not a Python source module ({spec.origin}); its content cannot be checked before it runs")
+    try:
+        with open(spec.origin, "rb") as fh:
+            tree = ast.parse(fh.read(), filename=spec.origin)
+    except (OSError, SyntaxError, ValueError) as err:
+        refuse(f"{module}'s source cannot be read to check it ({err})")
+    kind = _top_level_names(tree).get(attr.split(".")[0])
+    if kind not in ("class", "import"):
+        refuse(f"{module} defines no class {attr.split('.')[0]!r} (checked in its source, {spec.origin}, "
+               "without importing it)")
+
+
 @contextlib.contextmanager
 def trusted(names: Iterable[str]) -> Iterator[frozenset[str]]:
     """Within the block, :func:`resolve` also accepts ``names`` (modules or ``module:attr``)."""
@@ -114,6 +162,14 @@ def resolve(path: str, what: str, *, kind: str = "callable", trust: Iterable[str
             f"{what} names {module}:{attr}, which is not vidstab's own code; importing it would run it. "
             f"If you trust it, allow it with: {how_to_allow.format(module=module, path=f'{module}:{attr}')}"
         )
+    if builtin_class and not allowed:
+        def refuse(why: str) -> None:
+            raise UntrustedImportError(
+                f"{what} names {module}:{attr}: {why}. Nothing was imported. Only model classes of "
+                f"{' and '.join(MODEL_CLASS_PACKAGES)} are trusted without asking; if you trust it, allow it with: "
+                f"{how_to_allow.format(module=module, path=f'{module}:{attr}')}")
+
+        _check_class_source(module, attr, what, refuse)
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as err:

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from ...atomic import write_json_atomic
 from ...capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
-from .rebuild import _load_weights, _resolve_checkpoint, build_model, import_object
+from .rebuild import MAX_PARAMS, _load_weights, _resolve_checkpoint, build_model, import_object
 from .report import ReplayReport
 from .runner import _Replayer
 from .triage import _triage
@@ -51,6 +52,7 @@ def replay(
     absmax_limit: float = ABSMAX_LIMIT,
     fresh_init: bool = False,
     trust: Iterable[str] = (),
+    max_params: int | None = None,
 ) -> ReplayReport:
     """Replay one incident bundle and triage it; write the JSON report and return it.
 
@@ -67,18 +69,29 @@ def replay(
         trust: modules (``"my_project"`` trusts it and its submodules) or ``"module:attr"`` objects the
             bundle may name besides vidstab's own (:mod:`vidstab.tools.trusted_import`); anything else is
             refused with :class:`UntrustedCodeError` before it is imported.
+        max_params: the most parameters the rebuilt model may have (default ``vidstab.limits.Limits.params``,
+            ``VIDSTAB_MAX_PARAMS``); a larger one is refused before its weights are allocated.
 
     Raises:
         UntrustedCodeError: the bundle names code not trusted (nothing was imported or run).
         ReplayError / IncidentError: the bundle cannot be replayed; the message says why.
     """
     inc = read_incident(bundle_dir)
-    meta = inc.meta
     dev = torch.device(device)
     if dev.type == "cuda":
         # cuBLAS needs this for deterministic algorithms; it must be set before cuBLAS initialises.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+    cap = MAX_PARAMS.set(max_params)
+    try:
+        return _replay(inc, dev, json_path, checkpoint, optimizer, absmax_limit, fresh_init, trust)
+    finally:
+        MAX_PARAMS.reset(cap)
+
+
+def _replay(inc: Any, dev: torch.device, json_path: Any, checkpoint: Any, optimizer: str, absmax_limit: float,
+            fresh_init: bool, trust: Iterable[str]) -> ReplayReport:
+    meta = inc.meta
     spec = meta.get("model")
     loss_spec = meta.get("loss")
     model_name = (spec or {}).get("class") or (spec or {}).get("factory") or "?"

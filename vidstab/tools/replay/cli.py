@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow the bundle to import this module (and its submodules) or this one object: the "
                         "model factory/class and loss function of your own project; repeatable. Without it only "
                         "vidstab's own code is imported (the module must be importable: installed or on PYTHONPATH)")
+    p.add_argument("--max-params", type=int, default=None, metavar="N",
+                   help="the most parameters the rebuilt model may have; a larger one is refused before its "
+                        "weights are allocated (default: VIDSTAB_MAX_PARAMS, else 1e9)")
     return p
 
 
@@ -51,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ReplayError("it is a run folder without incidents (nothing under vidstab/incidents/)")
         report = replay(bundle, device=args.device, json_path=args.json_path, checkpoint=args.checkpoint,
                         optimizer=args.optimizer, absmax_limit=args.absmax_limit, fresh_init=args.fresh_init,
-                        trust=args.trust or ())
-    except (ReplayError, IncidentError) as e:
+                        trust=args.trust or (), max_params=args.max_params)
+    except (ReplayError, IncidentError, ValueError) as e:  # ValueError: a bound that is not a number
         print(f"vidstab replay: cannot replay {bundle}: {e}", file=sys.stderr)
         return EXIT_CANNOT_REPLAY
     print(report.to_text())

@@ -16,13 +16,13 @@ All of it is plain JSON (docs/ARCHITECTURE.md, "Checkpoints" and "Event log"); n
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ...capture import json_float
 from ...events import events_dir, iter_event_file
+from ...limits import read_json_file
 
 #: An LR more than this many times every LR the checkpoint's schedule and optimizer hold is an outlier.
 LR_OUTLIER_FACTOR = 10.0
@@ -30,8 +30,8 @@ LR_OUTLIER_FACTOR = 10.0
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json_file(path)
+    except (OSError, ValueError):
         return None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import contextvars
 import os
 import re
 from pathlib import Path
@@ -16,6 +16,7 @@ from ...capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
 from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
 from ...checkpoint.layout import read_manifest
+from ...limits import env_name, limits, read_json_file
 from ..trusted_import import ImportPathError, UntrustedImportError, resolve
 from .base import ReplayError, UntrustedCodeError
 
@@ -37,11 +38,52 @@ def import_object(path: str, what: str, kind: str = "callable") -> Any:
         raise ReplayError(str(err)) from err
 
 
+#: The parameter cap of the replay now running (``replay(..., max_params=)``); None: ``Limits.params``.
+MAX_PARAMS: contextvars.ContextVar[int | None] = contextvars.ContextVar("vidstab_replay_max_params", default=None)
+
+
+def _check_size(spec: dict, what: str) -> None:
+    """Build the model the spec names on the meta device (no memory for weights) and refuse it when it has
+    more parameters than the cap, before it is built for real. A model that cannot be built on the meta
+    device is counted after its real build instead."""
+    import torch
+
+    cap = MAX_PARAMS.get() or limits().params
+    try:
+        with torch.device("meta"):
+            shape_only = _build(spec)
+    except ReplayError:
+        raise
+    except Exception:  # noqa: BLE001 - a constructor that needs real tensors: counted after the real build
+        return
+    _refuse_if_over(sum(p.numel() for p in shape_only.parameters()), cap, what)
+
+
+def _refuse_if_over(count: int, cap: int, what: str) -> None:
+    if count > cap:
+        raise ReplayError(f"{what} has {count:,} parameters, more than the {cap:,} a replay builds "
+                          f"({env_name('params')}, or vidstab replay --max-params N / replay(..., max_params=N)); "
+                          f"refused before allocating its weights (about {count * 4 / 2**30:.1f} GiB in fp32)")
+
+
 def build_model(spec: dict | None) -> nn.Module:
     """Rebuild a model from a bundle's ``model`` spec (``class`` + ``config`` or ``factory`` + ``kwargs``).
 
     Only trusted code is imported (see :func:`import_object`); an untrusted name raises before anything runs.
+    A model with more parameters than the cap (``MAX_PARAMS``, else ``vidstab.limits.Limits.params``) is
+    refused before its weights are allocated.
     """
+    import torch
+
+    if isinstance(spec, dict) and spec and torch.empty(0).device.type != "meta":
+        _check_size(spec, f"the model the bundle names ({spec.get('class') or spec.get('factory')})")
+    model = _build(spec)
+    _refuse_if_over(sum(p.numel() for p in model.parameters()), MAX_PARAMS.get() or limits().params,
+                    f"the model the bundle names ({spec.get('class') or spec.get('factory')})")
+    return model
+
+
+def _build(spec: dict | None) -> nn.Module:
     if not spec:
         raise ReplayError(
             "the bundle has no model spec ('model' is null in incident.json), so the model cannot be rebuilt. "
@@ -106,8 +148,10 @@ def _resolve_checkpoint(inc: Incident, override: str | os.PathLike | None) -> tu
     manifest_path = ckpt_dir / "manifest.json"
     if manifest_path.is_file():
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            manifest = read_json_file(manifest_path)
+            if not isinstance(manifest, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
             raise ReplayError(f"{manifest_path} is corrupt (not valid JSON: {e})") from e
         step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
         files = manifest.get("files")
@@ -156,7 +200,10 @@ def _load_sharded_weights(model: nn.Module, shards: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    index = json.loads((shards.parent / SHARDED_INDEX).read_text(encoding="utf-8"))["keys"]
+    try:
+        index = read_json_file(shards.parent / SHARDED_INDEX)["keys"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReplayError(f"{shards.parent / SHARDED_INDEX} is unreadable ({e})") from None
     own = model.state_dict()
     objects = {e["object"] for e in index.values()}
     name = next((o for o in sorted(objects) if {k[len(o) + 1:] for k, e in index.items() if e["object"] == o} == set(own)), None)

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ...strict_json import to_json_safe
+from ..terminal import printable
 
 
 @dataclass
@@ -119,7 +120,7 @@ class ReplayReport:
         lines += ["", "Verdict: " + self.verdict]
         if self.json_path:
             lines.append(f"(JSON report: {self.json_path})")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)  # names and ids come from the bundle: no escapes
 
 
 def _fmt(v: float | None) -> str:

@@ -6,7 +6,6 @@ listed under "Notes". The step counter going back (a rollback or resume) starts 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...events import iter_event_file
+from ...limits import read_json_file
 from ...strict_json import json_float
 
 
@@ -123,7 +123,7 @@ def load_run(run_dir: str | Path) -> RunLog:
 
     for path in sorted((run_dir / "vidstab" / "incidents").glob("*/incident.json")):
         try:
-            info = json.loads(path.read_text(encoding="utf-8"))
+            info = read_json_file(path, str(path.relative_to(run_dir)))
             if not isinstance(info, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as err:

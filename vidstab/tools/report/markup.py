@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import html
+import os
+from pathlib import Path
+from urllib.parse import quote
 
 
 def _nodata(why: str) -> str:
@@ -12,6 +15,20 @@ def _nodata(why: str) -> str:
 def _short_list(items: list, n: int = 10) -> str:
     shown = ", ".join(str(i) for i in items[:n])
     return shown + (f", ... (+{len(items) - n})" if len(items) > n else "")
+
+
+def _run_file_href(run_dir: Path, name: object, out_dir: Path) -> str | None:
+    """A link to the file ``name`` of the run folder, relative to the page in ``out_dir``, or None when
+    ``name`` is not a plain relative path inside the run folder (a URL, ``javascript:``, an absolute path,
+    ``..``): event logs travel, so a name in them never becomes a link elsewhere. Every path component is
+    percent-encoded, so nothing in it reads as a URL scheme, query or fragment."""
+    if not isinstance(name, str) or not name or "\\" in name or name.startswith("/") or any(ord(c) < 32 for c in name):
+        return None
+    parts = Path(name).parts
+    if ".." in parts or any(":" in p for p in parts):
+        return None
+    target = os.path.relpath(run_dir / name, out_dir)
+    return "/".join(quote(p, safe="") for p in Path(target).parts)
 
 
 _CSS = """

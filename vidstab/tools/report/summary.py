@@ -32,7 +32,11 @@ def _summary(log: RunLog) -> str:
     skipped = _skipped(log)
     skips = sorted({step for _, step in skipped})
     resumes = [e for e in log.events if e.get("kind") == "resume"]
-    resume_steps = sorted({(e["_attempt"], int(_num(e.get("step")))) for e in resumes})
+    # Every rank logs each resume: count one rank's (the one that logged most), so two resumes at one step are two.
+    by_rank: dict[int, list[int]] = {}
+    for e in resumes:
+        by_rank.setdefault(e["rank"], []).append(int(_num(e.get("step"))))
+    resume_steps = [(0, s) for s in sorted(max(by_rank.values(), key=len, default=[]))]
     rollbacks = [e for e in log.events if e.get("kind") == "rollback"]
     rollback_steps = sorted({(e["_attempt"], e.get("step")) for e in rollbacks})
     warns = {(e.get("step"), e.get("detector")) for e in log.events if e.get("kind") == "warn"}
@@ -63,12 +67,12 @@ def _summary(log: RunLog) -> str:
     times = [t for m in log.metrics.values() for t in m.columns["time"][[0, -1]].tolist()] + \
             [_num(e.get("time")) for e in log.events]
     times = [t for t in times if math.isfinite(t)]
-    duration = (max(times) - min(times)) if times else math.nan
+    duration, launches = _time_running(log)
     started = _dt.datetime.fromtimestamp(min(times), _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if times else "n/a"
     last_ckpt = checkpoints[-1] if checkpoints else None
     rows = [
         ("steps logged", f"{len(loss.steps)} (last step {last_step})"),
-        ("ranks", ", ".join(map(str, ranks)) or "n/a"),
+        ("processes", f"{len(ranks)} (rank{'s' if len(ranks) > 1 else ''} {_short_list(ranks)})" if ranks else "n/a"),
         ("skipped steps", f"{len(skipped)}" + (f" (steps {_short_list(skips)})" if skips else "")
          + (f"; {len(skipped) - len(skips)} of them a step skipped again after a rollback or resume"
             if len(skipped) > len(skips) else "")),
@@ -84,11 +88,29 @@ def _summary(log: RunLog) -> str:
         ("last checkpoint", html.escape(str(last_ckpt.get("path"))) + ("" if last_ckpt.get("healthy", True) else " (unhealthy)")
          if last_ckpt else "none"),
         ("started", started),
-        ("wall time", f"{duration / 3600:.2f} h" if duration > 3600 else (f"{duration:.0f} s" if math.isfinite(duration) else "n/a")),
+        ("wall time", (f"{duration / 3600:.2f} h" if duration > 3600 else (f"{duration:.0f} s" if math.isfinite(duration) else "n/a"))
+         + (f" over {launches} launches (the time between them not counted)" if launches > 1 else "")),
     ]
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{v if k == 'last checkpoint' else html.escape(v)}</td></tr>"
                     for k, v in rows)
     return f'<p class="verdict {css}">{html.escape(verdict)}</p><table class="kv">{table}</table>'
+
+
+def _time_running(log: RunLog) -> tuple[float, int]:
+    """Seconds the run's launches ran (each from its ``start`` events to its last record, the idle time between
+    launches left out) and the number of launches."""
+    stamps = sorted([(t, False) for m in log.metrics.values() for t in m.columns["time"].tolist()]
+                    + [(_num(e.get("time")), e.get("kind") == "start") for e in log.events])
+    stamps = [(t, start) for t, start in stamps if math.isfinite(t)]
+    if not stamps:
+        return math.nan, 0
+    total, launches, first, last, in_start = 0.0, 1, stamps[0][0], stamps[0][0], stamps[0][1]
+    for t, start in stamps[1:]:
+        if start and not in_start:  # a start after the previous launch's records: a new launch
+            total += last - first
+            launches, first = launches + 1, t
+        in_start, last = start, t
+    return total + last - first, launches
 
 
 def _finished(stops: list[dict], last_step: int) -> tuple[str, str]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from .load import RunLog
-from .markup import _nodata, _short_list
+from .markup import _nodata, _run_file_href, _short_list
 
 
 #: Rows of the event table before it is cut (the full log stays in the JSONL files).
@@ -117,12 +116,12 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
         return _nodata("no incident bundles under vidstab/incidents/")
     body = []
     for inc in log.incidents:
-        folder = log.run_dir / inc["_folder"]
-        href = Path(os.path.relpath(folder, out_dir)).as_posix() + "/"
+        href = _run_file_href(log.run_dir, str(inc["_folder"]), out_dir)
         ids = [str(i) for i in inc.get("sample_ids") or []]
         bad = {str(i) for i in inc.get("bad_sample_ids") or []}
         ids_html = ", ".join(f"<b>{html.escape(i)}</b>" if i in bad else html.escape(i) for i in ids) or "n/a"
-        link = f'<a href="{html.escape(href)}">{html.escape(inc["_folder"])}</a>'
+        link = (f'<a href="{html.escape(href)}/">{html.escape(inc["_folder"])}</a>' if href is not None
+                else html.escape(str(inc["_folder"])))
         if inc.get("_missing"):
             link += " (bundle missing)"
         body.append(
@@ -142,14 +141,25 @@ def _samples_section(log: RunLog, out_dir: Path) -> str:
     rows = [e for e in log.events if e.get("kind") == "validation" and e.get("strip")]
     if not rows:
         return _nodata("no validation samples (recipes/train.py writes them at the end of a run)")
-    body = []
+    body, refused = [], []
     for e in rows[-5:]:
-        strip = os.path.relpath(log.run_dir / str(e["strip"]), out_dir)
-        clips = " ".join(f'<a href="{html.escape(os.path.relpath(log.run_dir / str(v), out_dir))}">{html.escape(Path(str(v)).name)}</a>'
-                         for v in e.get("videos", []))
+        strip = _run_file_href(log.run_dir, e["strip"], out_dir)
+        clips = []
+        for v in e.get("videos") or []:
+            href = _run_file_href(log.run_dir, v, out_dir)
+            if href is None:
+                refused.append(v)
+            else:
+                clips.append(f'<a href="{html.escape(href)}">{html.escape(Path(str(v)).name)}</a>')
+        if strip is None:
+            refused.append(e["strip"])
         figures = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("nn_distance", "noise_nn_distance", "data_nn_distance") if e.get(k) is not None)
-        body.append(f'<p>step {html.escape(str(e.get("step")))}{" (EMA)" if e.get("ema") else ""}: {clips}<br>'
-                    f'<span class="caption">{html.escape(figures)}</span><br><img src="{html.escape(strip)}" alt="samples"></p>')
+        image = f'<br><img src="{html.escape(strip)}" alt="samples">' if strip is not None else ""
+        body.append(f'<p>step {html.escape(str(e.get("step")))}{" (EMA)" if e.get("ema") else ""}: {" ".join(clips)}<br>'
+                    f'<span class="caption">{html.escape(figures)}</span>{image}</p>')
+    if refused:
+        body.append(f'<p class="caption">not linked (not a file inside the run folder): '
+                    f'{html.escape(", ".join(repr(r)[:80] for r in refused[:10]))}</p>')
     return "".join(body) + ('<p class="caption">One row of frames per clip. nn distance: how far sampled latents are from the '
                             "nearest training clip, next to Gaussian noise and the data's own spacing.</p>")
 

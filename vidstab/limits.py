@@ -1,0 +1,144 @@
+"""Bounds on what a file may make vidstab allocate: run folders, checkpoints and incident bundles travel.
+
+Every JSON file vidstab reads (``incident.json``, checkpoint state files, ``recovery.json``, an event log's
+lines, a replay's LR evidence) goes through :func:`read_json_file` / :func:`loads_bounded`: its size is
+checked before a byte is parsed and its nesting depth before Python's recursive parser and walkers see it,
+so a hostile file gets one clear ``ValueError`` naming it, never a ``RecursionError`` or gigabytes of
+Python objects. A replayed model's parameter count is checked before its weights are allocated
+(``vidstab.tools.replay``).
+
+Each bound is configurable: an environment variable (read at each check, so a launcher or a test can set
+it) or, for replay, ``vidstab replay --max-params`` / ``replay(..., max_params=)``.
+
+=================================  ===============  ==============================================
+environment variable               default          bounds
+=================================  ===============  ==============================================
+``VIDSTAB_MAX_JSON_BYTES``         64 MiB           any one JSON file (an event log: any one line,
+                                                    ``VIDSTAB_MAX_EVENT_LINE_BYTES``, 1 MiB)
+``VIDSTAB_MAX_JSON_DEPTH``         64               nesting of lists and objects in a JSON value
+``VIDSTAB_MAX_BATCH_BYTES``        4 GiB            an incident bundle's ``batch.safetensors``
+``VIDSTAB_MAX_PARAMS``             1,000,000,000    parameters of a model rebuilt by replay
+=================================  ===============  ==============================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Limits", "limits", "TooLarge", "loads_bounded", "read_json_file", "read_bounded", "check_depth"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds in force (see the module doc); :func:`limits` reads them from the environment."""
+
+    json_bytes: int = 64 << 20
+    """Largest JSON file read (``VIDSTAB_MAX_JSON_BYTES``)."""
+    event_line_bytes: int = 1 << 20
+    """Largest event-log line read (``VIDSTAB_MAX_EVENT_LINE_BYTES``): a longer one is skipped with a note."""
+    json_depth: int = 64
+    """Deepest nesting of lists and objects in a JSON value (``VIDSTAB_MAX_JSON_DEPTH``); vidstab writes < 10."""
+    batch_bytes: int = 4 << 30
+    """Largest incident-bundle ``batch.safetensors`` loaded (``VIDSTAB_MAX_BATCH_BYTES``)."""
+    params: int = 1_000_000_000
+    """Most parameters of a model a replay rebuilds (``VIDSTAB_MAX_PARAMS``; ``vidstab replay --max-params``)."""
+
+
+_ENV = {"json_bytes": "VIDSTAB_MAX_JSON_BYTES", "event_line_bytes": "VIDSTAB_MAX_EVENT_LINE_BYTES",
+        "json_depth": "VIDSTAB_MAX_JSON_DEPTH", "batch_bytes": "VIDSTAB_MAX_BATCH_BYTES", "params": "VIDSTAB_MAX_PARAMS"}
+
+
+class TooLarge(ValueError):
+    """A file (or what it describes) exceeds one of the :class:`Limits`; the message names it and the setting."""
+
+
+def limits() -> Limits:
+    """The bounds in force: the defaults, overridden by the environment variables of the module doc."""
+    values = {}
+    for f in fields(Limits):
+        raw = os.environ.get(_ENV[f.name])
+        if raw is None or not raw.strip():
+            continue
+        try:
+            values[f.name] = int(float(raw))
+        except ValueError:
+            raise ValueError(f"{_ENV[f.name]}={raw!r} is not a number") from None
+        if values[f.name] <= 0:
+            raise ValueError(f"{_ENV[f.name]}={raw!r} must be positive")
+    return Limits(**values)
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets the :class:`Limits` field ``field``."""
+    return _ENV[field]
+
+
+def check_depth(data: bytes | str, what: str, max_depth: int | None = None) -> None:
+    """Raise :class:`TooLarge` when the JSON text ``data`` nests lists/objects deeper than ``max_depth``.
+
+    Runs in C-speed passes (counting, then a cumulative sum over the brackets outside strings), so it can
+    precede the recursive parser; text with fewer brackets than the bound is passed at once."""
+    max_depth = limits().json_depth if max_depth is None else max_depth
+    raw = data.encode("utf-8", "replace") if isinstance(data, str) else bytes(data)
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return
+    import re
+
+    import numpy as np
+
+    # Brackets inside strings do not nest: drop every string literal first.
+    bare = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw, flags=re.DOTALL)
+    codes = np.frombuffer(bare, dtype=np.uint8)
+    steps = np.zeros(len(codes), dtype=np.int64)
+    steps[(codes == ord("[")) | (codes == ord("{"))] = 1
+    steps[(codes == ord("]")) | (codes == ord("}"))] = -1
+    depth = int(np.cumsum(steps).max(initial=0))
+    if depth > max_depth:
+        raise TooLarge(f"{what}: JSON nested {depth} levels deep, more than the {max_depth} allowed "
+                       f"({env_name('json_depth')}); refused unread")
+
+
+def loads_bounded(data: bytes | str, what: str, max_bytes: int | None = None) -> Any:
+    """``json.loads(data)`` after checking its size and nesting (see :class:`Limits`); ``what`` names the
+    source in messages. Raises ``ValueError`` (:class:`TooLarge`, or ``json.JSONDecodeError``/
+    ``UnicodeDecodeError`` for bytes that are not JSON)."""
+    lim = limits()
+    max_bytes = lim.json_bytes if max_bytes is None else max_bytes
+    if len(data) > max_bytes:
+        raise TooLarge(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed "
+                       f"({env_name('json_bytes')}); refused unread")
+    check_depth(data, what, lim.json_depth)
+    try:
+        return json.loads(data)
+    except RecursionError:  # a depth bound raised above Python's own recursion limit
+        raise TooLarge(f"{what}: JSON nested too deeply to read") from None
+
+
+def read_bounded(path: str | os.PathLike, max_bytes: int, what: str | None = None, setting: str = "json_bytes") -> bytes:
+    """The bytes of the regular file ``path`` (no FIFO or device: it is not opened if ``lstat`` says so),
+    refused with :class:`TooLarge` before reading when larger than ``max_bytes``; never reads past it.
+    OSError (FileNotFoundError, ...) passes through."""
+    path = Path(path)
+    what = what or str(path)
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{what}: not a regular file")
+    if st.st_size > max_bytes:
+        raise TooLarge(f"{what}: {st.st_size} bytes, more than the {max_bytes} allowed ({env_name(setting)}); "
+                       "refused unread")
+    with open(path, "rb") as fh:
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TooLarge(f"{what}: grew past the {max_bytes} bytes allowed ({env_name(setting)}) while being read")
+    return data
+
+
+def read_json_file(path: str | os.PathLike, what: str | None = None) -> Any:
+    """Parse the JSON file ``path`` within the bounds of :class:`Limits` (see :func:`loads_bounded`)."""
+    what = what or str(path)
+    return loads_bounded(read_bounded(path, limits().json_bytes, what), what)

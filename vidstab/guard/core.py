@@ -374,6 +374,7 @@ class Guard(UserLoopWrapping, GuardReporting):
             before = None
             self._hold_scheduler = True
             opt.zero_grad(set_to_none=True)  # poisoned grads must never be used
+            self._lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.lr)
             _set_skipped(opt, True)  # -> accelerator.optimizer_step_was_skipped
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:  # clip_grad_norm_ unscaled: close the scaler's step without stepping

@@ -454,6 +454,12 @@ def _sort_key(p: Path) -> tuple:
     return (step, micro, rank, rep, p.name)
 
 
+def incident_step(path: str | os.PathLike) -> int | None:
+    """The step a bundle folder's name says (``step000123-rank1...`` -> 123), or None for another name."""
+    m = _NAME_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def list_incidents(run_dir: str | os.PathLike) -> list[Path]:
     """Complete bundles of a run (folders holding ``incident.json``), ordered by step, micro-step, rank.
 

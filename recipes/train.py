@@ -181,8 +181,9 @@ class Run:
         latent_channels = cache[0]["latents"].shape[0]
         self.model = sharding.shard_model(acc, build_model(args, latent_channels), args.fsdp)
         self.objective = DiffusionObjective(objective_config(args))
+        # Samples quarantined in this run folder (named bad by an incident) are kept out of later epochs and resumes.
         dataloader = torch.utils.data.DataLoader(
-            cache, batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
+            vidstab.QuarantinedDataset(cache, out), batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
             num_workers=args.dataloader_num_workers, generator=torch.Generator().manual_seed(args.seed),
         )
         if len(dataloader) == 0:

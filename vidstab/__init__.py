@@ -49,6 +49,8 @@ __all__ = [
     "RunDirInUse",
     "RunDirNotEmpty",
     "WithSampleIds",
+    "QuarantinedDataset",
+    "QuarantineList",
 ]
 
 # name -> module: imported on first use, so `import vidstab` stays light and one module's problem does
@@ -68,6 +70,8 @@ _LAZY = {
     "RunDirInUse": "run_dir",
     "RunDirNotEmpty": "run_dir",
     "WithSampleIds": "sample_ids",
+    "QuarantinedDataset": "quarantine",
+    "QuarantineList": "quarantine",
 }
 
 

@@ -68,6 +68,9 @@ class GuardConfig:
     optimizer step, which keeps them alive that long; False drops them at once."""
     max_incidents: int = 50
     """At most this many incident bundles per rank per run (disk budget)."""
+    quarantine_bad_samples: bool = True
+    """Samples an incident bundle names bad (non-finite or outlier inputs) go into the run's quarantine list
+    (``vidstab/quarantine.jsonl``), which :class:`vidstab.QuarantinedDataset` keeps out of later epochs and resumes."""
     health_window: int = 50
     """A checkpoint is a rollback target (``guard.healthy``) only if no detector has raised a finding in the
     last this many steps (``health_ignore`` aside). A slowly diverging run warns (LR jump, update ratio,

@@ -15,6 +15,7 @@ from .. import capture, signals as S
 from ..detectors import Finding, StepStats, Verdict, published
 from ..events import log_to_trackers
 from ..localize import locate_nonfinite
+from ..quarantine import quarantine_bundle_dir
 from .result import StepResult
 
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
@@ -136,6 +137,9 @@ class GuardReporting:
             except ValueError:
                 rel = str(path)
             self.events.log("incident", s.step, path=rel, sample_ids=id_list, detector=finding.detector, micro_step=i)
+            added = quarantine_bundle_dir(self.run_dir, path) if self.config.quarantine_bad_samples else []
+            if added:  # vidstab/quarantine.py: later epochs and resumes skip them
+                self.events.log("quarantine", s.step, sample_ids=added, bundle=rel, source="capture")
         return paths
 
     def _localize(self, s: StepStats, finding: Finding, batch: dict[str, torch.Tensor]) -> dict | None:

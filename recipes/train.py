@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step = run.restore(state)
             guard.reapply_lr_multiplier()
+            run.recovery.check_resume(step)  # the first replayed steps against what the original run logged
     if restart is not None:
         guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
         acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "

@@ -36,7 +36,7 @@ from .strict_json import to_json_safe
 
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
-         "hang", "crash", "restart", "quarantine", "rerun", "resume_check")
+         "hang", "crash", "restart", "quarantine", "rerun")
 
 
 def events_dir(run_dir: str | Path) -> Path:

@@ -44,6 +44,7 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .capture import incident_step, list_incidents
 from .events import log_event
 from .lr import match_multiplier
+from .resume_check import ResumeCheck
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
@@ -155,6 +156,9 @@ class Recovery:
         # The first and latest skipped step of the current run of skips (event-log numbering): skips fewer than the
         # guard's health_window steps apart belong together (what the health gate itself treats as one trouble).
         self._skips: tuple[int, int] | None = None
+        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/resume_check.py)
+        self.resume_check = ResumeCheck(self.run_dir, self.rank, accelerator.num_processes,
+                                        complete=(lambda: guard.detectors) if hasattr(guard, "detectors") else None)
         loaded = self._read_state()
         if loaded is not None:
             self._take_over(loaded, reset)
@@ -248,7 +252,15 @@ class Recovery:
         multiplier as of its save). Returns what ``load`` returns (None on a fresh run)."""
         state = self.ckpt.load(which)
         self._sync_guard_lr()
+        if state is not None:
+            self.check_resume(int(state["_checkpoint"]["step"]))
         return state
+
+    def check_resume(self, step: int) -> None:
+        """After a checkpoint of ``step`` was loaded (:meth:`resume` calls it; call it after a load the loop
+        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.resume_check`);
+        :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event."""
+        self.resume_check.begin(step, what="resume")
 
     def after_step(self, result: Any, step: int | None = None) -> dict | None:
         """Call after every ``guard.step`` that was not a micro-step. Rolls back when the guard asks for it
@@ -273,6 +285,7 @@ class Recovery:
         """Book-keeping of a step that was not rolled back: close the incident once the run is past it, and
         bring a backed-off LR back towards the schedule after a stable stretch (each change is an event)."""
         st = self.state
+        self.resume_check.after_step(step)
         if self.guard is not None and float(getattr(self.guard, "lr_multiplier", 1.0)) != self.lr_multiplier:
             self._sync_guard_lr()  # e.g. a checkpoint loaded by the loop itself restored an older multiplier
         if skipped:
@@ -389,6 +402,9 @@ class Recovery:
         self.state.update(incident=open_incident, lr_multiplier=multiplier, stable_since=int(info["step"]),
                           rollbacks_total=self.rollbacks_total + 1)
         self._sync_guard_lr()
+        # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
+        self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
+                                lr_ratio=multiplier / old_multiplier)
         self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "cause": cause, "lr_multiplier": multiplier})

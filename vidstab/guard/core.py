@@ -48,6 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
+from ..resume_check import BatchFingerprints, host_ids
 from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, host_row_values, queued_stats, table_values
 from .param_probe import ParamProbe
 from .reporting import GuardReporting
@@ -128,6 +129,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._observe_only = str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED")
         # (batch, sample_ids, error) per micro-step; the attached loop's batch is the model's (args, kwargs)
         self._refs: list[tuple[Mapping[str, Any] | tuple | None, Any, Any]] = []
+        self._batch_fp = BatchFingerprints()  # each step's sample-id hash until its metrics line (vidstab/resume_check.py)
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None
@@ -190,7 +192,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         if timesteps is None and batch is not None:
             timesteps = batch.get("timesteps")
         # References only (no copies), dropped after the step; they keep the window's batches alive until then.
-        self._refs.append((batch if self.config.capture_incidents else None, sample_ids, error))
+        self._refs.append((batch if self.config.capture_incidents else None, host_ids(sample_ids), error))
         self._hold((loss, batch, per_sample_loss, timesteps, error is not None, None), last)
 
     def _hold(self, micro_step: tuple, last: bool) -> None:
@@ -272,6 +274,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         absorb(self._plan, stats, defer=not self._tracked(step))  # a tracker takes the thresholds now
         if waiting:
             self._log_queued(waiting)
+        self._batch_fp.record(step, self._refs)
         result = self._report(stats, table, stop=signals.stop_requested(table))
         self._refs.clear()
         self.window.reset()
@@ -305,6 +308,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         # tuple.__new__: a NamedTuple's own __new__ is a Python function, one more cold call per step
         self._queued.append(_new_tuple(QueuedStep, (step, table, max_grad_norm, *lr, applied, time.time(), values)))
         self.steps_batched += 1
+        self._batch_fp.record(step, self._refs)
         self._refs.clear()
         self.window.reset()
         self._user_norm = self._model_inputs = None

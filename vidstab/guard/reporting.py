@@ -80,6 +80,7 @@ class GuardReporting:
             "input_nonfinite": int(self.rank in s.nonfinite_input_ranks),  # build_stats read it off the row
             "loss_by_t": s.timestep_bucket_loss,
             "local_seconds": mine[S.LOCAL_SECONDS] if mine[S.LOCAL_SECONDS] >= 0 else None,
+            "batch_fp": self._batch_fp.pop(s.step),  # hash of the step's sample ids (vidstab/resume_check.py)
             "verdict": VERDICT_NAME[s.verdict],
             "applied": s.applied,
         }

@@ -18,7 +18,7 @@ MAX_EVENT_ROWS = 500
 
 #: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
 TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow",
-               "restart", "hang", "crash", "quarantine", "rerun", "resume_check")
+               "restart", "hang", "crash", "quarantine", "rerun")
 
 
 #: Steps in the per-rank own step time of the rank table (the straggler detector's default window).

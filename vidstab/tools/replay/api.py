@@ -97,7 +97,9 @@ def replay(
             raise ReplayError(f"loss.fn {loss_spec['fn']!r} is not callable")
         weights, ckpt_step, notes = (None, None, []) if fresh_init else _resolve_checkpoint(inc, checkpoint)
         if weights is not None:
-            _load_weights(model, weights)
+            loaded = _load_weights(model, weights)  # a frozen-base checkpoint: over the rebuilt, verified base
+            if loaded:
+                notes.append(loaded)
         else:
             why = "--fresh-init was asked for" if fresh_init else "the bundle names no checkpoint"
             notes.append(f"{why}: replayed on a fresh initialisation, so the result says "

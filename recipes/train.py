@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.beat(step, "checkpoint")
                 try:
                     state = run.recovery.rollback(result.rollback, step, incident=result.incident,
-                                                  cause=rollback_cause(result.rollback, result.findings))
+                                                  cause=rollback_cause(result.rollback, result.findings, result.rerun))
                 except RunAborted as exc:
                     acc.print(str(exc))
                     exit_code = 3

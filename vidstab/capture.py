@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder
+from .atomic import atomic_folder, write_atomic
 from .localize import tensor_stats
 from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
@@ -389,6 +389,15 @@ def write_incident(
         save_file(tensors, str(folder.tmp / BATCH_FILE), metadata={"format": "pt", "vidstab_schema": str(SCHEMA_VERSION)})
         (folder.tmp / META_FILE).write_text(text, encoding="utf-8")
     return folder.path
+
+
+def update_incident(path: str | os.PathLike, **fields: Any) -> None:
+    """Add ``fields`` to a written bundle's ``incident.json`` (evidence learned after it was written: the in-job
+    rerun's verdict), replacing the file atomically."""
+    meta_path = Path(path) / META_FILE
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta.update(fields)
+    write_atomic(meta_path, _dumps(meta))
 
 
 # ----------------------------------------------------------------------------------------------------

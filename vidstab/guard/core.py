@@ -48,6 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
+from ..rerun import StepRerun
 from ..resume_check import BatchFingerprints, host_ids
 from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, host_row_values, queued_stats, table_values
 from .param_probe import ParamProbe
@@ -133,6 +134,9 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
         self._stop_requested = False
         self._replay_fn: Callable[[dict], torch.Tensor] | None = None
+        self._rerun = StepRerun(accelerator, model, self.run_dir, self.events, sharded=self._sharded,
+                                observe_only=self._observe_only, peer_check=self.config.rerun_peer_check,
+                                quarantine=self.config.quarantine_bad_samples)
         self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
         # The methods the guard itself calls: the originals, also once the instances are wrapped (attach).
         self._backward = accelerator.backward
@@ -276,6 +280,8 @@ class Guard(UserLoopWrapping, GuardReporting):
             self._log_queued(waiting)
         self._batch_fp.record(step, self._refs)
         result = self._report(stats, table, stop=signals.stop_requested(table))
+        if stats.verdict >= Verdict.SKIP and self.config.rerun_suspect_steps:  # vidstab/rerun.py, every rank together
+            result.rerun = self._rerun.check(stats, result.incidents, self._refs, self._replay_fn, self._model_batch)
         self._refs.clear()
         self.window.reset()
         self._user_norm = self._model_inputs = None

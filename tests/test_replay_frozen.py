@@ -20,6 +20,7 @@ from replay_user_model import make_batch, make_lora_model, video_mse  # noqa: E4
 
 import vidstab  # noqa: E402
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
+from vidstab.quarantine import QuarantineList  # noqa: E402
 from vidstab.tools.replay import ReplayError, replay  # noqa: E402
 
 SPEC = {"factory": "replay_user_model:make_lora_model", "kwargs": {"channels": 4, "hidden": 16, "rank": 2},
@@ -33,7 +34,9 @@ def _lora_run(run_dir: Path) -> Path:
     model = make_lora_model(**SPEC["kwargs"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model, opt = acc.prepare(model, opt)
-    guard = vidstab.attach(acc, model, opt, run_dir=run_dir, model_spec=SPEC, seed=0)
+    # Capture does not quarantine here, so the test sees replay's leave-one-out do it.
+    guard = vidstab.attach(acc, model, opt, run_dir=run_dir, model_spec=SPEC, seed=0,
+                           config=vidstab.GuardConfig(quarantine_bad_samples=False))
     ckpt = CheckpointManager(acc, str(run_dir), CheckpointConfig(async_save=False))
     for name, obj in (("model", model), ("optimizer", opt), ("vidstab", guard)):
         ckpt.register(name, obj)
@@ -65,6 +68,9 @@ def test_replay_of_a_lora_checkpoint_rebuilds_the_base_verifies_it_and_names_the
     d = report.to_dict()
     assert d["data"]["culprits"] == ["clip-1"]
     assert any("frozen-base checkpoint" in n and "match the recorded fingerprint" in n for n in d["notes"])
+    # The sample leave-one-out named goes into the run's quarantine list.
+    entries = {e["sample_id"]: e for e in QuarantineList(tmp_path).entries()}
+    assert set(entries) == {"clip-1"} and entries["clip-1"]["source"] == "replay"
 
 
 def test_replay_refuses_a_factory_that_builds_another_base(tmp_path):

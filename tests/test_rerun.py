@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from trainer_utils import events, run_trainers
 
 from vidstab.quarantine import QuarantineList
@@ -17,6 +19,7 @@ def _reruns(out):
     return {r: events(out, r, kind="rerun") for r in (0, 1)}
 
 
+@pytest.mark.slow
 def test_a_data_fault_a_transient_fault_and_a_faulty_rank_are_each_classified(tmp_path):
     data, flaky, rank1 = tmp_path / "data", tmp_path / "flaky", tmp_path / "rank1"
     common = ("--max_train_steps", "6", "--checkpointing_steps", "3")
@@ -50,3 +53,16 @@ def test_a_data_fault_a_transient_fault_and_a_faulty_rank_are_each_classified(tm
     for out in (data, flaky, rank1):
         assert all(e["seconds"] > 0 for r in (0, 1) for e in events(out, r, kind="rerun"))
         assert len(events(out, 0, kind="rerun")) == 1
+
+
+@pytest.mark.slow
+def test_under_fsdp_every_rank_reruns_together_without_a_peer_check(tmp_path):
+    data, flaky = tmp_path / "data", tmp_path / "flaky"
+    common = ("--max_train_steps", "6", "--checkpointing_steps", "3", "--fsdp")
+    run_trainers((data, *common, "--inject_fault", "nan_batch@4:1"),
+                 (flaky, *common, "--inject_fault", "flaky_activation@4:1"), nproc=2, timeout=400)
+    for out, verdict in ((data, "data"), (flaky, "transient")):
+        reruns = _reruns(out)
+        assert [(e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [(verdict, [1], {})]
+        assert reruns[1][0]["verdict"] == verdict
+    assert len(_reruns(data)[1][0]["samples"]) == 4

@@ -223,8 +223,17 @@ class StepRerun:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.world)
+            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            for p in params:
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
+            for group in by_dtype.values():  # one all-reduce per dtype, not one per parameter
+                flat = torch.cat([p.grad.reshape(-1) for p in group])
+                dist.all_reduce(flat)
+                flat.div_(self.world)
+                offset = 0
+                for p in group:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
         row[GRAD_SQ] = self._grad_sq()
         for p in params:
             p.grad = None  # the rerun's gradients must never reach an optimizer step

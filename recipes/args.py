@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     stab.add_argument("--max_retries", type=int, default=3, help="Rollbacks before the run stops.")
     stab.add_argument("--replay_data_after_rollback", action="store_true", help="Rewind data to the checkpoint instead of skipping it (PaLM).")
     stab.add_argument("--reset_recovery", action="store_true", help="Forget the rollback state (LR back-off, open incident) carried over in vidstab/recovery.json.")
-    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module, hang, kill, kill_in_save, slow (vidstab.faults).")
+    stab.add_argument("--inject_fault", action="append", default=[], metavar="KIND@STEP[:RANK][=ARG]", help="nan_batch, inf_latent, lr_spike, exception, inf_module, flaky_activation, hang, kill, kill_in_save, slow (vidstab.faults).")
     stab.add_argument("--audit", action="store_true", help="Run the preflight audit before training; stop on blocking findings.")
     add_resilience_flags(p)
     return p

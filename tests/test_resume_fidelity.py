@@ -108,3 +108,39 @@ def test_the_reference_trainer_resumed_from_an_earlier_checkpoint_on_2_processes
         assert all(steps.count(s) == 2 for s in (4, 5, 6))  # logged by the first run and replayed
         assert _fidelity_warnings(out) == [] and not [e for e in events(out, rank, kind="warn")
                                                       if e.get("detector") == "resume_fidelity"]
+
+
+def test_a_rollback_that_rewinds_the_data_replays_the_steps_before_the_failure_quietly(tmp_path):
+    from vidstab.recovery import RecoveryConfig
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=tmp_path)
+    ckpt = CheckpointManager(acc, str(tmp_path), CheckpointConfig(async_save=False))
+    for name, obj in (("model", model), ("optimizer", opt), ("lr_scheduler", sched), ("vidstab", guard)):
+        ckpt.register(name, obj)
+    recovery = Recovery(acc, ckpt, guard, RecoveryConfig(skip_data=False), run_dir=str(tmp_path))
+    batches = list(torch.utils.data.DataLoader(vidstab.WithSampleIds(Points()), batch_size=4, shuffle=True,
+                                               generator=torch.Generator().manual_seed(0)))
+    step, failed = 0, False
+    while step < 12:
+        x = batches[step]["x"]
+        loss = (model(x + 0.1 * torch.randn_like(x)) - x).pow(2).mean()
+        guard.backward(loss, batch={"x": x}, sample_ids=batches[step]["sample_ids"])
+        result = guard.step(1.0)
+        step += 1
+        if step == 9 and not failed:  # a divergence detected at step 8: roll back, replaying the data
+            failed = True
+            step = int(recovery.rollback("grad_spike: injected", step)["step"])
+            continue
+        recovery.after_step(result, step)
+        if step == 5:
+            ckpt.save(step, healthy=True, trainer_state={"step": step})
+    guard.close()
+    # Steps 5-7 (before the failure at 8) replayed: the same batches, the LR x0.5 of the back-off, the same
+    # first loss; nothing to warn about.
+    assert recovery.resume_check.last == [] and _fidelity_warnings(tmp_path) == []

@@ -404,7 +404,7 @@ class Recovery:
         self._sync_guard_lr()
         # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
         self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
-                                lr_ratio=multiplier / old_multiplier)
+                                lr_ratio=multiplier / old_multiplier, until=open_incident["first_step"])
         self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "cause": cause, "lr_multiplier": multiplier})

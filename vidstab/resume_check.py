@@ -157,8 +157,10 @@ class ResumeCheck:
         self.last: list[tuple[str, str]] | None = None
         """What the latest comparison found (``[]``: the replay matched), None before any."""
 
-    def begin(self, step: int, *, what: str = "resume", same_data: bool = True, lr_ratio: float = 1.0) -> None:
-        """The run continues from ``step`` (the loaded checkpoint's); lines written from now on are the replay."""
+    def begin(self, step: int, *, what: str = "resume", same_data: bool = True, lr_ratio: float = 1.0,
+              until: int | None = None) -> None:
+        """The run continues from ``step`` (the loaded checkpoint's); lines written from now on are the replay.
+        ``until``: compare only steps before it (a rollback: the original steps from the failure on went wrong)."""
         if self.complete is not None:
             self.complete()
         flush_open_logs(self.path)
@@ -166,18 +168,21 @@ class ResumeCheck:
             offset = os.path.getsize(self.path)
         except OSError:
             offset = 0
-        self._pending = {"step": int(step), "what": what, "same_data": same_data, "lr_ratio": float(lr_ratio),
-                         "offset": offset}
+        end = int(step) + self.steps if until is None else min(int(step) + self.steps, int(until))
+        self._pending = {"step": int(step), "end": end, "what": what, "same_data": same_data,
+                         "lr_ratio": float(lr_ratio), "offset": offset}
 
     def after_step(self, step: int) -> list[tuple[str, str]] | None:
         """``step``: the loop's count after a step. Once ``steps`` steps were replayed: compare, log a ``warn``
         event when something changed, and return the changes (``[]``: quiet); before that (or with no check
         pending) None."""
         p = self._pending
-        if p is None or step < p["step"] + self.steps:
+        if p is None or step < p["end"]:
             return None
         self._pending = None
-        original, replayed, world_then = self._read(p["offset"], range(p["step"], p["step"] + self.steps))
+        if p["end"] <= p["step"]:
+            return None  # nothing before the failure to compare
+        original, replayed, world_then = self._read(p["offset"], range(p["step"], p["end"]))
         if not original:
             return None  # the original attempt never logged these steps (it saved and stopped there)
         changes = compare_replay(original, replayed, world_then=world_then, world_now=self.world_size,

@@ -200,8 +200,9 @@ class Run:
         latent_channels = cache[0]["latents"].shape[0]
         self.model = sharding.shard_model(acc, build_model(args, latent_channels), args.fsdp)
         self.objective = DiffusionObjective(objective_config(args))
+        # Samples quarantined in this run folder (named bad by an incident) are kept out of later epochs and resumes.
         dataloader = torch.utils.data.DataLoader(
-            cache, batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
+            vidstab.QuarantinedDataset(cache, out), batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
             num_workers=args.dataloader_num_workers, generator=torch.Generator().manual_seed(args.seed),
         )
         if len(dataloader) == 0:
@@ -469,6 +470,7 @@ def train(run: Run) -> int:
                           f"train on from step {step}.")
                 acc.end_training()
                 return 0
+            run.recovery.check_resume(step)  # the first replayed steps against what the original run logged
     if restart is not None:
         guard.events.log("restart", step, **restart, resumed_from=run.checkpoints.latest_path_str() if step else None)
         acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
@@ -497,7 +499,7 @@ def train(run: Run) -> int:
                 run.beat(step, "checkpoint")
                 try:
                     state = run.recovery.rollback(result.rollback, step, incident=result.incident,
-                                                  cause=rollback_cause(result.rollback, result.findings))
+                                                  cause=rollback_cause(result.rollback, result.findings, result.rerun))
                 except RunAborted as exc:
                     acc.print(str(exc))
                     exit_code = 3

@@ -53,6 +53,32 @@ def make_model(channels: int = 4, hidden: int = 16, blowup: float | None = None,
     return TinyVideoNet(channels, hidden, blowup, sqrt)
 
 
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update ``B @ A`` (``B`` starts at zero), as PEFT's LoRA."""
+
+    def __init__(self, base: nn.Linear, rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Parameter(torch.randn(rank, base.in_features) / rank)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T
+
+
+def make_lora_model(channels: int = 4, hidden: int = 16, rank: int = 2, base_seed: int = 1234) -> TinyVideoNet:
+    """A LoRA fine-tune's model: the base (its "pretrained" weights: drawn from ``base_seed``) frozen, LoRA
+    adapters on the encoder and decoder trainable. A checkpoint of it holds only the adapters."""
+    with torch.random.fork_rng():
+        torch.manual_seed(base_seed)
+        model = TinyVideoNet(channels, hidden)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.encoder = LoRALinear(model.encoder, rank)
+    model.decoder = LoRALinear(model.decoder, rank)
+    return model
+
+
 def video_mse(model: nn.Module, batch: dict[str, torch.Tensor], noise_scale: float = 1.0,
               max_abs: float | None = None) -> torch.Tensor:
     """Per-sample denoising MSE: predict ``noise`` from ``latents + noise_scale * noise``.

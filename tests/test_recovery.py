@@ -102,10 +102,14 @@ def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
     rec2 = Recovery(acc, ckpt, guard, RecoveryConfig(max_retries=2), run_dir=str(tmp_path))
     assert rec2.retries == 2
     assert "2 of 2 rollbacks used" in rec2.carried_over and "x0.25" in rec2.carried_over
-    # ... and the next request aborts with the exact replay command.
+    # ... and the next request aborts with the exact replay command of a bundle that exists (one that does not
+    # is never named).
+    bundle = tmp_path / "vidstab" / "incidents" / "step000011-rank1"
+    bundle.mkdir(parents=True)
+    (bundle / "incident.json").write_text("{}")
     with pytest.raises(RunAborted) as ei:
-        rec2.rollback("third time", step=12, incident="/runs/a/vidstab/incidents/step000012-rank1")
-    assert "vidstab replay /runs/a/vidstab/incidents/step000012-rank1" in str(ei.value)
+        rec2.rollback("third time", step=12, incident="/runs/a/vidstab/incidents/step000011-rank1")
+    assert f"vidstab replay {bundle}" in str(ei.value) and "/runs/a" not in str(ei.value)
     assert "scripts/replay.py" not in str(ei.value)  # a pip user has no scripts/ folder
     assert "2 rollback(s)" in str(ei.value)
 
@@ -120,7 +124,12 @@ def test_replay_data_flag(tmp_path):
 def test_rollback_without_a_good_checkpoint_aborts(tmp_path):
     acc, model, opt, ckpt, guard, rec = _run(tmp_path)
     ckpt.save(3, healthy=False, trainer_state={"step": 3})
-    with pytest.raises(RunAborted, match="(?s)no healthy checkpoint.*vidstab replay "):
+    with pytest.raises(RunAborted, match="(?s)failure at step 3 impossible: no healthy checkpoint.*No incident bundle"):
+        rec.rollback("nan loss", step=4)  # no bundle on disk: none is named
+    bundle = tmp_path / "vidstab" / "incidents" / "step000003-rank0"
+    bundle.mkdir(parents=True)
+    (bundle / "incident.json").write_text("{}")
+    with pytest.raises(RunAborted, match=f"(?s)no healthy checkpoint.*vidstab replay {bundle}"):
         rec.rollback("nan loss", step=4)
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "RunDirInUse",
     "RunDirNotEmpty",
     "WithSampleIds",
+    "QuarantinedDataset",
+    "QuarantineList",
 ]
 
 # name -> module: imported on first use, so `import vidstab` (and `vidstab --help`) does not import torch,
@@ -80,6 +82,8 @@ _LAZY = {
     "RunDirInUse": "run_dir",
     "RunDirNotEmpty": "run_dir",
     "WithSampleIds": "sample_ids",
+    "QuarantinedDataset": "quarantine",
+    "QuarantineList": "quarantine",
 }
 
 

@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder
+from .atomic import atomic_folder, write_atomic
 from .limits import TooLarge, env_name, limits, read_json_file
 from .localize import tensor_stats
 from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
@@ -392,6 +392,15 @@ def write_incident(
     return folder.path
 
 
+def update_incident(path: str | os.PathLike, **fields: Any) -> None:
+    """Add ``fields`` to a written bundle's ``incident.json`` (evidence learned after it was written: the in-job
+    rerun's verdict), replacing the file atomically."""
+    meta_path = Path(path) / META_FILE
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta.update(fields)
+    write_atomic(meta_path, _dumps(meta))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Reading
 
@@ -459,6 +468,12 @@ def _sort_key(p: Path) -> tuple:
         return (math.inf, p.name)
     step, rank, micro, rep = (int(g) if g else 0 for g in m.groups())
     return (step, micro, rank, rep, p.name)
+
+
+def incident_step(path: str | os.PathLike) -> int | None:
+    """The step a bundle folder's name says (``step000123-rank1...`` -> 123), or None for another name."""
+    m = _NAME_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def list_incidents(run_dir: str | os.PathLike) -> list[Path]:

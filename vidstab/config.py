@@ -75,6 +75,15 @@ class GuardConfig:
     optimizer step, which keeps them alive that long; False drops them at once."""
     max_incidents: int = 50
     """At most this many incident bundles per rank per run (disk budget)."""
+    quarantine_bad_samples: bool = True
+    """Samples an incident bundle names bad (non-finite or outlier inputs) go into the run's quarantine list
+    (``vidstab/quarantine.jsonl``), which :class:`vidstab.QuarantinedDataset` keeps out of later epochs and resumes."""
+    rerun_suspect_steps: bool = True
+    """Re-run a step skipped for a non-finite value, a spike or an exception on the same weights, on every rank,
+    and say whether it is the data, the numerics, a transient fault or one rank's hardware (vidstab/rerun.py);
+    needs ``guard.set_replay_fn``. Costs a forward+backward per micro-batch, only on such steps."""
+    rerun_peer_check: bool = True
+    """With the rerun, under DDP, a peer rank also runs a reproduced rank's micro-batches (suspect hardware)."""
     health_window: int = 50
     """A checkpoint is a rollback target (``guard.healthy``) only if no detector has raised a finding in the
     last this many steps (``health_ignore`` aside). A slowly diverging run warns (LR jump, update ratio,

@@ -37,7 +37,7 @@ from .strict_json import to_json_safe
 
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
-         "hang", "crash", "restart")
+         "hang", "crash", "restart", "quarantine", "rerun")
 
 
 def events_dir(run_dir: str | Path) -> Path:

@@ -17,6 +17,9 @@ chosen optimizer step, the failures the seeds describe:
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
                 stays in the model from that step on (as a real overflowing layer would), and incident
                 bundles record it in their model spec, so ``vidstab replay`` rebuilds the faulty model
+``flaky_activation`` one activation of the named module's output (``=blocks.0``; default: the model's first
+                module with parameters) becomes NaN on the first forward pass of that step only, on that
+                rank: a transient hardware fault (a bit flip) that a rerun of the step does not reproduce
 ``hang``        the rank blocks forever before it fetches the step's data (a data loader or file system that
                 never returns); its peers then wait in their next collective. The watchdog ends it
 ``kill``        the rank SIGKILLs itself after the step's backward, before the guard's gather (a lost
@@ -52,7 +55,7 @@ import torch
 from .lr import scale_lrs
 
 FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
-               "hang", "kill", "kill_in_save", "slow")
+               "flaky_activation", "hang", "kill", "kill_in_save", "slow")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -208,16 +211,17 @@ class FaultInjector:
 
     @contextmanager
     def module_fault(self, step: int, model: torch.nn.Module) -> Iterator[str | None]:
-        """While due, make the named module's forward output +inf (a hook, removed on exit)."""
+        """While due, make the named module's forward output +inf (a hook, removed on exit); a due
+        ``flaky_activation`` corrupts one activation of the step's first forward pass only."""
+        flaky = self._take("flaky_activation", step)
         fault = self._take("inf_module", step)
-        if fault is None:
-            yield None
-            return
-        handle = add_module_fault(model, fault.arg)
+        handles = ([add_flaky_activation(model, flaky.arg)] if flaky is not None else []) + (
+            [add_module_fault(model, fault.arg)] if fault is not None else [])
         try:
-            yield fault.arg
+            yield fault.arg if fault is not None else (flaky.arg if flaky is not None else None)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     def model_spec(self, spec: dict) -> dict:
         """The model spec to record in incident bundles: wrapped so a replay rebuilds an ``inf_module`` fault."""
@@ -254,6 +258,26 @@ def add_module_fault(model: torch.nn.Module, name: str) -> torch.utils.hooks.Rem
     if name not in modules:
         raise ValueError(f"inf_module fault: no module named {name!r}; e.g. {list(modules)[1:6]}")
     return modules[name].register_forward_hook(_make_inf)
+
+
+def add_flaky_activation(model: torch.nn.Module, name: str | None = None) -> torch.utils.hooks.RemovableHandle:
+    """Make one element of ``model.<name>``'s next forward output NaN, once (the hook removes itself): a
+    transient fault. ``name`` None: the first module that holds parameters of its own."""
+    modules = dict(model.named_modules())
+    if name is None:
+        name = next(n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False)))
+    if name not in modules:
+        raise ValueError(f"flaky_activation fault: no module named {name!r}; e.g. {list(modules)[1:6]}")
+    handle = None
+
+    def corrupt_once(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        out = output.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    handle = modules[name].register_forward_hook(corrupt_once)
+    return handle
 
 
 def model_with_module_fault(model: dict, module: str) -> torch.nn.Module:

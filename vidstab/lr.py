@@ -11,6 +11,9 @@ that changes an optimizer's LR for either of them is here:
 * :class:`LRMultiplier` -- the guard's multiplier over the base LRs seen at attach, re-applied after the
   optimizer/scheduler were (re)loaded, and the LR figures the detectors read (``lr``, ``lr_peak``,
   ``lr_scheduled`` of :class:`~vidstab.detectors.StepStats`);
+* :meth:`LRMultiplier.restore_schedule` -- after a skipped step, put back into ``param_groups`` the LR the
+  schedule set (times the multiplier): the held scheduler does not rewrite it, so a value a bug wrote there
+  would otherwise outlive the bug;
 * :func:`match_multiplier` -- bring a guard's multiplier to the one recovery decided.
 """
 
@@ -98,6 +101,39 @@ class LRMultiplier:
         """Multiply the LR persistently (:func:`scale_lrs`) and the multiplier with it."""
         scale_lrs(self.optimizer, factor, self.lr_scheduler)
         self.multiplier *= float(factor)
+
+    def restore_schedule(self) -> bool:
+        """Set each param group's LR to what the schedule says for the step to come; True if one changed.
+
+        With a scheduler: its last LR (``get_last_lr()``, which already holds the multiplier: :meth:`scale`
+        scales its ``base_lrs``); the guard holds the scheduler after a skip, so that is still the LR of the
+        refused step as the schedule set it. Without one the schedule is constant, ``base LR x multiplier``: a
+        group above it is brought down to it (a lower LR may be the loop's own warm-up and is left alone).
+        Called on a skipped step only: a bug that wrote ``param_groups`` for three steps costs three skips.
+        """
+        groups = self._groups_owner.param_groups
+        sch = self._torch_scheduler
+        last = getattr(sch, "_last_lr", None) if sch is not None else None
+        if last is not None and len(last) == len(groups):
+            targets = [float(x) for x in last]
+            lower_only = False
+        elif sch is None and len(self.base_lrs) == len(groups):
+            targets = [b * self.multiplier for b in self.base_lrs]
+            lower_only = True
+        else:
+            return False
+        changed = False
+        for g, target in zip(groups, targets):
+            lr = g["lr"]
+            now = float(lr)  # a tensor LR: one host read, on a skipped step only
+            if now == target or (lower_only and now < target):
+                continue
+            if isinstance(lr, torch.Tensor):
+                lr.fill_(target)
+            else:
+                g["lr"] = target
+            changed = True
+        return changed
 
     def reapply(self) -> None:
         """Make the optimizer/scheduler reflect the multiplier after they were (re)loaded.

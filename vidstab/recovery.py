@@ -6,12 +6,15 @@ failures stop and reproduce the failing batch by hand) and PaLM's practice of *n
 between the checkpoint and the failure by default: a batch that blew the run up once tends to do it again.
 It is built for runs that last weeks (docs/ARCHITECTURE.md, "Recovery"):
 
-- **The retry budget belongs to one incident**: failures that recur before the run gets
-  ``incident_window`` steps past the latest of them are one incident; ``max_retries`` rollbacks are allowed
-  for it. Once the run is past it, the next failure starts a new incident with a full budget.
+- **The retry budget belongs to one incident**: a failure that recurs before the run gets past the previous
+  failure point (plus ``incident_window`` steps, 0 by default) belongs to the same incident; ``max_retries``
+  rollbacks are allowed for it. Once the run has passed it, the next failure starts a new incident with a
+  full budget.
 - **The LR back-off depends on the cause**: a divergence (spikes, non-finite weights, a run of skipped
   steps) multiplies the LR by ``lr_backoff``; an exception (a CUDA error, a flaky node) or bad input data
-  does not: lowering the LR does not fix a broken node or a broken sample.
+  does not: lowering the LR does not fix a broken node or a broken sample. A ``transient`` failure (one the
+  in-job rerun did not reproduce: :mod:`vidstab.rerun`) never lowers the LR and never spends the retry
+  budget of the incident it falls into; only ``max_retries`` of them in a row at one failure point abort.
 - **A backed-off LR returns to the schedule gradually**: after the incident is over, every
   ``lr_restore_every`` steps without a skip or a rollback the multiplier is divided by ``lr_backoff``
   until it is 1 again.
@@ -37,9 +40,11 @@ from typing import Any
 
 from .atomic import write_json_atomic
 from .checkpoint import CheckpointError, CheckpointManager
+from .capture import incident_step, list_incidents
 from .events import log_event
 from .limits import read_json_file
 from .lr import match_multiplier
+from .resume_check import ResumeCheck
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
@@ -47,7 +52,7 @@ logger = logging.getLogger("vidstab.recovery")
 
 STATE_FILE = os.path.join("vidstab", "recovery.json")
 STATE_SCHEMA = 2
-CAUSES = ("divergence", "exception", "data")
+CAUSES = ("divergence", "exception", "data", "transient")
 
 
 class RunAborted(RuntimeError):
@@ -65,9 +70,11 @@ class RecoveryConfig:
     """Factor applied to the LR multiplier at each rollback whose cause is in ``lr_backoff_causes``."""
     lr_backoff_causes: tuple[str, ...] = ("divergence",)
     """Causes (``divergence``, ``exception``, ``data``; see :func:`rollback_cause`) that lower the LR."""
-    incident_window: int = 100
-    """A failure within this many steps after the latest failure of the open incident belongs to it (and
-    spends its budget); once the run is further than this past it, the incident is over."""
+    incident_window: int = 0
+    """A failure before the run gets this many steps past the latest failure point of the open incident
+    belongs to it (and spends its budget); once the run is further than this past it, the incident is over.
+    0: over as soon as the run has got past the failure point (the same failure again is the same incident,
+    a failure further on is a new one)."""
     lr_restore_every: int = 200
     """After the incident is over, divide the multiplier by ``lr_backoff`` (up to 1) every this many steps
     without a skip or rollback. 0 keeps a backed-off LR for the rest of the run."""
@@ -86,6 +93,8 @@ class RecoveryConfig:
             raise ValueError(f"RecoveryConfig.lr_backoff_causes: unknown cause(s) {bad}; known: {CAUSES}")
         if not 0.0 < self.lr_backoff <= 1.0:
             raise ValueError(f"RecoveryConfig.lr_backoff must be in (0, 1], not {self.lr_backoff}")
+        if "transient" in self.lr_backoff_causes:
+            raise ValueError("RecoveryConfig.lr_backoff_causes: a transient (not reproducible) failure never lowers the LR")
         if self.max_retries < 0 or self.incident_window < 0 or self.lr_restore_every < 0:
             raise ValueError("RecoveryConfig.max_retries, incident_window and lr_restore_every must be >= 0")
         self.lr_backoff_causes = tuple(self.lr_backoff_causes)
@@ -93,13 +102,18 @@ class RecoveryConfig:
             raise ValueError("RecoveryConfig.own_checkpoints needs a group for the step, e.g. r'checkpoint-(\\d+)'")
 
 
-def rollback_cause(reason: Any, findings: Any = ()) -> str:
-    """The cause of a rollback request: ``"exception"`` (the step raised), ``"data"`` (the step that
-    escalated had non-finite *inputs*: bad samples, not a sick model) or ``"divergence"`` (anything else).
+def rollback_cause(reason: Any, findings: Any = (), rerun: Any = None) -> str:
+    """The cause of a rollback request: ``"transient"`` (the in-job rerun of the step did not reproduce it),
+    ``"exception"`` (the step raised), ``"data"`` (the step that escalated had non-finite *inputs*: bad
+    samples, not a sick model) or ``"divergence"`` (anything else).
 
     ``reason`` is ``StepResult.rollback`` (``"detector: message"``) or a Finding; ``findings`` the step's
-    findings (``StepResult.findings``), when known.
+    findings (``StepResult.findings``), when known; ``rerun`` the step's rerun verdict
+    (``StepResult.rerun``, :class:`vidstab.rerun.RerunVerdict` or its dict), when there was one.
     """
+    verdict = rerun.get("verdict") if isinstance(rerun, dict) else getattr(rerun, "verdict", None)
+    if verdict == "transient":
+        return "transient"
     detector = getattr(reason, "detector", None) or str(reason).split(":", 1)[0].strip()
     if detector == "exception":
         return "exception"
@@ -139,6 +153,12 @@ class Recovery:
         self.state: dict[str, Any] = self._fresh_state()
         self.carried_over: str | None = None
         """What this launch inherited from ``recovery.json`` (one sentence), or None."""
+        # The first and latest skipped step of the current run of skips (event-log numbering): skips fewer than the
+        # guard's health_window steps apart belong together (what the health gate itself treats as one trouble).
+        self._skips: tuple[int, int] | None = None
+        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/resume_check.py)
+        self.resume_check = ResumeCheck(self.run_dir, self.rank, accelerator.num_processes,
+                                        complete=(lambda: guard.detectors) if hasattr(guard, "detectors") else None)
         loaded = self._read_state()
         if loaded is not None:
             self._take_over(loaded, reset)
@@ -186,13 +206,13 @@ class Recovery:
             d.get("recovery_config") not in (None, _config_dict(self.config)))
         if incident:
             if changed:
-                parts.append(f"the incident from step {incident['last_failure']} with its retry budget started "
+                parts.append(f"the incident from step {incident['last_failure'] - 1} with its retry budget started "
                              f"afresh because the run's configuration changed ({incident['retries']} of "
                              f"{self.config.max_retries} rollbacks had been used)")
                 incident = dict(incident, retries=0)
                 self.state["incident"] = incident
             else:
-                parts.append(f"an open incident (last failure at step {incident['last_failure']}, "
+                parts.append(f"an open incident (last failure at step {incident['last_failure'] - 1}, "
                              f"{incident['retries']} of {self.config.max_retries} rollbacks used)")
         self.carried_over = (f"carried over from {STATE_FILE}: " + "; ".join(parts) +
                              ". To start fresh: Recovery(..., reset=True) (recipes/train.py: --reset_recovery)")
@@ -231,7 +251,15 @@ class Recovery:
         multiplier as of its save). Returns what ``load`` returns (None on a fresh run)."""
         state = self.ckpt.load(which)
         self._sync_guard_lr()
+        if state is not None:
+            self.check_resume(int(state["_checkpoint"]["step"]))
         return state
+
+    def check_resume(self, step: int) -> None:
+        """After a checkpoint of ``step`` was loaded (:meth:`resume` calls it; call it after a load the loop
+        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.resume_check`);
+        :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event."""
+        self.resume_check.begin(step, what="resume")
 
     def after_step(self, result: Any, step: int | None = None) -> dict | None:
         """Call after every ``guard.step`` that was not a micro-step. Rolls back when the guard asks for it
@@ -247,7 +275,8 @@ class Recovery:
         if getattr(result, "rollback", None) is not None:
             incident = result.incident
             return self.rollback(result.rollback, step, incident=str(incident) if incident else None,
-                                 cause=rollback_cause(result.rollback, getattr(result, "findings", ())))
+                                 cause=rollback_cause(result.rollback, getattr(result, "findings", ()),
+                                                      getattr(result, "rerun", None)))
         self.on_step(step, skipped=bool(getattr(result, "skipped", False)))
         return None
 
@@ -255,18 +284,20 @@ class Recovery:
         """Book-keeping of a step that was not rolled back: close the incident once the run is past it, and
         bring a backed-off LR back towards the schedule after a stable stretch (each change is an event)."""
         st = self.state
+        self.resume_check.after_step(step)
         if self.guard is not None and float(getattr(self.guard, "lr_multiplier", 1.0)) != self.lr_multiplier:
             self._sync_guard_lr()  # e.g. a checkpoint loaded by the loop itself restored an older multiplier
         if skipped:
             st["stable_since"] = step
+            self._skips = self._count_skip(step - 1)  # the skipped step as the event log numbers it
         inc = st.get("incident")
         changed = False
         if inc and step > inc["last_failure"] + self.config.incident_window:
             st["incident"] = None
             st["stable_since"] = max(st["stable_since"], step)
-            self._announce("incident_over", f"past the incident of step {inc['last_failure']} by "
-                           f"{self.config.incident_window} steps: the next failure gets a full retry budget",
-                           step=step, incident=inc)
+            past = f" by {self.config.incident_window} steps" if self.config.incident_window else ""
+            self._announce("incident_over", f"the run got past the failure at step {inc['last_failure'] - 1}{past}: "
+                           "the next failure is a new incident with a full retry budget", step=step, incident=inc)
             changed = True
         every = self.config.lr_restore_every
         if (st.get("incident") is None and every > 0 and self.lr_multiplier < 1.0
@@ -288,11 +319,13 @@ class Recovery:
 
         Args:
             reason: why (a detector message, or a Finding; stored as text).
-            step: the step at which the failure was detected.
+            step: the loop's step count after the failing step (``result.step + 1``, as in
+                :meth:`after_step`); messages name the failing step itself, as the event log does.
             incident: incident bundle folder of the failure (str or Path), for the replay command in
-                :class:`RunAborted`.
-            cause: ``"divergence"``, ``"exception"`` or ``"data"`` (default: :func:`rollback_cause` of
-                ``reason``); only causes in ``lr_backoff_causes`` lower the LR.
+                :class:`RunAborted` (only bundles that exist are named: see :meth:`incident_bundles`).
+            cause: ``"divergence"``, ``"exception"``, ``"data"`` or ``"transient"`` (default:
+                :func:`rollback_cause` of ``reason``); only causes in ``lr_backoff_causes`` lower the LR; a
+                transient failure does not spend the incident's retry budget.
 
         Returns:
             The loaded checkpoint's ``trainer_state`` plus ``"skip_data"`` (True: keep the data iterator
@@ -312,13 +345,19 @@ class Recovery:
         if cause not in CAUSES:
             raise ValueError(f"rollback cause must be one of {CAUSES}, not {cause!r}")
         step = int(step)
+        failed = step - 1  # the failing step, numbered as in the event log
+        skips, self._skips = self._skips, None
+        first = min(skips[0], failed) if skips and failed - skips[1] <= self._skip_gap() else failed  # the skips before it
         open_incident = self.state.get("incident")
         if open_incident and step > open_incident["last_failure"] + self.config.incident_window:
             open_incident = None  # the loop never reported the steps in between (no after_step): over anyway
-        if open_incident and open_incident["retries"] >= self.config.max_retries:
-            what = (f"still failing after {open_incident['retries']} rollback(s) for the incident that began at step "
+        budget = "transient" if cause == "transient" else "retries"
+        if open_incident and open_incident.get(budget, 0) >= self.config.max_retries:
+            spent = (f"{open_incident['retries']} rollback(s)" if budget == "retries" else
+                     f"{open_incident['transient']} rollback(s) for failures the rerun did not reproduce")
+            what = (f"still failing after {spent} for the incident that began at step "
                     f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at step "
-                    f"{step} ({cause}): {reason_text}")
+                    f"{failed} ({cause}): {reason_text}")
             # The script's own `latest` must not resume the failing trajectory either: keep only what is not newer
             # than vidstab's last healthy checkpoint.
             good = self.ckpt.last_good()
@@ -328,16 +367,19 @@ class Recovery:
                       last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident)
             if discarded:
                 what += f"; removed the script's own {', '.join(discarded)} (newer than the last good step {good_step})"
-            raise RunAborted(self._abort_message(what, incident))
+            raise RunAborted(self._abort_message(what, incident, min(open_incident["first_step"], first),
+                                                 max(open_incident["last_failure"] - 1, failed)))
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
         choice = self._target(step)
         try:
             state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
         except CheckpointError as e:
-            raise RunAborted(self._abort_message(f"rollback at step {step} impossible: {e}", incident)) from e
+            raise RunAborted(self._abort_message(f"rollback after the failure at step {failed} impossible: {e}",
+                                                 incident, first, failed)) from e
         if state is None:
             raise RunAborted(self._abort_message(
-                f"rollback at step {step} impossible: no healthy checkpoint yet ({reason_text})", incident))
+                f"rollback after the failure at step {failed} impossible: no healthy checkpoint yet ({reason_text})",
+                incident, first, failed))
         old_multiplier = self.lr_multiplier
         backoff = self.config.lr_backoff if cause in self.config.lr_backoff_causes else 1.0
         multiplier = old_multiplier * backoff
@@ -348,13 +390,20 @@ class Recovery:
             self.ckpt.set_last_good(info["path"])
         discarded = self._discard_own_checkpoints(int(info["step"]))
         if open_incident:
-            open_incident = dict(open_incident, retries=open_incident["retries"] + 1,
-                                 last_failure=max(open_incident["last_failure"], step))
+            open_incident = dict(open_incident, last_failure=max(open_incident["last_failure"], step),
+                                 first_step=min(open_incident["first_step"], first))
+            open_incident[budget] = open_incident.get(budget, 0) + 1
         else:
-            open_incident = {"first_step": step, "last_failure": step, "retries": 1, "cause": cause}
+            # first_step: the incident's first failing (or skipped) step, as the event log numbers it;
+            # last_failure: the loop's count after the latest failing step (the point the run must get past).
+            open_incident = {"first_step": first, "last_failure": step, "retries": int(budget == "retries"),
+                             "transient": int(budget == "transient"), "cause": cause}
         self.state.update(incident=open_incident, lr_multiplier=multiplier, stable_since=int(info["step"]),
                           rollbacks_total=self.rollbacks_total + 1)
         self._sync_guard_lr()
+        # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
+        self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
+                                lr_ratio=multiplier / old_multiplier, until=open_incident["first_step"])
         self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "cause": cause, "lr_multiplier": multiplier})
@@ -362,9 +411,12 @@ class Recovery:
         log_event(self.run_dir, self.rank, "rollback", step, reason=reason_text, checkpoint=info["path"],
                   to_step=info["step"], retries=self.retries, max_retries=self.config.max_retries, cause=cause,
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
-                  incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded)
-        logger.warning("rollback %d/%d of the incident at step %d -> %s (step %d), cause %s, LR x%.4g%s, %s data: %s",
-                       self.retries, self.config.max_retries, step, info["path"], info["step"], cause, multiplier,
+                  incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
+                  failed_step=failed, incident_first_step=open_incident["first_step"],
+                  transient=open_incident.get("transient", 0))
+        logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
+                       "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
+                       open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
                        "" if backoff != 1.0 else " (not lowered for this cause)",
                        "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
@@ -422,6 +474,15 @@ class Recovery:
             wait()  # no rank goes on (and saves a checkpoint-N) before they are gone
         return newer
 
+    def _skip_gap(self) -> int:
+        return int(getattr(getattr(self.guard, "config", None), "health_window", 0) or 0)
+
+    def _count_skip(self, skipped: int) -> tuple[int, int]:
+        """The run of skips with ``skipped`` added: a new run when the last skip is more than the gap behind."""
+        if self._skips is None or skipped - self._skips[1] > self._skip_gap():
+            return skipped, skipped
+        return self._skips[0], skipped
+
     def _sync_guard_lr(self) -> None:
         """Make the guard's (and so the optimizer's) LR multiplier equal to the recovery state's."""
         match_multiplier(self.guard, self.lr_multiplier)
@@ -433,11 +494,25 @@ class Recovery:
             step = int(getattr(self.guard, "step_count", 0) or 0)
         log_event(self.run_dir, self.rank, "recovery", step, action=action, message=message, **fields)
 
-    def _abort_message(self, what: str, incident: str | None) -> str:
-        bundle = incident or os.path.join(self.run_dir, "vidstab", "incidents", "<incident bundle dir>")
-        return (f"vidstab: run aborted: {what}. Reproduce the failing batch with:\n"
-                f"  vidstab replay {bundle}\n"
-                f"(list the bundles: vidstab incidents {self.run_dir})")
+    def incident_bundles(self, first_step: int, last_step: int, incident: str | None = None) -> list[str]:
+        """The incident bundles on disk whose step lies in ``[first_step, last_step]`` (event-log numbering),
+        ``incident`` (this rank's bundle of the failure) first when it exists."""
+        found = [str(p) for p in list_incidents(self.run_dir)
+                 if (s := incident_step(p)) is not None and first_step <= s <= last_step]
+        if incident is not None and os.path.isdir(incident):
+            found = [incident] + [p for p in found if not os.path.samefile(p, incident)]
+        return found
+
+    def _abort_message(self, what: str, incident: str | None, first_step: int, last_step: int) -> str:
+        bundles = self.incident_bundles(first_step, last_step, incident)
+        if bundles:
+            more = f" (and {len(bundles) - 1} more bundle(s) of this incident: vidstab incidents {self.run_dir})" if len(bundles) > 1 else ""
+            how = f"Reproduce the failing batch with:\n  vidstab replay {bundles[0]}{more}"
+        else:
+            how = (f"No incident bundle was written for steps {first_step}-{last_step} (the findings that skipped them "
+                   f"capture none: a learning rate or a divergence is not in one batch). The evidence is in the event log:\n"
+                   f"  vidstab events {self.run_dir} --kind skip --kind rollback --kind recovery")
+        return f"vidstab: run aborted: {what}. {how}"
 
     def _persist(self) -> None:
         if not self.accelerator.is_main_process:

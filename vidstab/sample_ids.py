@@ -33,6 +33,10 @@ class WithSampleIds(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def sample_id(self, index: int) -> int:
+        """The id of item ``index`` (its index), without loading it (:class:`vidstab.QuarantinedDataset`)."""
+        return index
+
     def __getitem__(self, index: int) -> Any:
         item = self.dataset[index]
         if isinstance(item, dict):

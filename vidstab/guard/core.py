@@ -39,6 +39,7 @@ from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence
 from ..limits import read_json_file
 from ..lr import LRMultiplier
+from ..rerun import StepRerun
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
 from .reporting import Reporter
@@ -100,6 +101,9 @@ class Guard:
                                  world_size=self.world_size, sharded=self.sharded, model_spec=model_spec, seed=seed,
                                  checkpoint_fn=checkpoint_fn)
         self.lr = LRMultiplier(optimizer, lr_scheduler)
+        self.rerun = StepRerun(accelerator, model, self.run_dir, self.events, sharded=self.sharded,
+                               observe_only=self.control.observe_only, peer_check=self.config.rerun_peer_check,
+                               quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
         self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
@@ -198,6 +202,7 @@ class Guard:
         measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
             self.control.skip(measure)
+            self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.lr)
         else:
             stats.applied = self.control.apply(measure, step_scheduler)
         # 4. After the step: counters and detector statistics (they absorb applied steps only), then evidence.
@@ -207,6 +212,9 @@ class Guard:
             stats, mine, self.layout, clip_rate=self._clip_flags.rate(), skipped_total=self.skipped_total,
             overflow_total=self.overflow_total, thresholds=published(self.detectors), stop=stats_stop(summary, self.layout),
             skipped=skipped, micro_batches=self.recorder.micro_batches, window=self.recorder.window)
+        if skipped and self.config.rerun_suspect_steps:  # every rank together: data, numerics or a flaky device?
+            result.rerun = self.rerun.check(stats, result.incidents, self.recorder.micro_batches,
+                                            self.reporter.replay_fn, dict)
         self.recorder.reset()
         self.step_count += 1
         self.last_result = result

@@ -12,6 +12,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from .. import signals
+from ..resume_check import host_ids
 
 
 class MicroBatch(NamedTuple):
@@ -40,7 +41,7 @@ class StepRecorder:
                bucket: Any = None) -> None:
         """One micro-step after its backward: ``inputs`` are what its input statistics cover, ``batch`` what an
         incident bundle would hold."""
-        self.micro_batches.append(MicroBatch(batch if self.capture else None, sample_ids, error))
+        self.micro_batches.append(MicroBatch(batch if self.capture else None, host_ids(sample_ids), error))
         self.window.record(loss, inputs, per_sample_loss, timesteps, error is not None, bucket)
 
     @property

@@ -41,3 +41,5 @@ class StepResult:
     """fp16 GradScaler overflow (the scaler skipped the update and lowered the scale)."""
     incidents: list[Path] = field(default_factory=list)
     """All incident bundles written by this rank for this step."""
+    rerun: "object | None" = None
+    """What re-running a skipped step on the same weights found (:class:`vidstab.rerun.RerunVerdict`), else None."""

@@ -301,6 +301,10 @@ class LatentCache(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def sample_id(self, index: int) -> str:
+        """The id of sample ``index``, without reading its latents (:class:`vidstab.QuarantinedDataset`)."""
+        return self.sample_ids[index]
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a latent cache of {len(self)} samples")

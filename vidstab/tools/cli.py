@@ -4,6 +4,7 @@
     vidstab report RUN_DIR [--out report.html]
     vidstab replay BUNDLE [...]                 # see `vidstab replay --help`
     vidstab incidents RUN_DIR
+    vidstab quarantine RUN_DIR [--clear [--sample ID ...]]
     vidstab events RUN_DIR [--kind skip] [--rank 1]
 
 ``python -m vidstab ...`` is the same command. Heavy modules (torch, matplotlib) are imported by the
@@ -57,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     incidents.add_argument("run_dir", metavar="RUN_DIR")
     incidents.add_argument("--json", action="store_true", help="one JSON object per incident")
 
+    quarantine = sub.add_parser("quarantine", help="list (or --clear) the samples a run keeps out of its data",
+                                description="The run's quarantine list (vidstab/quarantine.jsonl): samples named bad, "
+                                            "skipped by vidstab.QuarantinedDataset in later epochs and resumes.")
+    quarantine.add_argument("run_dir", metavar="RUN_DIR")
+    quarantine.add_argument("--clear", action="store_true", help="release samples (all, or those named by --sample); "
+                            "do it while the run is stopped")
+    quarantine.add_argument("--sample", action="append", metavar="ID", help="with --clear: only this sample (repeatable)")
+    quarantine.add_argument("--json", action="store_true", help="one JSON object per quarantined sample")
+
     events = sub.add_parser("events", help="print the merged event log of a run")
     events.add_argument("run_dir", metavar="RUN_DIR")
     events.add_argument("--kind", action="append", help="only these kinds (repeatable), e.g. --kind skip --kind rollback")
@@ -76,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return {"audit": _audit, "report": _report, "incidents": _incidents, "events": _events}[args.command](args)
+        return {"audit": _audit, "report": _report, "incidents": _incidents, "quarantine": _quarantine, "events": _events}[args.command](args)
     except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:  # ImportPathError is a ValueError
         print(f"vidstab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -198,6 +208,38 @@ def _incidents(args: argparse.Namespace) -> int:
                         f"{str(meta.get('detector', '')):<16} {str(meta.get('verdict', '')):<8} "
                         f"{ids or meta.get('error', '')} -> {meta['path']}"))
     print(f"{len(incidents)} incident(s); replay one with: vidstab replay <bundle>")
+    return EXIT_OK
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    from ..quarantine import QuarantineList
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder {str(run_dir)!r} does not exist")
+    if args.sample and not args.clear:
+        raise ValueError("--sample names samples to release: use it with --clear")
+    qlist = QuarantineList(run_dir)
+    if args.clear:
+        released = qlist.clear(args.sample)
+        missing = sorted(set(args.sample or []) - set(released))
+        print(f"released {len(released)} sample(s) from {qlist.path}: {', '.join(released) or '-'}")
+        if missing:
+            print(f"not in the quarantine list: {', '.join(missing)}")
+        return EXIT_OK
+    entries = qlist.entries()
+    if args.json:
+        for e in entries:
+            print(json.dumps(e))
+        return EXIT_OK
+    if not entries:
+        print(f"no quarantined samples in {run_dir}")
+        return EXIT_OK
+    print(f"{'sample':<16} {'step':>7}  {'rank':>4}  {'source':<8} reason -> bundle")
+    for e in entries:
+        print(f"{str(e['sample_id']):<16} {str(e.get('step', '?')):>7}  {str(e.get('rank', '?')):>4}  "
+              f"{str(e.get('source', '')):<8} {e.get('reason', '')} -> {e.get('bundle') or '-'}")
+    print(f"{len(entries)} sample(s) quarantined; release with: vidstab quarantine {run_dir} --clear [--sample ID]")
     return EXIT_OK
 
 

@@ -14,6 +14,7 @@ from ...atomic import write_json_atomic
 from ...capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
+from ...quarantine import QuarantineList
 from .rebuild import MAX_PARAMS, _load_weights, _resolve_checkpoint, build_model, import_object
 from .report import ReplayReport
 from .runner import _Replayer
@@ -110,7 +111,9 @@ def _replay(inc: Any, dev: torch.device, json_path: Any, checkpoint: Any, optimi
             raise ReplayError(f"loss.fn {loss_spec['fn']!r} is not callable")
         weights, ckpt_step, notes = (None, None, []) if fresh_init else _resolve_checkpoint(inc, checkpoint)
         if weights is not None:
-            _load_weights(model, weights)
+            loaded = _load_weights(model, weights)  # a frozen-base checkpoint: over the rebuilt, verified base
+            if loaded:
+                notes.append(loaded)
         else:
             why = "--fresh-init was asked for" if fresh_init else "the bundle names no checkpoint"
             notes.append(f"{why}: replayed on a fresh initialisation, so the result says "
@@ -122,6 +125,12 @@ def _replay(inc: Any, dev: torch.device, json_path: Any, checkpoint: Any, optimi
                       catch_errors=str(meta.get("detector")) == "exception")
         report = _triage(inc, r, model_name, str(dev), weights, ckpt_step, notes, optimizer, absmax_limit)
 
+    culprits = [c for c in (report.data or {}).get("culprits") or [] if not str(c).startswith("#")]
+    if culprits and (inc.run_dir / "vidstab").is_dir():  # leave-one-out named them: out of the run's later data
+        added = QuarantineList(inc.run_dir).add(culprits, "named by vidstab replay's leave-one-out", step=inc.step,
+                                                bundle=str(inc.path), rank=meta.get("rank"), source="replay")
+        if added:
+            report.notes.append(f"quarantined {', '.join(added)} in {inc.run_dir} (vidstab quarantine lists and clears it)")
     out = Path(json_path) if json_path is not None else inc.path / REPORT_FILE
     try:
         report.json_path = str(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,14 @@ from torch import nn
 from ...capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
 from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
+from ...checkpoint.frozen import FROZEN_KEY, fingerprint, read_header_metadata
 from ...checkpoint.layout import read_manifest
 from ...limits import env_name, limits, read_json_file
 from ..trusted_import import ImportPathError, UntrustedImportError, resolve
 from .base import ReplayError, UntrustedCodeError
 
 _STATE_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; anything larger is not one of ours
 
 
 def import_object(path: str, what: str, kind: str = "callable") -> Any:
@@ -218,9 +221,32 @@ def _load_sharded_weights(model: nn.Module, shards: Path) -> None:
     model.load_state_dict({k: state[f"{name}.{k}"] for k in own}, strict=True)
 
 
-def _load_weights(model: nn.Module, weights: Path) -> None:
+def _frozen_fingerprint(weights: Path) -> dict | None:
+    """The frozen parameters' fingerprint a checkpoint's model file records in its header (a LoRA / partially
+    frozen model's checkpoint holds only what training changed: :mod:`vidstab.checkpoint.frozen`), or None."""
+    try:
+        with open(weights, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER:
+                return None
+            meta = read_header_metadata(struct.pack("<Q", n) + f.read(n))
+    except (OSError, struct.error, ValueError):
+        return None  # load_file below names a damaged file
+    raw = meta.get(FROZEN_KEY)
+    try:
+        saved = json.loads(raw) if raw else None
+    except ValueError as e:
+        raise ReplayError(f"{weights}: the frozen weights' fingerprint in its header is not JSON ({e})") from e
+    return saved if isinstance(saved, dict) else None
+
+
+def _load_weights(model: nn.Module, weights: Path) -> str | None:
+    """Load the checkpoint's weights into the rebuilt model. A frozen-base checkpoint (only the trained
+    parameters, plus a fingerprint of the frozen ones) is loaded over the base the model spec's factory
+    rebuilt, once that base's fingerprint matches the one recorded; returns a note saying so (else None)."""
     if weights.is_dir():
         return _load_sharded_weights(model, weights)
+    frozen = _frozen_fingerprint(weights)
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -229,7 +255,37 @@ def _load_weights(model: nn.Module, weights: Path) -> None:
     if not set(state) & own:  # keys saved through a wrapper (DDP, torch.compile, FSDP): strip its prefix
         for prefix in _STATE_PREFIXES:
             state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    note = None
+    if frozen is not None:
+        note = _check_rebuilt_base(model, weights, frozen, set(state))
     try:
-        model.load_state_dict(state, strict=True)
+        missing, unexpected = model.load_state_dict(state, strict=frozen is None)
     except RuntimeError as e:
         raise ReplayError(f"the weights in {weights} do not fit the rebuilt model: {str(e)[:600]}") from e
+    if frozen is not None and (unexpected or set(missing) - set(frozen.get("keys") or [])):
+        raise ReplayError(f"the weights in {weights} do not fit the rebuilt model: missing "
+                          f"{sorted(set(missing) - set(frozen.get('keys') or []))[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return note
+
+
+def _check_rebuilt_base(model: nn.Module, weights: Path, saved: dict, trained: set[str]) -> str:
+    """The rebuilt model's frozen (base) weights are the ones the run trained its adapters against: the
+    parameters the checkpoint leaves out, fingerprinted as the run did. Raises naming what differs."""
+    keys = sorted(saved.get("keys") or [])
+    params = dict(model.named_parameters(remove_duplicate=False))
+    absent = [k for k in keys if k not in params]
+    if absent:
+        raise ReplayError(f"{weights} was trained over frozen parameters the rebuilt model does not have "
+                          f"({absent[:5]}): the model spec's factory builds another base model")
+    overlap = sorted(set(keys) & trained)
+    if overlap:
+        raise ReplayError(f"{weights} both holds and fingerprints {overlap[:5]}: the checkpoint is inconsistent")
+    now = fingerprint(model, keys)
+    if (now["crc32"], now["bytes"]) != (saved.get("crc32"), saved.get("bytes")):
+        raise ReplayError(
+            f"the base the model spec's factory rebuilt is not the one the run trained on: its {len(keys)} frozen "
+            f"tensors fingerprint {now['crc32']} ({now['bytes']} bytes), the checkpoint {weights} recorded "
+            f"{saved.get('crc32')} ({saved.get('bytes')} bytes). Make the factory load the same base model (and "
+            "revision) the run used")
+    return (f"frozen-base checkpoint: {len(trained)} trained tensor(s) loaded over the base the factory rebuilt, "
+            f"whose {len(keys)} frozen tensor(s) match the recorded fingerprint {now['crc32']}")

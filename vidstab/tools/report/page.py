@@ -15,7 +15,7 @@ from .load import RunLog, load_run
 from .markup import _CSS
 from .series import _loss_by_t
 from .summary import _summary
-from .tables import _events_section, _incidents_section, _notes_section, _samples_section
+from .tables import _events_section, _incidents_section, _notes_section, _quarantine_section, _samples_section
 
 
 #: Section headings, in page order; every one is on every report except "Loss by timestep", which is left
@@ -32,6 +32,7 @@ SECTIONS = (
     "Input statistics per rank",
     "Events",
     "Incidents",
+    "Quarantine",
     "Samples",
     "Notes",
 )
@@ -59,6 +60,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> str
         "Input statistics per rank": lambda: _inputs_section(log),
         "Events": lambda: _events_section(log),
         "Incidents": lambda: _incidents_section(log, out_dir),
+        "Quarantine": lambda: _quarantine_section(log),
         "Samples": lambda: _samples_section(log, out_dir),
         "Notes": lambda: _notes_section(log),
     }

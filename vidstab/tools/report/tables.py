@@ -17,7 +17,7 @@ MAX_EVENT_ROWS = 500
 
 #: Event kinds listed in the event table (metrics are plotted; incidents have their own table).
 TABLE_KINDS = ("warn", "skip", "rollback_request", "rollback", "checkpoint", "resume", "stop", "start", "fault", "overflow",
-               "restart", "hang", "crash")
+               "restart", "hang", "crash", "quarantine", "rerun")
 
 
 #: Steps in the per-rank own step time of the rank table (the straggler detector's default window).
@@ -134,6 +134,25 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
             "<th>message</th><th>bundle</th></tr>")
     return (f'<table class="grid">{head}{"".join(body)}</table><p class="caption">Replay one with '
             f'<code>vidstab replay RUN_DIR/&lt;bundle&gt;</code>.</p>')
+
+
+def _quarantine_section(log: RunLog) -> str:
+    """The run's quarantine list (:mod:`vidstab.quarantine`): samples kept out of later epochs and resumes."""
+    from ...quarantine import QuarantineList
+
+    qlist = QuarantineList(log.run_dir)
+    entries = qlist.entries()
+    if not entries:
+        return _nodata(f"no quarantined samples ({qlist.path.relative_to(log.run_dir)} is empty or absent)")
+    body = "".join(
+        f"<tr><td>{html.escape(str(e['sample_id']))}</td><td>{html.escape(str(e.get('step')))}</td>"
+        f"<td>{html.escape(str(e.get('rank')))}</td><td>{html.escape(str(e.get('source') or ''))}</td>"
+        f"<td>{html.escape(str(e.get('reason') or ''))}</td><td>{html.escape(str(e.get('bundle') or '-'))}</td></tr>"
+        for e in entries)
+    head = "<tr><th>sample</th><th>step</th><th>rank</th><th>source</th><th>reason</th><th>bundle</th></tr>"
+    return (f'<table class="grid">{head}{body}</table><p class="caption">{len(entries)} sample(s) kept out of later '
+            f"epochs and resumes by <code>vidstab.QuarantinedDataset</code>; release them with "
+            f"<code>vidstab quarantine RUN_DIR --clear [--sample ID]</code>.</p>")
 
 
 def _samples_section(log: RunLog, out_dir: Path) -> str:

@@ -20,10 +20,11 @@ The guarded step, on the last micro-step of an accumulation window (see :meth:`G
 5. after the step is enqueued: detector statistics, events, tracker metrics, incident bundles on the
    offending ranks, rollback request.
 
-Limits: under DeepSpeed the engine steps inside ``accelerator.backward`` and ``clip_grad_norm_``
-returns the norm of a step already applied (or ``None``): vidstab then observes and reports, but a
-SKIP cannot undo that step. Under fp16, a non-finite gradient with finite losses everywhere is a normal
-GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and lowers the scale).
+Under DeepSpeed (ZeRO 1/2/3) the engine's step is taken through :mod:`vidstab.deepspeed_support`: the norm is
+the ZeRO optimizer's pre-step norm, apply is ``engine.step()`` and skip is DeepSpeed's own overflow path; the
+attached loop's step is judged at the last micro-step's ``accelerator.backward`` (where Accelerate steps the
+engine), the explicit one at ``guard.step``. Under fp16, a non-finite gradient with finite losses everywhere is
+a normal GradScaler overflow: ``optimizer.step()`` is still called (the scaler skips and lowers the scale).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import signals
+from .. import deepspeed_support, signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import (Detector, DetectorPlan, StepStats, Verdict, absorb, build_detectors, catch_up, judge,
@@ -124,8 +125,6 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
             signals.is_dtensor(p) for p in self._params
         )
-        # DeepSpeed steps inside accelerator.backward: the guard can only observe and report (module docstring).
-        self._observe_only = str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED")
         # (batch, sample_ids, error) per micro-step; the attached loop's batch is the model's (args, kwargs)
         self._refs: list[tuple[Mapping[str, Any] | tuple | None, Any, Any]] = []
         self._pending: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (param_sq, update_sq)
@@ -137,6 +136,14 @@ class Guard(UserLoopWrapping, GuardReporting):
         self._clip = accelerator.clip_grad_norm_
         self._optimizer_step = optimizer.step
         self._scheduler_step = lr_scheduler.step if lr_scheduler is not None else None
+        # --- DeepSpeed hook (vidstab/deepspeed_support.py): the guard steps the engine itself, once judged. Its
+        # norm is EngineStep.pre_step_norm(), apply is EngineStep.apply, skip EngineStep.skip (in _apply).
+        self._deepspeed: deepspeed_support.EngineStep | None = None
+        if deepspeed_support.is_deepspeed(accelerator):
+            self._deepspeed = deepspeed_support.EngineStep(accelerator, deepspeed_support.engine_of(accelerator, model))
+            self._optimizer_step = self._deepspeed.apply  # Accelerate's DeepSpeed optimizer.step() is a no-op
+            self._param_probe = ParamProbe(self._deepspeed.master_partitions())  # fp32 partitions: summed over ranks
+            self._sharded = True
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._handles: list[Any] = []
         self._user_norm: tuple[torch.Tensor | None, float | None] | None = None  # from the user's clip_grad_norm_
@@ -183,7 +190,10 @@ class Guard(UserLoopWrapping, GuardReporting):
         last = self.accelerator.sync_gradients  # the window's last micro-step: the optimizer step follows
         if last:
             self.clock.mark()
-        self._backward(loss, **backward_kwargs)
+        if self._deepspeed is not None:  # DeepSpeed: the engine's backward only; guard.step steps it
+            self._deepspeed.backward(loss, **backward_kwargs)
+        else:
+            self._backward(loss, **backward_kwargs)
         self._model_inputs = None
         if not self.config.enabled:
             return
@@ -223,6 +233,8 @@ class Guard(UserLoopWrapping, GuardReporting):
             return StepResult(self.step_count, applied=False, skipped=False, micro=True)
         if not self.config.enabled:
             return self._plain_step(max_grad_norm)
+        if self._deepspeed is not None:  # DeepSpeed clips to its own gradient_clipping
+            return self._guarded_step(self._deepspeed.pre_step_norm(), self._deepspeed.max_grad_norm, step_scheduler=True)
         norm = signals.global_grad_norm(self.accelerator, self._params, max_grad_norm, clip=self._clip)
         return self._guarded_step(norm, max_grad_norm, step_scheduler=True)
 
@@ -360,7 +372,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         user's own loop (``step_scheduler=False``) the user's ``lr_scheduler.step()``/``zero_grad()`` follow.
         """
         opt = self.optimizer
-        if verdict <= Verdict.WARN or self._observe_only:
+        if verdict <= Verdict.WARN:
             self._hold_scheduler = False
             before = self._param_probe.snapshot() if measure else None
             _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
@@ -374,6 +386,8 @@ class Guard(UserLoopWrapping, GuardReporting):
             before = None
             self._hold_scheduler = True
             opt.zero_grad(set_to_none=True)  # poisoned grads must never be used
+            if self._deepspeed is not None:  # DeepSpeed's own overflow path: grads dropped, scheduler held
+                self._deepspeed.skip()
             _set_skipped(opt, True)  # -> accelerator.optimizer_step_was_skipped
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:  # clip_grad_norm_ unscaled: close the scaler's step without stepping
@@ -391,7 +405,7 @@ class Guard(UserLoopWrapping, GuardReporting):
         pushed when it is absorbed: :meth:`_absorb_queued`)."""
         if s.applied:
             self._clip_flags.push(s.clipped)
-        if s.verdict >= Verdict.SKIP and not self._observe_only:
+        if s.verdict >= Verdict.SKIP:
             self.skipped_total += 1
         if s.overflow:
             self.overflow_total += 1

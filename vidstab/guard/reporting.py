@@ -46,7 +46,7 @@ class GuardReporting:
         if stop:
             self.events.log("stop", s.step, reason="request_stop")
         incidents = self._capture(s) if s.verdict >= Verdict.SKIP and not s.overflow else []
-        skipped = s.verdict >= Verdict.SKIP and not self._observe_only
+        skipped = s.verdict >= Verdict.SKIP
         return StepResult(
             step=s.step, applied=s.applied, skipped=skipped, micro=False, verdict=s.verdict,
             findings=list(s.findings), grad_norm=s.grad_norm, loss=s.loss, rollback=rollback, stop=stop,

@@ -109,11 +109,17 @@ class UserLoopWrapping:
         last = self.accelerator.gradient_state.sync_gradients
         if last:
             self.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
-        self._backward(loss, **kwargs)
+        ds = self._deepspeed
+        if ds is None:
+            self._backward(loss, **kwargs)
+        else:  # DeepSpeed: the engine's backward only, the step is judged below
+            ds.backward(loss, **kwargs)
         inputs, self._model_inputs = self._model_inputs, None
         # The inputs themselves (named only if an incident is captured: Guard._capture).
         self._refs.append((inputs if self.config.capture_incidents else None, None, None))
         self._hold((loss, None, None, None, False, inputs), last)
+        if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
+            self._guarded_step(ds.pre_step_norm(), ds.max_grad_norm, step_scheduler=False)
 
     def _user_clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
@@ -124,6 +130,8 @@ class UserLoopWrapping:
 
     def _user_optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``optimizer.step()``: the guarded step on the last micro-step, else the original."""
+        if self._deepspeed is not None:  # DeepSpeed: stepped at the backward (_user_backward); a no-op here
+            return None
         if not self.config.enabled or not self.accelerator.gradient_state.sync_gradients:
             return self._optimizer_step(*args, **kwargs)
         if self._user_norm is not None:

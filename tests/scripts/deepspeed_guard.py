@@ -1,0 +1,140 @@
+"""Launched by tests/test_deepspeed.py on 2 CPU processes: a DeepSpeed ZeRO engine through Accelerate, guarded.
+
+Run A takes ``--steps`` optimizer steps (``--accum`` micro-steps each) with three bad steps: a NaN input on
+rank 1 (``--nan_step``), the loss x1e6 on every rank (a gradient spike, ``--spike_step``) and the LR x100 for
+one step (a user's LR bug, ``--lr_step``). Then the engine, scheduler and guard go back to their state before
+step 0 (:class:`vidstab.deepspeed_support.ZeroPartitions`) and run B takes the same batches except the bad
+steps'. Each rank writes ``rank{R}.json``: per step of run A what vidstab, Accelerate and DeepSpeed say, and
+whether a skipped step left the fp32 partitions, the optimizer moments and the module weights bitwise
+unchanged; and whether run A's final state equals run B's bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DeepSpeedPlugin
+
+import vidstab
+from vidstab.deepspeed_support import ZeroPartitions, accelerator_kwargs_handlers
+
+
+def batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(4, 8, generator=g)
+    return x.to(dtype), (x[:, :4] * 2 - 1).float()
+
+
+def state_copy(engine) -> dict[str, torch.Tensor]:
+    """Every tensor the step could change: fp32 partitions, optimizer moments, module weights (local)."""
+    tensors, _ = ZeroPartitions(engine).state()
+    out = {k: v.detach().clone() for k, v in tensors.items()}
+    for n, p in engine.module.named_parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p
+        out["module." + n] = local.detach().clone()
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--mode", default="attach", choices=["attach", "explicit"])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--nan_step", type=int, default=3)
+    ap.add_argument("--spike_step", type=int, default=7)
+    ap.add_argument("--lr_step", type=int, default=9)
+    args = ap.parse_args()
+
+    plugin = DeepSpeedPlugin(zero_stage=args.stage, gradient_accumulation_steps=args.accum, gradient_clipping=1.0)
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=args.precision,
+                              gradient_accumulation_steps=args.accum,
+                              kwargs_handlers=accelerator_kwargs_handlers(use_deepspeed=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.SiLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    engine = model
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    rank = accelerator.process_index
+    config = vidstab.GuardConfig.from_dict({"grad_spike": {"warmup_steps": 4, "ratio_warmup_steps": 3}})
+    if args.mode == "attach":
+        guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=args.out)
+    else:
+        guard = vidstab.Guard(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=args.out)
+    start = (state_copy(engine), ZeroPartitions(engine).state(), lr_scheduler.state_dict(), guard.state_dict())
+    start_tensors = {k: v.clone() for k, v in start[1][0].items()}
+    bad = {args.nan_step, args.spike_step, args.lr_step}
+
+    def run(steps: list[int], record: list | None) -> None:
+        for step in steps:
+            before = state_copy(engine)
+            counters = engine.skipped_steps
+            lr_before = [g["lr"] for g in optimizer.param_groups]
+            if step == args.lr_step and record is not None:
+                for g in optimizer.param_groups:  # a user's bug: the LR x100 for one step
+                    g["lr"] *= 100
+            for micro in range(args.accum):
+                with accelerator.accumulate(model):
+                    x, y = batch(step, micro, rank, dtype)
+                    if step == args.nan_step and rank == 1 and record is not None:
+                        x[0, 0] = math.nan
+                    loss = F.mse_loss(model(x).float(), y)
+                    if step == args.spike_step and record is not None:
+                        loss = loss * 1e6
+                    if args.mode == "attach":
+                        accelerator.backward(loss)
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                        optimizer.step()
+                        lr_scheduler.step()
+                        optimizer.zero_grad()
+                        result = guard.last_result
+                    else:
+                        guard.backward(loss, batch={"x": x, "y": y})
+                        result = guard.step()
+            if step == args.lr_step and record is not None:
+                for g, lr in zip(optimizer.param_groups, lr_before):
+                    g["lr"] = lr
+            if record is not None:
+                record.append({"step": step, "skipped": result.skipped, "applied": result.applied,
+                               "verdict": result.verdict.name, "bad_ranks": result.bad_ranks,
+                               "detectors": sorted({f.detector for f in result.findings}),
+                               "was_skipped": accelerator.optimizer_step_was_skipped,
+                               "ds_skipped": engine.skipped_steps - counters,
+                               "unchanged": same(before, state_copy(engine)),
+                               "grad_norm": result.grad_norm, "lr": lr_scheduler.get_last_lr()[0]})
+
+    steps: list[dict] = []
+    run(list(range(args.steps)), steps)
+    final_a = state_copy(engine)
+    lr_a = lr_scheduler.get_last_lr()
+    # Run B: back to the start (in place, from plain tensors), then every batch but the bad steps'.
+    ZeroPartitions(engine).load(start_tensors, start[1][1])
+    restored = same(state_copy(engine), start[0])
+    lr_scheduler.load_state_dict(start[2])
+    guard.load_state_dict(start[3])
+    run([s for s in range(args.steps) if s not in bad], None)
+    final_b = state_copy(engine)
+    out = {"steps": steps, "restored": restored, "equal_to_reference": same(final_a, final_b),
+           "lr_equal": lr_a == lr_scheduler.get_last_lr(),
+           "finite": all(bool(torch.isfinite(v.float()).all()) for v in final_a.values()),
+           "skipped_total": guard.skipped_total, "engine_skipped": engine.skipped_steps}
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    guard.close()
+
+
+if __name__ == "__main__":
+    main()

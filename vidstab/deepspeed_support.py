@@ -112,6 +112,10 @@ def check_supported(engine: Any) -> None:
     elif getattr(engine, "has_moe_layers", False):
         why = ("DeepSpeed MoE layers are not supported (untested: expert-parallel gradients and partitions); "
                "train the MoE model with FSDP2 or DDP")
+    elif getattr(engine, "lr_scheduler", None) is not None:
+        why = ("an LR scheduler from the DeepSpeed config is not supported (untested: the engine steps it and "
+               "would overwrite the LR back-off of a rollback); pass a torch LR scheduler to accelerator.prepare "
+               "instead (Accelerate steps it with the optimizer and holds it after a skipped step)")
     elif not getattr(engine.optimizer, "compute_grad_norm", True):
         why = "the ZeRO optimizer was built without computing the gradient norm (compute_grad_norm=False)"
     if why:

@@ -18,30 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DeepSpeedPlugin
+from ds_common import batch, build, same, state_copy
 
 import vidstab
-from vidstab.deepspeed_support import ZeroPartitions, accelerator_kwargs_handlers
-
-
-def batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    x = torch.randn(4, 8, generator=g)
-    return x.to(dtype), (x[:, :4] * 2 - 1).float()
-
-
-def state_copy(engine) -> dict[str, torch.Tensor]:
-    """Every tensor the step could change: fp32 partitions, optimizer moments, module weights (local)."""
-    tensors, _ = ZeroPartitions(engine).state()
-    out = {k: v.detach().clone() for k, v in tensors.items()}
-    for n, p in engine.module.named_parameters():
-        local = p.ds_tensor if hasattr(p, "ds_tensor") else p
-        out["module." + n] = local.detach().clone()
-    return out
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+from vidstab.deepspeed_support import ZeroPartitions
 
 
 def main() -> None:
@@ -57,18 +37,8 @@ def main() -> None:
     ap.add_argument("--lr_step", type=int, default=9)
     args = ap.parse_args()
 
-    plugin = DeepSpeedPlugin(zero_stage=args.stage, gradient_accumulation_steps=args.accum, gradient_clipping=1.0)
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
-    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=args.precision,
-                              gradient_accumulation_steps=args.accum,
-                              kwargs_handlers=accelerator_kwargs_handlers(use_deepspeed=True))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.SiLU(), torch.nn.Linear(32, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    accelerator, model, optimizer, lr_scheduler, dtype = build(args.stage, args.precision, args.accum)
     engine = model
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     rank = accelerator.process_index
     config = vidstab.GuardConfig.from_dict({"grad_spike": {"warmup_steps": 4, "ratio_warmup_steps": 3}})
     if args.mode == "attach":

@@ -28,36 +28,41 @@ from vidstab.checkpoint import CheckpointError
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--phase", required=True, choices=["first", "resume", "recovery", "other_world"])
-    ap.add_argument("--stage", type=int, default=2)
-    ap.add_argument("--precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--jobs", required=True, help="PHASE:STAGE:PRECISION[,...] one engine after another; "
+                    "each in OUT/STAGE-PRECISION (PHASE: first, resume, recovery, other_world)")
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--save_every", type=int, default=2)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--spike_batches", default="5,6,7")
     args = ap.parse_args()
+    for job in args.jobs.split(","):
+        phase, stage, precision = job.split(":")
+        run_job(args, phase, int(stage), precision, os.path.join(args.out, f"{stage}-{precision}"))
 
-    accelerator, engine, optimizer, lr_scheduler, dtype = build(args.stage, args.precision, args.accum)
+
+def run_job(args: argparse.Namespace, phase: str, stage: int, precision: str, out: str) -> None:
+    """One phase of the module docstring for one engine; writes ``out/{phase}-rank{R}.json``."""
+    accelerator, engine, optimizer, lr_scheduler, dtype = build(stage, precision, args.accum)
     rank = accelerator.process_index
-    spikes = {int(b) for b in args.spike_batches.split(",")} if args.phase == "recovery" else set()
+    spikes = {int(b) for b in args.spike_batches.split(",")} if phase == "recovery" else set()
     actions = {"grad_spike": {"warmup_steps": 3, "ratio_warmup_steps": 2, "action": "rollback"}}
-    guard = vidstab.attach(accelerator, engine, optimizer, lr_scheduler, run_dir=args.out,
+    guard = vidstab.attach(accelerator, engine, optimizer, lr_scheduler, run_dir=out,
                            config=vidstab.GuardConfig.from_dict(actions if spikes else {}))
-    if args.phase == "other_world":
-        out = {}
+    if phase == "other_world":
+        refusals = {}
         for allow in (False, True):
-            ckpt = CheckpointManager(accelerator, args.out, CheckpointConfig(allow_world_size_change=allow))
+            ckpt = CheckpointManager(accelerator, out, CheckpointConfig(allow_world_size_change=allow))
             for name, obj in (("model", engine), ("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
                 ckpt.register(name, obj)
             try:
                 ckpt.load("latest")
-                out[str(allow)] = None
+                refusals[str(allow)] = None
             except CheckpointError as e:
-                out[str(allow)] = str(e)
-        Path(args.out, f"{args.phase}-rank{rank}.json").write_text(json.dumps(out, indent=1))
+                refusals[str(allow)] = str(e)
+        Path(out, f"{phase}-rank{rank}.json").write_text(json.dumps(refusals, indent=1))
         guard.close()
         return
-    ckpt = CheckpointManager(accelerator, args.out, CheckpointConfig(keep=10))
+    ckpt = CheckpointManager(accelerator, out, CheckpointConfig(keep=10))
     for name, obj in (("model", engine), ("optimizer", optimizer), ("lr_scheduler", lr_scheduler), ("guard", guard)):
         ckpt.register(name, obj)
     recovery = Recovery(accelerator, ckpt, guard, RecoveryConfig(max_retries=2, lr_backoff=0.5))
@@ -93,7 +98,7 @@ def main() -> None:
         return step, position
 
     log: dict = {"saved": {}}
-    if args.phase == "first":
+    if phase == "first":
         step, position = train(0, args.steps, 0, log)
         log["final"] = digest(engine)
         # In-process rollback to an earlier save, then the same steps again.
@@ -102,7 +107,7 @@ def main() -> None:
         log["rollback_restored"] = digest(engine) == log["saved"][str(back)]
         train(state["step"], args.steps, state["position"], {"saved": {}})
         log["rollback_continued"] = digest(engine) == log["final"]
-    elif args.phase == "resume":
+    elif phase == "resume":
         state = recovery.resume("latest")
         log["resumed_step"] = state["step"]
         log["resumed"] = digest(engine)
@@ -116,7 +121,7 @@ def main() -> None:
             log["aborted"] = str(e)
         log["finite"] = ckpt.deepspeed.params_finite({"model": engine})
     ckpt.wait()
-    Path(args.out, f"{args.phase}-rank{rank}.json").write_text(json.dumps(log, indent=1))
+    Path(out, f"{phase}-rank{rank}.json").write_text(json.dumps(log, indent=1))
     guard.close()
 
 

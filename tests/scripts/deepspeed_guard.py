@@ -27,24 +27,66 @@ from vidstab.deepspeed_support import ZeroPartitions
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stage", type=int, default=2)
-    ap.add_argument("--precision", default="no", choices=["no", "bf16"])
-    ap.add_argument("--mode", default="attach", choices=["attach", "explicit"])
+    ap.add_argument("--configs", default="2:no:attach", help="STAGE:PRECISION:MODE[,...], one engine after another")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--nan_step", type=int, default=3)
     ap.add_argument("--spike_step", type=int, default=7)
     ap.add_argument("--lr_step", type=int, default=9)
     args = ap.parse_args()
+    for spec in args.configs.split(","):
+        if spec == "refusals":
+            refusals(Path(args.out, spec))
+            continue
+        stage, precision, mode = spec.split(":")
+        run_config(args, int(stage), precision, mode, Path(args.out, spec.replace(":", "-")))
 
-    accelerator, model, optimizer, lr_scheduler, dtype = build(args.stage, args.precision, args.accum)
+
+def refusals(out: Path) -> None:
+    """What vidstab refuses at attach (and the checkpoint manager at construction), on real engines:
+    ``out/rank{R}.json`` maps each set-up to the message (None: accepted)."""
+    import deepspeed
+
+    from vidstab import CheckpointManager
+    from vidstab.checkpoint import CheckpointError
+    from vidstab.deepspeed_support import DeepSpeedUnsupported
+
+    cases = {"stage0": dict(stage=0), "offload_param": dict(stage=3, zero_extra={"offload_param": {"device": "cpu"}}),
+             "ds_scheduler": dict(ds_scheduler=True), "other_version": {}, "accepted": {}}
+    found = {}
+    for name, kwargs in cases.items():
+        accelerator, engine, optimizer, lr_scheduler, _ = build(kwargs.pop("stage", 2), "no", 1, **kwargs)
+        version = deepspeed.__version__
+        if name == "other_version":
+            deepspeed.__version__ = "0.99.0"
+        messages = []
+        try:
+            for make in (lambda: vidstab.attach(accelerator, engine, optimizer, lr_scheduler, run_dir=out / name),
+                         lambda: CheckpointManager(accelerator, str(out / name))):
+                try:
+                    made = make()
+                    messages.append(None)
+                    if isinstance(made, vidstab.Guard):
+                        made.close()
+                except (DeepSpeedUnsupported, CheckpointError) as e:
+                    messages.append(str(e))
+        finally:
+            deepspeed.__version__ = version
+        found[name] = messages
+    out.mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(found, indent=1))
+
+
+def run_config(args: argparse.Namespace, stage: int, precision: str, mode: str, out: Path) -> None:
+    """Runs A and B of the module docstring for one engine; writes ``out/rank{R}.json``."""
+    accelerator, model, optimizer, lr_scheduler, dtype = build(stage, precision, args.accum)
     engine = model
     rank = accelerator.process_index
     config = vidstab.GuardConfig.from_dict({"grad_spike": {"warmup_steps": 4, "ratio_warmup_steps": 3}})
-    if args.mode == "attach":
-        guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=args.out)
+    if mode == "attach":
+        guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=out)
     else:
-        guard = vidstab.Guard(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=args.out)
+        guard = vidstab.Guard(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=out)
     start = (state_copy(engine), ZeroPartitions(engine).state(), lr_scheduler.state_dict(), guard.state_dict())
     start_tensors = {k: v.clone() for k, v in start[1][0].items()}
     bad = {args.nan_step, args.spike_step, args.lr_step}
@@ -65,7 +107,7 @@ def main() -> None:
                     loss = F.mse_loss(model(x).float(), y)
                     if step == args.spike_step and record is not None:
                         loss = loss * 1e6
-                    if args.mode == "attach":
+                    if mode == "attach":
                         accelerator.backward(loss)
                         accelerator.clip_grad_norm_(model.parameters(), 1.0)
                         optimizer.step()
@@ -98,11 +140,11 @@ def main() -> None:
     guard.load_state_dict(start[3])
     run([s for s in range(args.steps) if s not in bad], None)
     final_b = state_copy(engine)
-    out = {"steps": steps, "restored": restored, "equal_to_reference": same(final_a, final_b),
+    report = {"steps": steps, "restored": restored, "equal_to_reference": same(final_a, final_b),
            "lr_equal": lr_a == lr_scheduler.get_last_lr(),
            "finite": all(bool(torch.isfinite(v.float()).all()) for v in final_a.values()),
            "skipped_total": guard.skipped_total, "engine_skipped": engine.skipped_steps}
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     guard.close()
 
 

@@ -535,13 +535,19 @@ class CheckpointManager:
         """Refuse (every rank alike, from the same files) a checkpoint of another world size. The first
         candidate with a readable manifest decides: a run's checkpoints share one world size, so falling
         back past it would only list the same refusal for each."""
-        if self.config.allow_world_size_change:
+        if self.config.allow_world_size_change and self.deepspeed is None:
             return
         for p in cands:
             try:
                 saved = layout.read_manifest(p).get("world_size")
             except CheckpointError:
                 continue
+            if saved is not None and saved != self.world_size and self.deepspeed is not None:
+                raise CheckpointError(
+                    f"{rel(p, self.output_dir)} was written by {saved} processes; this run has {self.world_size}. "
+                    "A DeepSpeed checkpoint of vidstab holds each rank's ZeRO partitions and resumes on the same "
+                    f"number of processes only (allow_world_size_change does not apply): relaunch with "
+                    f"--num_processes {saved}")
             if saved is not None and saved != self.world_size:
                 raise CheckpointError(
                     f"{rel(p, self.output_dir)} was written by {saved} process{'es' if saved != 1 else ''}; this run "

@@ -39,6 +39,7 @@ import sharding  # recipes/sharding.py: --fsdp
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from vidstab.deepspeed_support import accelerator_kwargs_handlers
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -90,6 +91,8 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
         # One optimizer step is exactly `gradient_accumulation_steps` micro-batches, across epoch ends too.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # accelerate launch --use_deepspeed on CPU: the gloo process group, without DeepSpeed's C++ shm op build.
+        kwargs_handlers=accelerator_kwargs_handlers(),
     )
 
 
@@ -196,6 +199,9 @@ class Run:
         lr_scheduler = get_scheduler(args.lr_scheduler, optimizer, **lr_scheduler_kwargs(args, acc.num_processes))
         self.model, self.optimizer, self.dataloader, self.lr_scheduler = sharding.prepare(
             acc, args.fsdp, self.model, optimizer, dataloader, lr_scheduler)
+        if args.use_ema and getattr(self.model, "zero_optimization_partition_weights", lambda: False)():
+            raise SystemExit("--use_ema is not supported under DeepSpeed ZeRO-3 (each rank holds a partition of the "
+                             "weights): use --zero_stage 1 or 2 with --use_ema")
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
         unwrapped = acc.unwrap_model(self.model)

@@ -109,6 +109,11 @@ def test_deepspeed_checkpoints_roll_back_in_process_and_resume_in_a_fresh_launch
     manifest = json.loads((root / "step_000008" / "manifest.json").read_text())
     assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
     assert {"model-rank0.safetensors", "model-rank1.safetensors", "model.json"} <= set(manifest["files"])
+    from safetensors import safe_open
+
+    with safe_open(root / "step_000008" / "model.safetensors", "pt") as weights:  # full, for vidstab replay
+        assert {k: weights.get_slice(k).get_shape() for k in weights.keys()} == {
+            "0.weight": [32, 8], "0.bias": [32], "2.weight": [4, 32], "2.bias": [4]}
     assert (root / "latest").read_text().strip() == "step_000008"
     assert (root / "last_good").read_text().strip() == "step_000008"
 
@@ -187,13 +192,19 @@ def test_the_reference_trainer_runs_under_accelerate_launch_use_deepspeed_at_eac
     assert set(commands) == {"1", "2", "3"}, commands
     out = tmp_path / "z3"
     launch_trainer(commands["3"], out, "--max_train_steps", "4", "--checkpointing_steps", "2",
-                   "--inject_fault", "nan_batch@1:1")
+                   "--inject_fault", "nan_batch@3:1")
     for rank in (0, 1):
         (skip,) = events_of(out, rank, "skip")
-        assert skip["step"] == 1 and skip["bad_ranks"] == [1] and skip["detector"] == "nonfinite"
+        assert skip["step"] == 3 and skip["bad_ranks"] == [1] and skip["detector"] == "nonfinite"
     manifest = json.loads((out / "vidstab" / "checkpoints" / "step_000004" / "manifest.json").read_text())
     assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
     assert (out / "transformer" / "diffusion_pytorch_model.safetensors").exists()
+    # The bundle rank 1 wrote replays on the full weights of the checkpoint it names (gathered at ZeRO-3).
+    from vidstab.tools.replay import replay
+
+    (incident,) = events_of(out, 1, "incident")
+    report = replay(out / incident["path"])
+    assert report.checkpoint_step == 2 and report.reproduced is True
     launch_trainer(commands["3"], out, "--max_train_steps", "6", "--checkpointing_steps", "2",
                    "--resume_from_checkpoint", "latest")
     (resume,) = events_of(out, 0, "resume")

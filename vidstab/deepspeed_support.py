@@ -264,6 +264,18 @@ class ZeroPartitions:
         return None
 
     @torch.no_grad()
+    def full_weights(self, main: bool) -> dict[str, torch.Tensor] | None:
+        """The module's full state dict (its training dtype) on the main process (``main``), None elsewhere. At
+        ZeRO-3 the parameters are gathered from the partitions: a collective, every rank calls it."""
+        module = self.engine.module
+        if self.stage != 3:
+            return {k: v.detach().clone() for k, v in module.state_dict().items()} if main else None
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()} if main else None
+
+    @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor], structure: dict) -> None:
         base = self.zero.optimizer
         for group, saved in zip(base.param_groups, structure["param_groups"]):

@@ -5,6 +5,8 @@ DeepSpeed's own checkpoints (``engine.save_checkpoint``, ``accelerator.save_stat
 (:class:`vidstab.deepspeed_support.ZeroPartitions`); the module weights are rebuilt from them at load::
 
     model.json                    the engine's layout (ZeRO stage, world size, partition sizes; main process)
+    model.safetensors             the module's full weights in their training dtype (main process; gathered at
+                                  ZeRO-3): what ``vidstab replay`` loads; a resume reads the partitions
     model-rank{R}.safetensors     rank R's fp32 master partitions and their optimizer state (Adam's moments)
     model-rank{R}.json            rank R's layout, the optimizer's non-tensor state and param-group values,
                                   the engine's step counters
@@ -41,6 +43,7 @@ class DeepSpeedBackend(FullStateBackend):
     """Snapshot, decode and apply a DeepSpeed run's state (see module doc)."""
 
     name = "deepspeed"
+    _full_weight_files: set[str] = set()
 
     def _split(self, objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """(engines, their optimizers, everything else) among the registered objects."""
@@ -65,8 +68,10 @@ class DeepSpeedBackend(FullStateBackend):
                 raise TypeError(f"{n}: non-tensor optimizer state holds tensors: {sorted(values)[:3]}")
             files.append(FileSpec(f"{stem}-rank{self.rank}.safetensors", tensors=tensors, metadata={"format": "pt"}))
             files.append(FileSpec(f"{stem}-rank{self.rank}.json", data=sio.dumps(struct)))
+            full = parts.full_weights(self.is_main)  # a collective at ZeRO-3
             if self.is_main:
                 files.append(FileSpec(f"{stem}.json", data=json.dumps(parts.layout()).encode()))
+                files.append(FileSpec(f"{stem}.safetensors", tensors=full, metadata={"format": "pt"}))
         if self.is_main:
             for n in optimizers:
                 marker = {"deepspeed": "this optimizer's state is in the model's per-rank files"}
@@ -78,10 +83,14 @@ class DeepSpeedBackend(FullStateBackend):
         out = super().needed_files(others)
         for n in (*engines, *optimizers):
             out[f"{file_stem(n)}.json"] = n
+        self._full_weight_files = {f"{file_stem(n)}.safetensors" for n in engines}
         return out
 
     def keep_file(self, f: str) -> bool:
-        """This rank reads its own partitions only (the others' are verified by their owners and rank 0)."""
+        """This rank reads its own partitions only (the others' are verified by their owners and rank 0), not
+        the full weights (for replay; a load rebuilds them from the partitions)."""
+        if f in self._full_weight_files:
+            return False
         stem, sep, rest = f.rpartition("-rank")
         return not (sep and rest.split(".")[0].isdigit() and rest.split(".")[0] != str(self.rank)
                     and not f.startswith("rng-rank"))

@@ -76,6 +76,8 @@ def full_model(accelerator: Accelerator, model: torch.nn.Module, model_class: ty
     unwrapped = accelerator.unwrap_model(model)
     from vidstab.signals import is_dtensor
 
+    if getattr(model, "zero_optimization_partition_weights", lambda: False)():  # DeepSpeed ZeRO-3: partitioned
+        return _gathered_zero3(accelerator, unwrapped, model_class)
     if not any(is_dtensor(p) for p in unwrapped.parameters()):
         return unwrapped
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -84,6 +86,21 @@ def full_model(accelerator: Accelerator, model: torch.nn.Module, model_class: ty
     if not accelerator.is_main_process:
         return None
     plain = model_class.from_config(unwrapped.config)
+    plain.load_state_dict(state, strict=True)
+    return plain.to(accelerator.device)
+
+
+def _gathered_zero3(accelerator: Accelerator, module: torch.nn.Module, model_class: type) -> torch.nn.Module | None:
+    """A ZeRO-3 module's full weights, gathered on every rank (a collective), copied into a fresh plain model on
+    the main process (``None`` on the others)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        state = ({k: v.detach().clone() for k, v in module.state_dict().items()}
+                 if accelerator.is_main_process else None)
+    if state is None:
+        return None
+    plain = model_class.from_config(module.config)
     plain.load_state_dict(state, strict=True)
     return plain.to(accelerator.device)
 

@@ -57,6 +57,7 @@ import sharding  # recipes/sharding.py: --fsdp
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from vidstab.deepspeed_support import accelerator_kwargs_handlers
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -108,6 +109,8 @@ def build_accelerator(args: argparse.Namespace) -> Accelerator:
         # One optimizer step is exactly `gradient_accumulation_steps` micro-batches, across epoch ends too.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # accelerate launch --use_deepspeed on CPU: the gloo process group, without DeepSpeed's C++ shm op build.
+        kwargs_handlers=accelerator_kwargs_handlers(),
     )
 
 
@@ -216,6 +219,14 @@ class Run:
         lr_scheduler = get_scheduler(args.lr_scheduler, optimizer, **lr_scheduler_kwargs(args, acc.num_processes))
         self.model, self.optimizer, self.dataloader, self.lr_scheduler = sharding.prepare(
             acc, args.fsdp, self.model, optimizer, dataloader, lr_scheduler)
+        ds_clip = getattr(self.model, "gradient_clipping", None)  # DeepSpeed clips inside its own step
+        if ds_clip is not None and float(ds_clip() or 0.0) != float(args.max_grad_norm or 0.0):
+            raise SystemExit(f"--max_grad_norm {args.max_grad_norm} differs from DeepSpeed's gradient_clipping "
+                             f"{ds_clip()}, which is what clips under DeepSpeed: pass the same value to accelerate "
+                             f"launch --gradient_clipping (or in the DeepSpeed config)")
+        if args.use_ema and getattr(self.model, "zero_optimization_partition_weights", lambda: False)():
+            raise SystemExit("--use_ema is not supported under DeepSpeed ZeRO-3 (each rank holds a partition of the "
+                             "weights): use --zero_stage 1 or 2 with --use_ema")
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
         unwrapped = acc.unwrap_model(self.model)

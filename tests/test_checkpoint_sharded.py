@@ -84,15 +84,15 @@ def test_no_checkpoint_or_incident_file_is_a_pickle_or_a_zip(tmp_path):
         assert_no_pickle_or_zip(tmp_path / INCIDENTS_DIR)
 
 
-def test_deepspeed_engine_is_refused_at_construction_with_what_to_use_instead(tmp_path):
+def test_deepspeed_pipeline_engine_is_refused_at_registration_with_the_reason(tmp_path):
     acc = Accelerator(cpu=True)
 
-    class DeepSpeedEngine(torch.nn.Module):  # what deepspeed.initialize returns, by type name
+    class PipelineEngine(torch.nn.Module):  # DeepSpeed's pipeline engine, by type name
         pass
 
     ckpt = CheckpointManager(acc, str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"DeepSpeed.*accelerator.save_state.*fsdp_version 2"):
-        ckpt.register("model", DeepSpeedEngine())
+    with pytest.raises(CheckpointError, match=r"pipeline engine is not supported.*train_batch"):
+        ckpt.register("model", PipelineEngine())
 
 
 def _start_plain(n: int, script: str, *args: str, nodes: bool = False) -> list[subprocess.Popen]:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/install.md", "docs/troubleshooting.md", "docs/ARCHITECTURE.md", "docs/PRACTICES.md", "benchmarks/RESULTS.md"]
+DOCS = ["README.md", "docs/install.md", "docs/troubleshooting.md", "docs/ARCHITECTURE.md", "docs/PRACTICES.md", "docs/deepspeed.md",
+        "benchmarks/RESULTS.md"]
 # Source folders of this repository. ``vidstab/...`` paths count only as source files (``.py`` or a
 # package folder): ``vidstab/recovery.json`` and ``vidstab/checkpoints/`` are paths inside a run folder.
 CITED = re.compile(r"`((?:tests|benchmarks|recipes|examples|scripts|docs)/[\w/.*\-]+|vidstab/[\w/\-]+(?:\.py)?)[`:( ]")

@@ -15,7 +15,7 @@ import vidstab
 REPO = Path(__file__).parent.parent
 #: Packages only the tools or the reference trainer need (pyproject's extras), and our own upper layers.
 BLOCKED = ("vidstab.reference", "vidstab.tools", "diffusers", "einops", "datasets", "av", "matplotlib",
-           "tensorboard")
+           "tensorboard", "deepspeed", "transformers")
 
 
 def core_modules() -> list[str]:

@@ -111,7 +111,7 @@ class StepRerun:
         run_dir: the run folder (event log, quarantine list, suspect hosts).
         events: the guard's :class:`~vidstab.events.EventLog`.
         sharded: the model is sharded (FSDP): every rank re-runs together, no peer check.
-        observe_only: DeepSpeed, which applied the step already: nothing is re-run.
+        observe_only: DeepSpeed, whose engine a rank cannot re-run alone: nothing is re-run.
         peer_check: send a reproduced rank's micro-batches to a peer (DDP, two or more processes).
         quarantine: quarantine the samples a ``data`` verdict names.
     """
@@ -139,7 +139,7 @@ class StepRerun:
             return None
         why = None
         if self.observe_only:
-            why = "DeepSpeed applied the step inside backward: the weights changed, a rerun would not be on the same ones"
+            why = "under DeepSpeed a rerun would have to go through the engine's own forward and backward: not re-run"
         elif replay_fn is None:
             why = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
         elif not refs or any(b is None for b, _, _ in refs):

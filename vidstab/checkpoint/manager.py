@@ -26,6 +26,7 @@ import torch
 
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
+from ..deepspeed_support import is_deepspeed
 from ..events import log_event
 from ..exit_fence import register_exit_fence
 from ..limits import read_json_file
@@ -92,9 +93,16 @@ class CheckpointManager:
         _refuse_unsupported(accelerator)
         self.full_state = FullStateBackend(accelerator, self.config)
         self.sharded = ShardedBackend(accelerator, self.config)
-        for backend in (self.full_state, self.sharded):
-            backend.is_main = self.is_main
-            backend.node_local = self.node_local
+        self.deepspeed = None
+        """The DeepSpeed backend (:mod:`.deepspeed_backend`): every save of a DeepSpeed run, and only those."""
+        if is_deepspeed(accelerator):
+            from .deepspeed_backend import DeepSpeedBackend
+
+            self.deepspeed = DeepSpeedBackend(accelerator, self.config)
+        for backend in (self.full_state, self.sharded, self.deepspeed):
+            if backend is not None:
+                backend.is_main = self.is_main
+                backend.node_local = self.node_local
         self.group = _checkpoint_group(self.world_size, self.config.rank_timeout_s)
         """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
         background thread while training uses the default group, and a dead peer errors within seconds."""
@@ -141,7 +149,9 @@ class CheckpointManager:
     @property
     def backend(self) -> FullStateBackend:
         """The backend the next save uses: sharded (DCP) when a registered model has DTensor parameters
-        (FSDP2) or ``CheckpointConfig.sharded`` says so, else full state."""
+        (FSDP2) or ``CheckpointConfig.sharded`` says so, else full state; DeepSpeed's under DeepSpeed."""
+        if self.deepspeed is not None:
+            return self.deepspeed
         want = self.config.sharded
         if want is None:
             want = any(isinstance(o, torch.nn.Module) and has_dtensor_params(self.accelerator.unwrap_model(o))
@@ -149,7 +159,13 @@ class CheckpointManager:
         return self.sharded if want else self.full_state
 
     def _backend_of(self, manifest: dict) -> FullStateBackend:
-        return self.sharded if manifest.get("backend") == ShardedBackend.name else self.full_state
+        kind = manifest.get("backend")
+        if (kind == "deepspeed") != (self.deepspeed is not None):
+            raise CheckpointError("written by a DeepSpeed run; this run does not use DeepSpeed" if kind == "deepspeed"
+                                  else "not written by a DeepSpeed run; a DeepSpeed run loads only its own checkpoints")
+        if self.deepspeed is not None:
+            return self.deepspeed
+        return self.sharded if kind == ShardedBackend.name else self.full_state
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
@@ -531,13 +547,19 @@ class CheckpointManager:
         """Refuse (every rank alike, from the same files) a checkpoint of another world size. The first
         candidate with a readable manifest decides: a run's checkpoints share one world size, so falling
         back past it would only list the same refusal for each."""
-        if self.config.allow_world_size_change:
+        if self.config.allow_world_size_change and self.deepspeed is None:
             return
         for p in cands:
             try:
                 saved = layout.read_manifest(p).get("world_size")
             except CheckpointError:
                 continue
+            if saved is not None and saved != self.world_size and self.deepspeed is not None:
+                raise CheckpointError(
+                    f"{rel(p, self.output_dir)} was written by {saved} processes; this run has {self.world_size}. "
+                    "A DeepSpeed checkpoint of vidstab holds each rank's ZeRO partitions and resumes on the same "
+                    f"number of processes only (allow_world_size_change does not apply): relaunch with "
+                    f"--num_processes {saved}")
             if saved is not None and saved != self.world_size:
                 raise CheckpointError(
                     f"{rel(p, self.output_dir)} was written by {saved} process{'es' if saved != 1 else ''}; this run "
@@ -559,6 +581,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ collectives
     def _params_finite_here(self) -> bool:
         """Whether this rank's (local shards of the) registered models' parameters are all finite."""
+        if self.deepspeed is not None:
+            return self.deepspeed.params_finite(self._objects)
         return all_finite(p for o in self._objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters())
 
     def _all_ok(self, ok: bool) -> bool:
@@ -609,19 +633,16 @@ def _checkpoint_group(world_size: int, timeout_s: float):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-_DEEPSPEED_MSG = ("vidstab checkpoints cannot serve a DeepSpeed engine yet (its ZeRO-partitioned optimizer "
-                  "and engine state live outside torch state dicts). Use accelerator.save_state()/load_state() "
-                  "for DeepSpeed runs -- the vidstab guard (detection, lockstep skip, incident bundles) still "
-                  "works there, but rollback to last_good does not -- or train with FSDP2 "
-                  "(accelerate launch --use_fsdp --fsdp_version 2), whose checkpoints vidstab shards with DCP.")
-
-
 def _refuse_unsupported(accelerator) -> None:
     """Refuse, at construction, the set-ups these checkpoints cannot serve (never hang later)."""
     state = getattr(accelerator, "state", None)
-    dtype = str(getattr(getattr(accelerator, "distributed_type", None), "value", getattr(accelerator, "distributed_type", "")))
-    if getattr(state, "deepspeed_plugin", None) is not None or dtype.upper() == "DEEPSPEED":
-        raise CheckpointError(_DEEPSPEED_MSG)
+    if is_deepspeed(accelerator):
+        from ..deepspeed_support import DeepSpeedUnsupported, check_supported, engine_of
+
+        try:
+            check_supported(engine_of(accelerator))
+        except DeepSpeedUnsupported as e:
+            raise CheckpointError(str(e)) from None
     plugin = getattr(state, "fsdp_plugin", None)
     if plugin is not None and int(getattr(plugin, "fsdp_version", 1) or 1) < 2:
         raise CheckpointError("vidstab checkpoints serve FSDP2 (DTensor parameters, saved with DCP), not FSDP1: "
@@ -630,8 +651,9 @@ def _refuse_unsupported(accelerator) -> None:
 
 def _refuse_unsupported_object(name: str, obj: Any) -> None:
     kind = type(obj).__name__
-    if kind in ("DeepSpeedEngine", "PipelineEngine") or type(obj).__module__.startswith("deepspeed"):
-        raise CheckpointError(f"cannot register {name!r}: " + _DEEPSPEED_MSG)
+    if kind == "PipelineEngine":
+        raise CheckpointError(f"cannot register {name!r}: DeepSpeed's pipeline engine is not supported (its "
+                              "train_batch() leaves no point between the gradients and the update)")
     if kind == "FullyShardedDataParallel":
         raise CheckpointError(f"cannot register {name!r}: FSDP1 modules are not supported; use FSDP2 (fully_shard, "
                               "or accelerate launch --use_fsdp --fsdp_version 2)")

@@ -15,9 +15,10 @@ detectors                    the judges (:mod:`vidstab.detectors`), one instance
 :class:`UserLoopPatches`     the patches on the user's own calls (``attach``)
 ===========================  ===================================================================================
 
-Limits: under DeepSpeed the engine steps inside ``accelerator.backward`` and ``clip_grad_norm_`` returns the
-norm of a step already applied (or ``None``): vidstab then observes and reports, but a SKIP cannot undo that
-step. Under fp16, a non-finite gradient with finite losses everywhere is a normal GradScaler overflow:
+Under DeepSpeed (ZeRO 1/2/3) the engine's step is taken through :mod:`vidstab.deepspeed_support`: the norm is
+the ZeRO optimizer's pre-step norm, apply is ``engine.step()`` and skip is DeepSpeed's own overflow path; the
+attached loop's step is judged at the last micro-step's ``accelerator.backward`` (where Accelerate steps the
+engine), the explicit one at ``guard.step``. Under fp16, a non-finite gradient with finite losses everywhere is a normal GradScaler overflow:
 ``optimizer.step()`` is still called (the scaler skips and lowers the scale).
 """
 
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import signals
+from .. import deepspeed_support, signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import Detector, StepStats, Verdict, absorb, build_detectors, judge, published
@@ -91,18 +92,21 @@ class Guard:
         # The originals of the calls attach() wraps: the guard itself always calls these.
         self.original_backward = accelerator.backward
         self.original_clip = accelerator.clip_grad_norm_
+        # DeepSpeed: the guard steps the engine itself, once judged (vidstab/deepspeed_support.py).
+        self.deepspeed = (deepspeed_support.EngineStep(accelerator, deepspeed_support.engine_of(accelerator, model))
+                          if deepspeed_support.is_deepspeed(accelerator) else None)
+        self.sharded = self.sharded or self.deepspeed is not None  # ZeRO partitions: their sums add over ranks
         self.recorder = StepRecorder(accelerator.device, self.config)
         self.layout = self.recorder.window.layout
         self.detectors: list[Detector] = build_detectors(self.config, self.world_size)
-        self.control = OptimizerControl(
-            accelerator, optimizer, lr_scheduler, self.params, self.config.param_norm_every,
-            observe_only=str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"))
+        self.control = OptimizerControl(accelerator, optimizer, lr_scheduler, self.params, self.config.param_norm_every,
+                                        engine_step=self.deepspeed)
         self.reporter = Reporter(accelerator, model, optimizer, self.config, self.run_dir, rank=self.rank,
                                  world_size=self.world_size, sharded=self.sharded, model_spec=model_spec, seed=seed,
                                  checkpoint_fn=checkpoint_fn)
         self.lr = LRMultiplier(optimizer, lr_scheduler)
         self.rerun = StepRerun(accelerator, model, self.run_dir, self.events, sharded=self.sharded,
-                               observe_only=self.control.observe_only, peer_check=self.config.rerun_peer_check,
+                               observe_only=self.deepspeed is not None, peer_check=self.config.rerun_peer_check,
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
@@ -162,7 +166,8 @@ class Guard:
         cover; ``batch``: what an incident bundle holds)."""
         if self.accelerator.sync_gradients:
             self.recorder.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
-        self.original_backward(loss, **(backward_kwargs or {}))
+        backward = self.deepspeed.backward if self.deepspeed is not None else self.original_backward
+        backward(loss, **(backward_kwargs or {}))  # under DeepSpeed without the engine step Accelerate chains to it
         if self.config.enabled:
             self.recorder.record(loss, inputs, batch, sample_ids, per_sample_loss, timesteps, error,
                                  None if bucket is None else str(bucket))
@@ -175,6 +180,8 @@ class Guard:
             self.control.plain_step(self.original_clip, self.params, max_grad_norm)
             self.step_count += 1
             return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
+        if self.deepspeed is not None:  # DeepSpeed clips to its own gradient_clipping
+            return self.guarded_step(self.deepspeed.pre_step_norm(), self.deepspeed.max_grad_norm, step_scheduler=True)
         norm = signals.global_grad_norm(self.accelerator, self.params, max_grad_norm, clip=self.original_clip)
         return self.guarded_step(norm, max_grad_norm, step_scheduler=True)
 
@@ -198,7 +205,7 @@ class Guard:
             rows = signals.gather_rows(local, self.world_size)
             stats = judge(self.detectors, self._stats(step, summary, rows, max_grad_norm, scale is not None))
         # 3. Apply or skip: nothing else runs between the read and the optimizer step.
-        skipped = stats.verdict >= Verdict.SKIP and not self.control.observe_only
+        skipped = stats.verdict >= Verdict.SKIP
         measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
             self.control.skip(measure)

@@ -21,14 +21,16 @@ class OptimizerControl:
     """Owns the optimizer's and the scheduler's step functions (the originals) and whether the scheduler is held."""
 
     def __init__(self, accelerator: Any, optimizer: Any, lr_scheduler: Any, params: list[torch.nn.Parameter],
-                 param_norm_every: int, observe_only: bool) -> None:
+                 param_norm_every: int, engine_step: Any = None) -> None:
         self.accelerator, self.optimizer, self.lr_scheduler = accelerator, optimizer, lr_scheduler
-        self.optimizer_step = optimizer.step
+        self.engine_step = engine_step
+        """DeepSpeed's :class:`~vidstab.deepspeed_support.EngineStep` (Accelerate's optimizer.step() is a no-op
+        there): apply is ``engine.step()``, skip DeepSpeed's own overflow path, the weights its fp32 partitions."""
+        self.optimizer_step = engine_step.apply if engine_step is not None else optimizer.step
         self.scheduler_step = lr_scheduler.step if lr_scheduler is not None else None
-        self.probe = ParamProbe([p for p in params if p.requires_grad])
+        self.probe = ParamProbe(engine_step.master_partitions() if engine_step is not None
+                                else [p for p in params if p.requires_grad])
         self.param_norm_every = param_norm_every
-        self.observe_only = observe_only
-        """DeepSpeed steps inside ``accelerator.backward``: nothing is left to apply or skip here."""
         self.scheduler_held = False
         """A step was skipped: the user's next ``lr_scheduler.step()`` does nothing."""
         self.param_sums: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
@@ -74,6 +76,8 @@ class OptimizerControl:
         ``measure``: take the weights' norm (no update to measure)."""
         self.scheduler_held = True
         self.optimizer.zero_grad(set_to_none=True)
+        if self.engine_step is not None:  # DeepSpeed's own overflow path: grads dropped, its scheduler held
+            self.engine_step.skip()
         _set_skipped(self.optimizer, True)
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:  # clip_grad_norm_ unscaled: close the scaler's step without stepping

@@ -96,7 +96,11 @@ class UserLoopPatches:
             data: Any = named
         else:  # per-sample scalars (timesteps, sigmas: [B] up to 1000) are not data: they would hide the latents' scale
             data = [t for t in named.values() if t.dim() >= 2]
+        last = g.accelerator.sync_gradients
         g.record_backward(loss, data, named, backward_kwargs=kwargs)
+        ds = g.deepspeed
+        if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
+            g.guarded_step(ds.pre_step_norm(), ds.max_grad_norm, step_scheduler=False)
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
@@ -109,6 +113,8 @@ class UserLoopPatches:
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``optimizer.step()``: the guarded step on the last micro-step, else the original."""
         g = self.guard
+        if g.deepspeed is not None:  # DeepSpeed: stepped at the last micro-step's backward
+            return None
         if not g.config.enabled or not g.accelerator.sync_gradients:
             return g.control.optimizer_step(*args, **kwargs)
         if self.user_norm is not None:

@@ -48,6 +48,7 @@ from ..elastic import check_world_size
 from ..events import EventLog
 from ..exit_fence import register_exit_fence
 from ..lr import LRMultiplier
+from ..run_record import run_environment
 from .healthy import GRAD_NORM, LOSS, MAX_QUEUED, PARAM_NORM, QueuedStep, host_row_values, queued_stats, table_values
 from .param_probe import ParamProbe
 from .reporting import GuardReporting
@@ -159,7 +160,8 @@ class Guard(UserLoopWrapping, GuardReporting):
         if register_hooks and hasattr(accelerator, "register_save_state_pre_hook"):
             self._handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
             self._handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
-        self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict())
+        self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
+                        run=run_environment(accelerator))
 
     # ------------------------------------------------------------------ hot path
     def backward(

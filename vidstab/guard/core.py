@@ -573,7 +573,7 @@ def _set_skipped(optimizer: Any, skipped: bool) -> None:
 
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | None = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -585,6 +585,9 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     for loops that want the batch, sample ids and per-sample losses in the evidence. The guard's state
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
+    ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
     existing = getattr(optimizer, ATTACHED_ATTR, None)
@@ -592,8 +595,16 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
         return existing
     if isinstance(existing, Guard):
         existing.detach()
-    return Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    guard = Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    if rollback_every:
+        from ..auto_rollback import AutoRollback
+
+        guard.auto_rollback = AutoRollback(guard, rollback_every)
+    return guard
 
 
 # help(attach) and IDEs show Guard's own parameters: one signature, declared once (on Guard.__init__).
-attach.__signature__ = inspect.signature(Guard).replace(return_annotation="Guard")
+_guard_signature = inspect.signature(Guard)
+attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
+    *_guard_signature.parameters.values(),
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])

@@ -22,6 +22,9 @@ ATTACHED_ATTR = "_vidstab_guard"
 class UserLoopWrapping:
     """The :class:`~vidstab.guard.Guard` methods that patch and stand in for the user's own calls."""
 
+    auto_rollback: Any = None
+    """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: called after each step."""
+
     def wrap(self) -> Any:
         """Guard the user's own calls on these instances (what :func:`attach` does); undone by :meth:`detach`."""
         if self._patches:
@@ -131,6 +134,8 @@ class UserLoopWrapping:
         else:  # the loop does not clip: measure the global norm once, without clipping
             norm, max_norm = signals.global_grad_norm(self.accelerator, self._params, None, clip=self._clip), None
         self._guarded_step(norm, max_norm, step_scheduler=False)
+        if self.auto_rollback is not None:
+            self.auto_rollback.after_step()
         return None
 
     def _user_scheduler_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -120,7 +120,8 @@ def test_nan_on_rank1_and_an_lr_spike_for_three_steps_are_skipped(tmp_path):
                             timeout=300)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = json.loads((bundle / "replay_report.json").read_text())
-    assert report["culprit_samples"] == ["#1"], report
+    assert report["reproduced"] and report["data"]["culprits"] == ["#1"], report["verdict"]
+    assert "leave-one-out names #1" in replay.stdout
 
 
 def test_an_lr_spike_for_good_rolls_back_in_place_then_aborts_with_the_replay_command(tmp_path):

@@ -596,6 +596,12 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     if isinstance(existing, Guard):
         existing.detach()
     guard = Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    if guard.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
+        from ..replay_record import OutputGradients, model_spec_of
+
+        guard.model_spec = model_spec_of(accelerator.unwrap_model(model))
+        if guard.model_spec is not None:
+            guard.output_gradients = OutputGradients(model, accelerator)
     if rollback_every:
         from ..auto_rollback import AutoRollback
 

@@ -15,6 +15,7 @@ from .. import capture, signals as S
 from ..detectors import Finding, StepStats, Verdict, published
 from ..events import log_to_trackers
 from ..localize import locate_nonfinite
+from ..replay_record import OUTPUT_GRAD_KEY
 from .result import StepResult
 
 # A ROLLBACK finding is only a request: the recovery layer logs "rollback" when it actually rolls back.
@@ -24,6 +25,9 @@ VERDICT_NAME = tuple(v.name for v in Verdict)  # Verdict(i).name by index: the e
 
 class GuardReporting:
     """The :class:`~vidstab.guard.Guard` methods that turn a judged step into evidence and a result."""
+
+    output_gradients = None
+    """:class:`vidstab.replay_record.OutputGradients` when the model spec was recorded at attach (a diffusers model)."""
 
     def _report(self, s: StepStats, table: list[list[float]], stop: bool) -> StepResult:
         metrics = self._metrics(s, table[self.rank], self._clip_flags.rate(), self.skipped_total, self.overflow_total)
@@ -108,6 +112,8 @@ class GuardReporting:
             if type(batch) is tuple:  # the attached loop's (args, kwargs) of the model
                 batch = self._model_batch(batch)
             tensors = {k: v for k, v in (batch or {}).items() if isinstance(v, torch.Tensor)}
+            if self.output_gradients is not None and self.output_gradients.grad(i) is not None:
+                tensors[OUTPUT_GRAD_KEY] = self.output_gradients.grad(i)  # what the backward started from
             id_list = [str(x) for x in (ids.tolist() if isinstance(ids, torch.Tensor) else list(ids or []))]
             localization = self._localize(s, finding, tensors) if finding.detector == "nonfinite" else None
             m = micro[i]

@@ -25,16 +25,18 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 FOLDER = REPO / "examples" / "diffusers_unconditional"
 UPSTREAM, GUARDED = FOLDER / "train_unconditional.py", FOLDER / "train_unconditional_vidstab.py"
+# The explicit form: vidstab's own exact-resume checkpoints and Recovery in the loop (+drill flags of its own).
+EXPLICIT = FOLDER / "train_unconditional_vidstab_explicit.py"
 TINY_UNET = {"_class_name": "UNet2DModel", "sample_size": 16, "in_channels": 3, "out_channels": 3, "layers_per_block": 1,
              "block_out_channels": [8, 16], "norm_num_groups": 4, "attention_head_dim": 4,
              "down_block_types": ["DownBlock2D", "AttnDownBlock2D"], "up_block_types": ["AttnUpBlock2D", "UpBlock2D"]}
 
 
-def _data(tmp_path: Path) -> tuple[Path, Path]:
+def _data(tmp_path: Path, n: int = 16) -> tuple[Path, Path]:
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
-    for i in range(16):
+    for i in range(n):
         Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(images / f"img{i}.png")
     config = tmp_path / "unet"
     config.mkdir()
@@ -72,10 +74,11 @@ def _events(out: Path, kind: str, rank: int = 0) -> list[dict]:
     return [r for r in rows if r["kind"] == kind]
 
 
-def test_the_patch_is_the_diff_between_upstream_and_the_guarded_copy():
-    diff = subprocess.run(["diff", "-u", str(UPSTREAM), str(GUARDED)], capture_output=True, text=True).stdout
+def test_the_patches_are_the_diffs_between_upstream_and_the_guarded_copies():
     body = lambda text: [x for x in text.splitlines() if x[:1] in "+-" and not x.startswith(("+++", "---"))]
-    assert body(diff) == body((FOLDER / "vidstab.patch").read_text())
+    for copy, patch in ((GUARDED, "vidstab.patch"), (EXPLICIT, "vidstab_explicit.patch")):
+        diff = subprocess.run(["diff", "-u", str(UPSTREAM), str(copy)], capture_output=True, text=True).stdout
+        assert body(diff) == body((FOLDER / patch).read_text()), patch
 
 
 def test_the_integration_adds_at_most_six_lines_and_removes_none():
@@ -153,3 +156,37 @@ def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
     assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])
     assert _own_checkpoints(out) == [10, 12]
     assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
+
+
+def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_own_resume_latest(tmp_path):
+    """The explicit form (vidstab's own checkpoints, Recovery in the loop, which sets global_step back): after a
+    rollback the two checkpoint systems agree, the script's own `latest` never picks a checkpoint-N of the
+    abandoned trajectory (``RecoveryConfig(own_checkpoints=...)``)."""
+    images, config = _data(tmp_path, n=8)
+    out = tmp_path / "run"
+    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. A bug multiplies the LR by 10^5 at step 6
+    # (until a reload); it recurs after every rollback: the retry budget runs out and the run aborts.
+    faults = [x for _ in range(5) for x in ("--inject_fault", "lr_spike@6=100000")]
+    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
+    assert first.returncode != 0 and "vidstab: run aborted" in first.stderr and "vidstab replay" in first.stderr
+    rollbacks = _events(out, "rollback")
+    assert len(rollbacks) == 3 and all(r["to_step"] <= 6 for r in rollbacks)
+    for r in rollbacks:  # every rollback removed the script's own checkpoint-N of the abandoned trajectory
+        assert all(int(n.split("-")[1]) > r["to_step"] for n in r["discarded_own_checkpoints"])
+    abort = [e for e in _events(out, "recovery") if e["action"] == "abort"][-1]
+    discarded = [n for e in rollbacks + [abort] for n in e["discarded_own_checkpoints"]]
+    assert discarded, "the abandoned trajectory left no checkpoint-N: the drill did not test the agreement"
+    # One source of truth: what the script's own `latest` finds is not newer than vidstab's last good checkpoint.
+    own = _own_checkpoints(out)
+    assert own and max(own) <= abort["last_good_step"] and len(own) <= 2  # --checkpoints_total_limit still holds
+
+    # The fixed script (no fault) resumes with its own --resume_from_checkpoint latest and finishes; the changed
+    # configuration gets a fresh retry budget, and that is said.
+    second = _run(EXPLICIT, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest", nproc=1)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"Resuming from checkpoint checkpoint-{max(own)}" in second.stdout + second.stderr
+    assert "started afresh because the run's configuration changed" in second.stderr
+    assert (out / "model_index.json").is_file() and (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert _own_checkpoints(out) == [10, 12]  # its own saving and total limit, after the resume
+    metrics = _events(out, "metrics")
+    assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])

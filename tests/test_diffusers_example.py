@@ -92,9 +92,9 @@ def _final_unet(out: Path) -> dict:
 
 
 def test_healthy_run_is_bitwise_the_upstream_scripts(tmp_path):
-    images, config = _data(tmp_path)
-    upstream = _run(UPSTREAM, tmp_path / "upstream", images, config, "--num_epochs", "2")
-    guarded = _run(GUARDED, tmp_path / "guarded", images, config, "--num_epochs", "2")
+    images, config = _data(tmp_path, n=8)  # one process, 4 steps per epoch: the numerics, not the lockstep
+    upstream = _run(UPSTREAM, tmp_path / "upstream", images, config, "--num_epochs", "2", nproc=1)
+    guarded = _run(GUARDED, tmp_path / "guarded", images, config, "--num_epochs", "2", nproc=1)
     assert upstream.returncode == 0 and guarded.returncode == 0, upstream.stderr[-3000:] + guarded.stderr[-3000:]
     a, b = _final_unet(tmp_path / "upstream"), _final_unet(tmp_path / "guarded")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -62,6 +62,7 @@ from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
 from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
+from vidstab.run_record import run_environment
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
@@ -449,7 +450,9 @@ def train(run: Run) -> int:
     args, acc, guard = run.args, run.accelerator, run.guard
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.output_dir) / "train_config.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=True))
+        # The flags as given, then what the run actually ran with (precision from `accelerate launch`, versions).
+        record = {**vars(args), "run": run_environment(acc)}
+        (Path(args.output_dir) / "train_config.yaml").write_text(yaml.safe_dump(record, sort_keys=True))
     acc.init_trackers(args.tracker_name, config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
 
     if args.audit:

@@ -1,14 +1,15 @@
-"""diffusers' own examples/unconditional_image_generation/train_unconditional.py, with vidstab added
-(examples/diffusers_unconditional/vidstab.patch), on a local image folder and a tiny UNet2DModel, no hub.
+"""diffusers' own examples/unconditional_image_generation/train_unconditional.py, with vidstab added in at
+most six lines, none removed (examples/diffusers_unconditional/vidstab.patch), on a local image folder and a
+tiny UNet2DModel, no hub, 2 processes. Faults come from outside the script (tests/scripts/drill.py).
 
 It still does what it did -- its own checkpoint-N saving, --checkpoints_total_limit, --resume_from_checkpoint
-latest, the final pipeline -- plus vidstab's guard, checkpoints and rollback; and after a rollback the two
-checkpoint systems agree: the script's own `latest` never picks a checkpoint-N of the abandoned trajectory.
+latest, the final pipeline -- and vidstab skips a NaN sample on one rank and names it, refuses an LR x10^4
+for as long as it lasts, rolls back in place when it does not stop and aborts with the replay command once
+the retry budget is spent; after a SIGKILL the script's own resume goes on.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,21 +18,25 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDER = REPO / "examples" / "diffusers_unconditional"
 UPSTREAM, GUARDED = FOLDER / "train_unconditional.py", FOLDER / "train_unconditional_vidstab.py"
+# The explicit form: vidstab's own exact-resume checkpoints and Recovery in the loop (+drill flags of its own).
+EXPLICIT = FOLDER / "train_unconditional_vidstab_explicit.py"
 TINY_UNET = {"_class_name": "UNet2DModel", "sample_size": 16, "in_channels": 3, "out_channels": 3, "layers_per_block": 1,
              "block_out_channels": [8, 16], "norm_num_groups": 4, "attention_head_dim": 4,
              "down_block_types": ["DownBlock2D", "AttnDownBlock2D"], "up_block_types": ["AttnUpBlock2D", "UpBlock2D"]}
 
 
-def _data(tmp_path: Path) -> tuple[Path, Path]:
+def _data(tmp_path: Path, n: int = 16) -> tuple[Path, Path]:
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
-    for i in range(8):
+    for i in range(n):
         Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(images / f"img{i}.png")
     config = tmp_path / "unet"
     config.mkdir()
@@ -39,11 +44,20 @@ def _data(tmp_path: Path) -> tuple[Path, Path]:
     return images, config
 
 
-def _run(script: Path, out: Path, images: Path, config: Path, *extra: str) -> subprocess.CompletedProcess:
-    paths = [str(REPO)] + ([] if importlib.util.find_spec("torchvision") else [str(REPO / "tests" / "shims")])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]),
+def _run(script: Path, out: Path, images: Path, config: Path, *extra: str, faults: tuple[str, ...] = (),
+         nproc: int = 2) -> subprocess.CompletedProcess:
+    """The script as a user launches it (``accelerate launch``, ``nproc`` CPU processes), unchanged, through
+    the drill harness (tests/scripts/drill.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(script), "--train_data_dir", str(images), "--model_config_name_or_path", str(config),
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc), "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    if nproc > 1:
+        env["ACCELERATE_USE_CPU"] = "1"
+        launch.insert(3, "--multi_gpu")
+    # Through the drill harness always: it injects the faults and, without torchvision, the shim's transforms.
+    drill = [str(REPO / "tests" / "scripts" / "drill.py"), *[x for f in faults for x in ("--fault", f)]]
+    cmd = [*launch, *drill, str(script), "--train_data_dir", str(images), "--model_config_name_or_path", str(config),
            "--output_dir", str(out), "--resolution", "16", "--center_crop", "--train_batch_size", "2", "--eval_batch_size", "1",
            "--lr_warmup_steps", "2", "--learning_rate", "1e-3", "--checkpointing_steps", "2", "--checkpoints_total_limit", "2",
            "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100", "--save_model_epochs", "100",
@@ -55,24 +69,105 @@ def _own_checkpoints(out: Path) -> list[int]:
     return sorted(int(m.group(1)) for n in os.listdir(out) if (m := re.fullmatch(r"checkpoint-(\d+)", n)))
 
 
-def _events(out: Path, kind: str) -> list[dict]:
-    rows = [json.loads(x) for x in (out / "vidstab" / "events-rank0.jsonl").read_text().splitlines() if x.strip()]
+def _events(out: Path, kind: str, rank: int = 0) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines() if x.strip()]
     return [r for r in rows if r["kind"] == kind]
 
 
-def test_the_patch_is_the_diff_between_upstream_and_the_guarded_copy():
-    diff = subprocess.run(["diff", "-u", str(UPSTREAM), str(GUARDED)], capture_output=True, text=True).stdout
+def test_the_patches_are_the_diffs_between_upstream_and_the_guarded_copies():
     body = lambda text: [x for x in text.splitlines() if x[:1] in "+-" and not x.startswith(("+++", "---"))]
-    assert body(diff) == body((FOLDER / "vidstab.patch").read_text())
+    for copy, patch in ((GUARDED, "vidstab.patch"), (EXPLICIT, "vidstab_explicit.patch")):
+        diff = subprocess.run(["diff", "-u", str(UPSTREAM), str(copy)], capture_output=True, text=True).stdout
+        assert body(diff) == body((FOLDER / patch).read_text()), patch
 
 
-def test_diffusers_script_rollback_then_its_own_resume_latest(tmp_path):
+def test_the_integration_adds_at_most_six_lines_and_removes_none():
+    body = [x for x in (FOLDER / "vidstab.patch").read_text().splitlines() if not x.startswith(("+++", "---"))]
+    added, removed = sum(x.startswith("+") for x in body), sum(x.startswith("-") for x in body)
+    assert added <= 6 and removed == 0, (added, removed)
+
+
+def _final_unet(out: Path) -> dict:
+    return load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+def test_healthy_run_is_bitwise_the_upstream_scripts(tmp_path):
+    images, config = _data(tmp_path, n=8)  # one process, 4 steps per epoch: the numerics, not the lockstep
+    upstream = _run(UPSTREAM, tmp_path / "upstream", images, config, "--num_epochs", "2", nproc=1)
+    guarded = _run(GUARDED, tmp_path / "guarded", images, config, "--num_epochs", "2", nproc=1)
+    assert upstream.returncode == 0 and guarded.returncode == 0, upstream.stderr[-3000:] + guarded.stderr[-3000:]
+    a, b = _final_unet(tmp_path / "upstream"), _final_unet(tmp_path / "guarded")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _own_checkpoints(tmp_path / "guarded") == _own_checkpoints(tmp_path / "upstream") == [6, 8]
+
+
+def test_nan_on_rank1_and_an_lr_spike_for_three_steps_are_skipped(tmp_path):
     images, config = _data(tmp_path)
+    out = tmp_path / "run"
+    # 16 images / (2 processes x batch 2) = 4 steps per epoch, 3 epochs = 12 steps.
+    run = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=("nan@3:1", "lr@6+3=1e4"))
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in (0, 1):
+        skips = {e["step"]: e["detector"] for e in _events(out, "skip", rank)}
+        assert skips == {3: "nonfinite", 6: "lr_bound", 7: "lr_bound", 8: "lr_bound"}, skips
+    assert not _events(out, "rollback")
+    (incident,) = _events(out, "incident", 1)
+    bundle = out / incident["path"]
+    meta = json.loads((bundle / "incident.json").read_text())
+    assert meta["rank"] == 1 and meta["step"] == 3 and meta["bad_sample_ids"] == ["#1"]
+    assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
+    assert _own_checkpoints(out) == [10, 12]  # its own saving and --checkpoints_total_limit, as before
+    # The replay rebuilds the diffusers model from the bundle alone (no code of the user's) and names the sample.
+    replay = subprocess.run([sys.executable, "-m", "vidstab", "replay", str(bundle)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                            timeout=300)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = json.loads((bundle / "replay_report.json").read_text())
+    assert report["reproduced"] and report["data"]["culprits"] == ["#1"], report["verdict"]
+    assert "leave-one-out names #1" in replay.stdout
+
+
+def test_an_lr_spike_for_good_rolls_back_in_place_then_aborts_with_the_replay_command(tmp_path):
+    images, config = _data(tmp_path)
+    out = tmp_path / "run"
+    run = _run(GUARDED, out, images, config, "--num_epochs", "10", faults=("lr@4=1e4",))
+    assert run.returncode != 0 and "vidstab: run aborted" in run.stderr and "vidstab replay" in run.stderr
+    for rank in (0, 1):
+        rollbacks = _events(out, "rollback", rank)
+        assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks
+        # in place: the loop's step count went on past each rollback
+        steps = [e["step"] for e in _events(out, "skip", rank)]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    multipliers = [r["lr_multiplier"] for r in _events(out, "rollback")]
+    assert multipliers == [0.5, 0.25, 0.125]
+
+
+def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
+    images, config = _data(tmp_path)
+    out = tmp_path / "run"
+    killed = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=("kill@7:1",))
+    assert killed.returncode != 0
+    assert _own_checkpoints(out) == [4, 6]
+    resumed = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "Resuming from checkpoint checkpoint-6" in resumed.stdout + resumed.stderr
+    assert _events(out, "resume")[-1]["step"] == 6  # the guard's state came back with the script's own load_state
+    metrics = _events(out, "metrics")
+    assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])
+    assert _own_checkpoints(out) == [10, 12]
+    assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
+
+
+def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_own_resume_latest(tmp_path):
+    """The explicit form (vidstab's own checkpoints, Recovery in the loop, which sets global_step back): after a
+    rollback the two checkpoint systems agree, the script's own `latest` never picks a checkpoint-N of the
+    abandoned trajectory (``RecoveryConfig(own_checkpoints=...)``)."""
+    images, config = _data(tmp_path, n=8)
     out = tmp_path / "run"
     # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. A bug multiplies the LR by 10^5 at step 6
     # (until a reload); it recurs after every rollback: the retry budget runs out and the run aborts.
     faults = [x for _ in range(5) for x in ("--inject_fault", "lr_spike@6=100000")]
-    first = _run(GUARDED, out, images, config, "--num_epochs", "3", *faults)
+    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
     assert first.returncode != 0 and "vidstab: run aborted" in first.stderr and "vidstab replay" in first.stderr
     rollbacks = _events(out, "rollback")
     assert len(rollbacks) == 3 and all(r["to_step"] <= 6 for r in rollbacks)
@@ -87,7 +182,7 @@ def test_diffusers_script_rollback_then_its_own_resume_latest(tmp_path):
 
     # The fixed script (no fault) resumes with its own --resume_from_checkpoint latest and finishes; the changed
     # configuration gets a fresh retry budget, and that is said.
-    second = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest")
+    second = _run(EXPLICIT, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest", nproc=1)
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"Resuming from checkpoint checkpoint-{max(own)}" in second.stdout + second.stderr
     assert "started afresh because the run's configuration changed" in second.stderr
@@ -95,9 +190,3 @@ def test_diffusers_script_rollback_then_its_own_resume_latest(tmp_path):
     assert _own_checkpoints(out) == [10, 12]  # its own saving and total limit, after the resume
     metrics = _events(out, "metrics")
     assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])
-
-
-def test_readme_states_the_patch_line_count():
-    body = [x for x in (FOLDER / "vidstab.patch").read_text().splitlines() if not x.startswith(("+++", "---"))]
-    added, removed = sum(x.startswith("+") for x in body), sum(x.startswith("-") for x in body)
-    assert f"`vidstab.patch` between them (+{added} / −{removed} lines" in (REPO / "README.md").read_text()

@@ -61,3 +61,19 @@ def test_tools_never_put_the_current_or_bundle_folder_on_sys_path():
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "vidstab").rglob("*.py")
                  if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
     assert offenders == []
+
+
+def test_reference_package_without_its_extra_names_the_extra():
+    # ``sys.modules[name] = None`` is how Python marks a package as not importable: as if it were not installed.
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["einops"] = None
+        try:
+            import vidstab.reference
+        except ImportError as exc:
+            print(exc)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "needs the [reference] extra" in proc.stdout and "missing: einops" in proc.stdout, proc.stdout + proc.stderr
+    assert "pip install 'vidstab[reference]'" in proc.stdout

@@ -1,5 +1,7 @@
-"""The README's own-loop diff, run: its "before" side is a working plain loop, its "after" side trains with
-the guard, vidstab's checkpoints and recovery, resumes with --resume_from_checkpoint latest. The line count README states is the diff's. Real Accelerate, real processes."""
+"""The integration diffs of the README (the attached form) and docs/own-loop.md (the explicit form), run:
+each "before" side is a working plain loop that a NaN sample ruins, each "after" side trains through it with
+the guard; the explicit one with vidstab's checkpoints and recovery, resumed with --resume_from_checkpoint
+latest. The line counts the docs state are the diffs'. Real Accelerate, real processes."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from doc_snippets import doc_snippet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,11 +44,8 @@ EPILOGUE = textwrap.dedent('''
 ''')
 
 
-def _diff() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- own-loop-diff -->\n```diff\n(.*?)\n```", text, re.S)
-    assert block, "README.md lost its own-loop diff block"
-    return block.group(1).splitlines()
+def _diff(name: str = "own-loop-diff") -> list[str]:
+    return doc_snippet(name).splitlines()
 
 
 def _side(lines: list[str], keep: str) -> str:
@@ -58,22 +59,39 @@ def _run(code: str, out: Path, resume: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), str(out), resume], env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_readme_states_the_diffs_line_count():
+def test_the_docs_state_the_diffs_line_counts():
     lines = _diff()
     added, removed = sum(x.startswith("+") for x in lines), sum(x.startswith("-") for x in lines)
-    assert f"**+{added} / −{removed} lines**" in (REPO / "README.md").read_text()
+    assert f"**+{added} / −{removed} lines**" in (REPO / "docs" / "own-loop.md").read_text()
+    attach = _diff("attach-diff")
+    assert sum(x.startswith("-") for x in attach) == 0
+    words = {3: "Three", 4: "Four", 5: "Five", 6: "Six"}
+    assert f"{words[sum(x.startswith('+') for x in attach)]} added lines, none removed" in (REPO / "README.md").read_text()
 
 
-def test_readme_own_loop_diff_runs_before_and_after(tmp_path):
-    lines = _diff()
+def _before_and_after(lines: list[str], tmp_path: Path) -> tuple[Path, str]:
+    """Run the diff's plain side (the NaN sample must ruin it) and its guarded side; the guarded run's folder
+    and output."""
     plain = _run(_side(lines, "-"), tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert "finished at step 12, weights finite: False" in plain.stdout  # the NaN sample ruined the plain run
-
     out = tmp_path / "guarded"
     guarded = _run(_side(lines, "+"), out)
     assert guarded.returncode == 0, guarded.stderr[-3000:]
     assert "finished at step 12, weights finite: True" in guarded.stdout
+    return out, guarded.stdout
+
+
+def test_readme_attach_diff_runs_before_and_after(tmp_path):
+    out, _ = _before_and_after(_diff("attach-diff"), tmp_path)
+    # the step with the NaN sample was skipped on every rank and its micro-batch captured
+    assert list((out / "vidstab" / "incidents").glob("step000002-rank0*")), os.listdir(out / "vidstab" / "incidents")
+    assert any(p.name.startswith("checkpoint-") for p in out.iterdir())  # the script's own checkpoints, as before
+
+
+def test_own_loop_diff_runs_before_and_after(tmp_path):
+    lines = _diff()
+    out, _ = _before_and_after(lines, tmp_path)
     assert (out / "vidstab" / "incidents" / "step000002-rank0-m1").is_dir()  # the NaN micro-batch, skipped, captured
     resumed = _run(_side(lines, "+"), out, resume="latest")
     assert resumed.returncode == 0 and "finished at step 12" in resumed.stdout  # resumed at the end: nothing to do

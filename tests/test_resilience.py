@@ -1,6 +1,6 @@
 """A run that survives a dead rank, a hung rank and a scheduler's SIGTERM, with real launchers and real kills.
 
-Each run is the reference trainer under the launch form README's "Launching a run that survives faults"
+Each run is the reference trainer under the launch form docs/faults.md
 documents (``accelerate launch --rdzv_backend c10d --max_restarts N`` with a fresh store per rendezvous round),
 2 CPU processes, and must end with final weights bitwise equal to an uninterrupted run.
 """
@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from doc_snippets import doc_snippet
 from trainer_utils import REPO, TRAIN, events, fast_flags, free_port, shared_run
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ RUN = ["--max_train_steps", str(STEPS), "--checkpointing_steps", "2"]
 
 
 def launch_cmd(out, *args, nproc: int = 2, max_restarts: int = 2, resume: bool = True, html_report: bool = False) -> list[str]:
-    """The documented launch form (README: "Launching a run that survives faults"), with a free port.
+    """The documented launch form (docs/faults.md), with a free port.
 
     ``--resume_from_checkpoint latest`` as documented (a first launch has no checkpoint and starts from scratch);
     ``resume=False`` shows that a restart resumes without it."""
@@ -63,9 +64,8 @@ def assert_same_weights(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_the_launch_these_tests_use_is_the_one_readme_documents():
-    readme = (REPO / "README.md").read_text().split("## Launching a run that survives faults", 1)[1]
-    block = readme.split("```bash", 1)[1].split("```", 1)[0]
+def test_the_launch_these_tests_use_is_the_one_the_docs_give():
+    block = doc_snippet("survive-faults")
     export, command = [line.strip() for line in block.strip().splitlines()]
     name, value = export.removeprefix("export ").split("=")
     assert launch_env()[name] == value

@@ -335,7 +335,7 @@ class Recovery:
 
         Raises:
             RunAborted: after ``max_retries`` rollbacks for one incident, or when there is no good
-            checkpoint to go back to.
+                checkpoint to go back to.
         """
         reason_text = getattr(reason, "message", None) or str(reason)
         if getattr(reason, "detector", None):

@@ -1,6 +1,5 @@
 import argparse
 import inspect
-import itertools
 import logging
 import math
 import os
@@ -27,9 +26,7 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from diffusers.utils import check_min_version, is_accelerate_version, is_tensorboard_available, is_wandb_available
 from diffusers.utils.import_utils import is_xformers_available
-
 import vidstab
-from vidstab.faults import FaultInjector
 
 
 # Will error if the minimal version of diffusers is not installed. Remove at your own risks.
@@ -203,7 +200,6 @@ def parse_args():
     parser.add_argument("--ema_inv_gamma", type=float, default=1.0, help="The inverse gamma value for the EMA decay.")
     parser.add_argument("--ema_power", type=float, default=3 / 4, help="The power value for the EMA decay.")
     parser.add_argument("--ema_max_decay", type=float, default=0.9999, help="The maximum decay magnitude for EMA.")
-    parser.add_argument("--inject_fault", action="append", default=[], help="vidstab drill: KIND@STEP[:RANK][=ARG].")
     parser.add_argument("--push_to_hub", action="store_true", help="Whether or not to push the model to the Hub.")
     parser.add_argument("--hub_token", type=str, default=None, help="The token to use to push to the Model Hub.")
     parser.add_argument(
@@ -537,20 +533,11 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
+    guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=args.output_dir,
+                           rollback_every=args.checkpointing_steps)
 
     if args.use_ema:
         ema_model.to(accelerator.device)
-    guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=args.output_dir)
-    # vidstab's own checkpoints in a folder whose name does not start with "checkpoint" (the script scans those).
-    ckpt = vidstab.CheckpointManager(accelerator, args.output_dir, vidstab.CheckpointConfig(subdir="vidstab_checkpoints"),
-                                     config_hash=vidstab.config_hash(vars(args)))
-    for name, obj in {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "vidstab": guard}.items():
-        ckpt.register(name, obj)
-    if args.use_ema:  # a rollback restores the EMA weights too
-        ckpt.register("ema", ema_model)
-    # One source of truth after a rollback: the script's own checkpoint-N newer than the rollback target are removed.
-    recovery = vidstab.Recovery(accelerator, ckpt, guard, vidstab.RecoveryConfig(own_checkpoints=r"checkpoint-(\d+)"))
-    faults = FaultInjector(args.inject_fault, accelerator.process_index)
 
     # We need to initialize the trackers we use, and also store our configuration.
     # The trackers initializes automatically on the main process.
@@ -597,10 +584,9 @@ def main(args):
             resume_global_step = global_step * args.gradient_accumulation_steps
             first_epoch = global_step // num_update_steps_per_epoch
             resume_step = resume_global_step % (num_update_steps_per_epoch * args.gradient_accumulation_steps)
-    guard.global_step = global_step  # also right for a checkpoint saved without vidstab
 
     # Train!
-    for epoch in itertools.count(first_epoch):  # not range(num_epochs): a rollback costs steps, run to max_train_steps
+    for epoch in range(first_epoch, args.num_epochs):
         model.train()
         progress_bar = tqdm(total=num_update_steps_per_epoch, disable=not accelerator.is_local_main_process)
         progress_bar.set_description(f"Epoch {epoch}")
@@ -611,8 +597,7 @@ def main(args):
                     progress_bar.update(1)
                 continue
 
-            clean_images, _ = faults.corrupt_batch(guard.global_step, batch["input"].to(weight_dtype))
-            faults.adjust_lr(guard.global_step, optimizer, lr_scheduler)
+            clean_images = batch["input"].to(weight_dtype)
             # Sample noise that we'll add to the images
             noise = torch.randn(clean_images.shape, dtype=weight_dtype, device=clean_images.device)
             bsz = clean_images.shape[0]
@@ -642,30 +627,20 @@ def main(args):
                 else:
                     raise ValueError(f"Unsupported prediction type: {args.prediction_type}")
 
-                guard.backward(loss, batch={"images": clean_images, "noise": noise, "timesteps": timesteps})
-                result = guard.step(max_grad_norm=1.0)
+                accelerator.backward(loss)
+
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
 
             # Checks if the accelerator has performed an optimization step behind the scenes
-            try:
-                state = recovery.after_step(result, global_step + 1) if accelerator.sync_gradients else None
-            except vidstab.RunAborted:  # on an abort too, the script's own `latest` is vidstab's last good state
-                good = ckpt.load("last_good", resume_event=False)
-                if good is not None and accelerator.is_main_process:
-                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{good['step']}"))
-                raise
-            if state is not None:
-                global_step = state["step"]  # rolled back to vidstab's last good checkpoint; the data goes on
-                if accelerator.is_main_process:  # the script's own `latest` is that state too (newer ones are gone)
-                    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))
-                faults.on_rollback()
-                continue
             if accelerator.sync_gradients:
-                if args.use_ema and result.applied:
+                if args.use_ema:
                     ema_model.step(model.parameters())
                 progress_bar.update(1)
                 global_step += 1
-                if global_step % args.checkpointing_steps == 0:
-                    ckpt.save(global_step, healthy=guard.healthy, trainer_state={"step": global_step})
 
                 if accelerator.is_main_process:
                     if global_step % args.checkpointing_steps == 0:
@@ -698,15 +673,13 @@ def main(args):
                 logs["ema_decay"] = ema_model.cur_decay_value
             progress_bar.set_postfix(**logs)
             accelerator.log(logs, step=global_step)
-            if global_step >= max_train_steps:
-                break
         progress_bar.close()
 
         accelerator.wait_for_everyone()
 
         # Generate sample images for visual inspection
         if accelerator.is_main_process:
-            if epoch % args.save_images_epochs == 0 or global_step >= max_train_steps:
+            if epoch % args.save_images_epochs == 0 or epoch == args.num_epochs - 1:
                 unet = accelerator.unwrap_model(model)
 
                 if args.use_ema:
@@ -746,7 +719,7 @@ def main(args):
                         step=global_step,
                     )
 
-            if epoch % args.save_model_epochs == 0 or global_step >= max_train_steps:
+            if epoch % args.save_model_epochs == 0 or epoch == args.num_epochs - 1:
                 # save the model
                 unet = accelerator.unwrap_model(model)
 
@@ -771,10 +744,8 @@ def main(args):
                         commit_message=f"Epoch {epoch}",
                         ignore_patterns=["step_*", "epoch_*"],
                     )
-        if global_step >= max_train_steps:
-            break
 
-    ckpt.wait()
+    guard.close()
     accelerator.end_training()
 
 

@@ -41,6 +41,7 @@ from ..exit_fence import register_exit_fence
 from ..limits import read_json_file
 from ..lr import LRMultiplier
 from ..rerun import StepRerun
+from ..run_record import run_environment
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
 from .reporting import Reporter
@@ -124,7 +125,10 @@ class Guard:
         if register_hooks and hasattr(accelerator, "register_save_state_pre_hook"):
             self._hook_handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
-        self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict())
+        self.auto_rollback = None
+        """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
+                        run=run_environment(accelerator))
 
     @property
     def events(self):
@@ -381,7 +385,7 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | None = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -393,6 +397,9 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     for loops that want the batch, sample ids and per-sample losses in the evidence. The guard's state
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
+    ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
     existing = getattr(optimizer, ATTACHED_ATTR, None)
@@ -400,8 +407,23 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
         return existing
     if isinstance(existing, Guard):
         existing.detach()
-    return Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    guard = Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    rep = guard.reporter
+    if rep.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
+        from ..replay_record import OutputGradients, model_spec_of
+
+        rep.model_spec = model_spec_of(accelerator.unwrap_model(model))
+        if rep.model_spec is not None:
+            rep.output_gradients = OutputGradients(model, accelerator)
+    if rollback_every:
+        from ..auto_rollback import AutoRollback
+
+        guard.auto_rollback = AutoRollback(guard, rollback_every)
+    return guard
 
 
 # help(attach) and IDEs show Guard's own parameters: one signature, declared once (on Guard.__init__).
-attach.__signature__ = inspect.signature(Guard).replace(return_annotation="Guard")
+_guard_signature = inspect.signature(Guard)
+attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
+    *_guard_signature.parameters.values(),
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])

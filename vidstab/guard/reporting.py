@@ -16,6 +16,7 @@ from ..detectors import Finding, StepStats, Verdict
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
 from ..quarantine import quarantine_bundle_dir
+from ..replay_record import OUTPUT_GRAD_KEY
 from ..resume_check import batch_fingerprint
 from ..signals import Layout, Window
 from .recorder import MicroBatch
@@ -38,6 +39,8 @@ class Reporter:
         self.incidents_written = 0
         self.localized = False
         self.replay_fn: Callable[[dict], torch.Tensor] | None = None
+        self.output_gradients = None
+        """:class:`vidstab.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
 
     def tracked(self, step: int) -> bool:
         """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""
@@ -92,6 +95,8 @@ class Reporter:
                 break
             batch, ids, error = micro_batches[i]
             tensors = {k: v for k, v in (batch or {}).items() if isinstance(v, torch.Tensor)}
+            if self.output_gradients is not None and self.output_gradients.grad(i) is not None:
+                tensors[OUTPUT_GRAD_KEY] = self.output_gradients.grad(i)  # what the backward started from
             id_list = [str(x) for x in (ids.tolist() if isinstance(ids, torch.Tensor) else list(ids or []))]
             localization = self.localize(tensors) if finding.detector == "nonfinite" else None
             m = micro[i]

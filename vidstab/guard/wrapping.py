@@ -123,6 +123,8 @@ class UserLoopPatches:
             norm, max_norm = signals.global_grad_norm(g.accelerator, g.params, None, clip=g.original_clip), None
         self.user_norm = None
         g.guarded_step(norm, max_norm, step_scheduler=False)
+        if g.auto_rollback is not None:
+            g.auto_rollback.after_step()
         return None
 
     def scheduler_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -34,6 +34,7 @@ __all__ = ["BUILTIN_CALLABLES", "UntrustedImportError", "ImportPathError", "pars
 BUILTIN_CALLABLES = frozenset({
     "vidstab.reference.objective:replay_loss",
     "vidstab.faults:model_with_module_fault",
+    "vidstab.tools.replay.output_grad:output_grad_loss",
 })
 #: Packages whose ``torch.nn.Module`` classes a ``class`` spec may name (rebuilt with ``from_config`` only).
 MODEL_CLASS_PACKAGES = ("vidstab", "diffusers")

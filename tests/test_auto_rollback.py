@@ -1,0 +1,91 @@
+"""``attach(..., rollback_every=N)``: an unmodified loop rolls back in place inside its own optimizer.step().
+
+Weights, optimizer moments and the guard's statistics go back to the last healthy rollback checkpoint; the
+loop's step count, the scheduler's position, the random number generators and the data go on. Real
+Accelerate, real checkpoints on disk (2 processes: tests/test_diffusers_example.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import vidstab
+from vidstab.events import iter_event_file
+
+
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4):
+    """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``."""
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    loader = torch.utils.data.DataLoader([{"x": torch.randn(4)} for _ in range(2 * steps)], batch_size=2)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=out, rollback_every=rollback_every)
+    seen = []
+    global_step = 0
+    for batch in loader:
+        if global_step in bad_lr_steps:
+            for group in opt.param_groups:
+                group["lr"] = sched.get_last_lr()[0] * 1e4
+        loss = model(batch["x"]).pow(2).mean()
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        global_step += 1
+        seen.append({"step": global_step, "guard_step": guard.global_step, "rand": torch.rand(()).item(),
+                     "weights": [p.detach().clone() for p in model.parameters()], "lr": opt.param_groups[0]["lr"],
+                     "scheduler_step": sched.scheduler.last_epoch})
+        if global_step >= steps:
+            break
+    return acc, model, opt, sched, guard, seen
+
+
+def _events(out):
+    """Rank 0's event log in file order."""
+    return list(iter_event_file(out / "vidstab" / "events-rank0.jsonl"))
+
+
+def _kinds(out, kind):
+    return [e for e in _events(out) if e["kind"] == kind]
+
+
+def test_an_lr_written_wrong_for_three_steps_is_refused_and_the_schedule_comes_back(tmp_path):
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps={10, 11, 12})
+    assert [e["step"] for e in _kinds(tmp_path, "skip")] == [10, 11, 12]
+    assert not _kinds(tmp_path, "rollback")
+    assert all(s["step"] == s["guard_step"] for s in seen)  # the guard counts the loop's steps
+    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    guard.close()
+
+
+def test_an_lr_written_wrong_for_good_rolls_back_in_place_then_aborts(tmp_path):
+    with pytest.raises(vidstab.RunAborted, match="vidstab replay"):
+        _loop(tmp_path, bad_lr_steps=set(range(10, 100)))
+    rollbacks = _kinds(tmp_path, "rollback")
+    assert [r["lr_multiplier"] for r in rollbacks] == [0.5, 0.25, 0.125]
+    assert all(r["to_step"] == 8 for r in rollbacks)
+    # In place: the loop's step count goes on past every rollback; no step is taken twice.
+    steps = [e["step"] for e in _events(tmp_path) if e["kind"] == "metrics"]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))
+
+
+def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rng_going(tmp_path):
+    # 5 refused steps (10-14) ask for a rollback; it happens inside the optimizer step of step 15.
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=24)
+    (rollback,) = _kinds(tmp_path, "rollback")
+    assert rollback["step"] == 15 and rollback["to_step"] == 8
+    by_step = {s["step"]: s for s in seen}
+    assert all(torch.equal(a, b) for a, b in zip(by_step[15]["weights"], by_step[8]["weights"]))  # the checkpoint's
+    assert by_step[15]["guard_step"] == 15  # the loop's count went on
+    assert by_step[15]["rand"] != by_step[8]["rand"]  # the RNG was not wound back to the checkpoint's
+    assert by_step[15]["scheduler_step"] >= by_step[9]["scheduler_step"]  # nor the schedule
+    assert by_step[16]["lr"] == pytest.approx(0.5 * 1e-2)  # on schedule, with the back-off of the divergence
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    guard.close()

@@ -1,0 +1,89 @@
+"""Automatic rollback for an unmodified training loop (``vidstab.attach(..., rollback_every=N)``).
+
+vidstab keeps its own rollback checkpoints of the model, the optimizer and the guard, every ``N`` optimizer
+steps, in ``OUTPUT_DIR/vidstab/rollback/``. When the guard asks for a rollback, they are loaded *in place*,
+inside the loop's own ``optimizer.step()``: the weights, the optimizer's moments and the detectors'
+statistics go back to the last healthy checkpoint, while the loop's step counter, the LR scheduler's
+position, the random number generators and the data keep going. The steps since that checkpoint are lost
+and their data skipped (PaLM), so the loop needs no code of its own for it: its ``global_step``, epoch
+loop, own ``checkpoint-N`` saving and ``--resume_from_checkpoint`` stay as they are.
+
+The retry budget, the LR back-off and the abort with the replay command are :class:`vidstab.Recovery`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checkpoint import CheckpointConfig, CheckpointManager
+from .checkpoint.full_state import rng_state, set_rng_state
+from .lr import torch_scheduler
+from .recovery import Recovery, RecoveryConfig
+
+ROLLBACK_SUBDIR = "vidstab/rollback"
+"""Where the rollback checkpoints live, under the run folder (apart from ``checkpoint-N`` folders)."""
+
+
+class AutoRollback:
+    """Rollback checkpoints on their own interval and in-place rollbacks for the guard of an unmodified loop.
+
+    Built by :func:`vidstab.attach` when ``rollback_every`` is given; the guard calls :meth:`after_step` once
+    per optimizer step of the user's loop, after the step was applied or skipped.
+
+    Args:
+        guard: the attached :class:`~vidstab.Guard`.
+        every: save a rollback checkpoint every this many optimizer steps (and on the first step of a launch).
+        recovery: the retry budget, LR back-off and what counts as one incident (:class:`~vidstab.RecoveryConfig`).
+        keep: rollback checkpoints kept (the newest healthy one is kept apart from these).
+    """
+
+    def __init__(self, guard: Any, every: int, recovery: RecoveryConfig | None = None, keep: int = 2) -> None:
+        if int(every) < 1:
+            raise ValueError(f"rollback_every must be a number of optimizer steps >= 1, not {every!r}")
+        self.guard = guard
+        self.every = int(every)
+        acc = guard.accelerator
+        self.ckpt = CheckpointManager(acc, str(guard.run_dir), CheckpointConfig(subdir=ROLLBACK_SUBDIR, keep=keep))
+        # The scheduler, the loop's counters and the data are not rolled back: only what the step changed.
+        for name, obj in (("model", guard.model), ("optimizer", guard.optimizer), ("vidstab", guard)):
+            self.ckpt.register(name, obj)
+        self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig())
+        self._saved_this_launch = False
+        if guard.reporter.checkpoint_fn is None:  # incident bundles name the checkpoint their replay starts from
+            guard.reporter.checkpoint_fn = self.ckpt.latest_path_str
+
+    def after_step(self) -> None:
+        """Roll back in place when the step asked for it, else keep the books and save on the interval."""
+        guard = self.guard
+        result = guard.last_result
+        if result is None or result.micro:
+            return
+        step = guard.global_step  # the loop's count of optimizer steps, this one included
+        if result.rollback is not None:
+            self._roll_back(result, step)
+            return
+        self.recovery.on_step(step, skipped=bool(result.skipped))
+        if step % self.every == 0 or not self._saved_this_launch:
+            self.ckpt.save(step, healthy=guard.healthy)
+            self._saved_this_launch = True
+
+    def _roll_back(self, result: Any, step: int) -> None:
+        """Load the last healthy rollback checkpoint into the model, optimizer and guard; everything else goes on."""
+        guard, optimizer = self.guard, self.guard.optimizer
+        scheduler = torch_scheduler(guard.lr_scheduler)
+        lrs = [g["lr"] for g in optimizer.param_groups]  # the schedule's: the guard restored them at the skip
+        bases = list(getattr(scheduler, "base_lrs", None) or [])
+        rng = rng_state()
+        # Loads in place, backs the LR off for a divergence, or raises RunAborted once the budget is spent.
+        self.recovery.after_step(result, step)
+        guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
+        set_rng_state(rng)
+        # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule
+        # goes on from where it is now, on the base LRs the rollback restored (with its back-off).
+        new_bases = list(getattr(scheduler, "base_lrs", None) or [])
+        for i, group in enumerate(optimizer.param_groups):
+            if i < len(lrs):
+                factor = new_bases[i] / bases[i] if i < len(bases) and i < len(new_bases) and bases[i] else 1.0
+                group["lr"] = lrs[i] * factor
+        if scheduler is not None and hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

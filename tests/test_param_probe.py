@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from vidstab.guard import param_probe
 from vidstab.guard.param_probe import ParamProbe
 
 
@@ -23,17 +22,8 @@ def _reference(tensors) -> float:
     return math.fsum(float(t.double().square().sum()) for t in tensors)
 
 
-@pytest.fixture(params=["flat", "foreach"])
-def layout(request, monkeypatch):
-    """Both ways the probe copies: one flat buffer (a CPU model up to FLAT_MAX_NUMEL values) and one copy per
-    tensor (every other model; here forced by a limit of 0)."""
-    if request.param == "foreach":
-        monkeypatch.setattr(param_probe, "FLAT_MAX_NUMEL", 0)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype, layout):
+def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype):
     model = _model(dtype)
     model.transposed = torch.nn.Parameter(torch.randn(6, 5, dtype=dtype).t())  # not contiguous
     params = list(model.parameters())
@@ -58,7 +48,7 @@ def test_sums_match_the_per_tensor_arithmetic_across_an_optimizer_step(dtype, la
     assert none is None and float(alone) == pytest.approx(want_param, rel=tol)
 
 
-def test_measuring_leaves_autograd_as_it_was(layout):
+def test_measuring_leaves_autograd_as_it_was():
     model = _model(torch.float32)
     probe = ParamProbe(list(model.parameters()))
     with torch.enable_grad():
@@ -71,13 +61,13 @@ def test_measuring_leaves_autograd_as_it_was(layout):
         assert not torch.is_grad_enabled()
 
 
-def test_no_trainable_parameters_measure_zero(layout):
+def test_no_trainable_parameters_measure_zero():
     probe = ParamProbe([torch.nn.Parameter(torch.zeros(0))])
     param_sq, update_sq = probe.sums(probe.snapshot())
     assert float(param_sq) == 0.0 and float(update_sq) == 0.0
 
 
-def test_a_lazy_module_is_measured_once_it_has_run(layout):
+def test_a_lazy_module_is_measured_once_it_has_run():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     probe = ParamProbe(list(model.parameters()))  # what the guard does when it attaches, before any forward
@@ -86,14 +76,14 @@ def test_a_lazy_module_is_measured_once_it_has_run(layout):
     assert float(param_sq) == pytest.approx(_reference(model.parameters()), rel=1e-6)
 
 
-def test_a_model_of_mixed_precisions_takes_the_per_tensor_copies():
-    """One flat buffer holds one dtype: a model with float32 and bfloat16 weights is measured tensor by tensor."""
+def test_a_model_of_mixed_precisions_is_measured():
+    """float32 and bfloat16 weights in one model: both sums in float32."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2).to(torch.bfloat16))
     params = list(model.parameters())
     probe = ParamProbe(params)
     before = probe.snapshot()
-    assert len(before) == len(params)  # a copy per tensor, not the flat buffer
+    assert len(before) == len(params)
     truth_before = [p.detach().clone() for p in params]
     for p in params:
         p.grad = torch.ones_like(p)

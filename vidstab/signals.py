@@ -194,8 +194,8 @@ def norm_tensor(norm: Any) -> torch.Tensor | None:
 
 
 def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of the local parts of ``tensors`` on device: one ``_foreach_norm`` per device (float32
-    norms of low-precision tensors, float64 kept), added on the first device."""
+    """Sum of squares of the local parts of ``tensors`` on device, as a 0-d float32: one ``_foreach_norm`` per
+    device (float32 norms of low-precision tensors, float64 ones of float64 tensors), added on the first device."""
     local = [local_tensor(t.detach()) for t in tensors if t.numel() > 0]
     if not local:
         return torch.zeros(())
@@ -208,7 +208,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
         s = torch.dot(norms, norms)
         total = s if total is None else total + s.to(total.device)
-    return total
+    return total.float()
 
 
 class StepClock:

@@ -14,6 +14,11 @@ class InterpolationMode(enum.Enum):
     NEAREST = Image.NEAREST
     BILINEAR = Image.BILINEAR
     BICUBIC = Image.BICUBIC
+    # torchvision's other modes (other libraries name them at import time)
+    BOX = Image.BOX
+    HAMMING = Image.HAMMING
+    LANCZOS = Image.LANCZOS
+    NEAREST_EXACT = "nearest-exact"
 
 
 class Compose:
@@ -115,3 +120,19 @@ class Normalize:
 
     def __call__(self, t):
         return (t - self.mean[:, None, None]) / self.std[:, None, None]
+
+
+def __getattr__(name: str):
+    """Anything else torchvision.transforms has (other libraries, e.g. transformers, import names at import time):
+    a stand-in that says it is one when called."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Unavailable(f"torchvision.transforms.{name}")
+
+
+class _Unavailable:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.name} is not in vidstab's test stand-in for torchvision")

@@ -60,3 +60,29 @@ def test_nan_on_one_rank_is_skipped_in_lockstep(tmp_path):
     # Rank 0 logs metrics every step; the other ranks every ``rank_log_every`` steps and on every finding.
     metrics = read_events(tmp_path, "metrics")
     assert sorted({(e["rank"], e["step"]) for e in metrics}) == [(0, s) for s in range(7)] + [(1, 0), (1, 2), (1, 5)]
+
+
+@pytest.mark.slow
+def test_four_ranks_take_the_same_branch_and_name_the_bad_rank(tmp_path):
+    """Four processes: a NaN on rank 3, an LR x1000 written into every rank's param_groups, a gradient spike from
+    rank 2's batch and an exception on rank 1, each at its own step; every rank reaches the same verdict at every
+    step, the bad rank is named, and only it writes the bundle."""
+    launch("guard_ddp.py", "--out", str(tmp_path), "--steps", "12", "--nan_step", "2", "--nan_rank", "3",
+           "--stop_step", "-1", "--lr_step", "4", "--spike_step", "9", "--spike_rank", "2", "--error_step", "10",
+           "--error_rank", "1", nproc=4, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    strip = lambda rs: [{k: v for k, v in x.items() if k not in ("incident", "host_reads")} for x in rs]  # noqa: E731
+    assert all(strip(r["results"]) == strip(ranks[0]["results"]) for r in ranks)
+    res = ranks[0]["results"]
+    verdicts = {i: (x["verdict"], x["bad_ranks"]) for i, x in enumerate(res) if x["verdict"] != "OK"}
+    assert verdicts[2] == ("SKIP", [3]) and verdicts[4][0] == "SKIP" and verdicts[9][0] == "SKIP"
+    assert 2 in verdicts[9][1] and verdicts[10] == ("ROLLBACK", [1])
+    assert set(verdicts) == {2, 4, 9, 10}, verdicts
+    assert all(x["applied"] for i, x in enumerate(res) if i not in verdicts)
+    assert len({r["sha256"] for r in ranks}) == 1 and all(r["finite"] for r in ranks)
+    findings = {(e["step"], e["detector"]) for e in read_events(tmp_path, ("skip", "rollback_request")) if e["rank"] == 0}
+    assert {(2, "nonfinite"), (4, "lr_bound"), (9, "grad_spike"), (10, "exception")} <= findings
+    incidents = sorted((e["rank"], e["step"]) for e in read_events(tmp_path, "incident"))
+    assert (3, 2) in incidents and (1, 10) in incidents and all(r in (1, 2, 3) for r, _ in incidents)
+    # Healthy steps read the summary once on every rank; a step with a bad rank also reads every rank's vector.
+    assert all(x["host_reads"] == 1 for i, x in enumerate(ranks[0]["results"]) if i not in verdicts)

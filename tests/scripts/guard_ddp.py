@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--stop_rank", type=int, default=1)
     ap.add_argument("--error_step", type=int, default=-1)
     ap.add_argument("--error_rank", type=int, default=0)
+    ap.add_argument("--spike_step", type=int, default=-1, help="this rank's latents x1e4: a gradient spike")
+    ap.add_argument("--spike_rank", type=int, default=0)
+    ap.add_argument("--lr_step", type=int, default=-1, help="param_groups' LR x1000 for this step (an LR bug)")
     args = ap.parse_args()
 
     acc = Accelerator(gradient_accumulation_steps=args.accum)
@@ -82,6 +85,11 @@ def main() -> None:
                 latents[1] = float("nan")
             if step == args.stop_step and rank == args.stop_rank and micro == 0:
                 guard.request_stop()
+            if step == args.spike_step and rank == args.spike_rank:
+                latents = latents * 1e4
+            if step == args.lr_step and micro == 0:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * 1000
             with acc.accumulate(model):
                 per_sample = ((model(latents + noise, t) - noise) ** 2).flatten(1).mean(1)
                 loss, error = per_sample.mean(), None

@@ -1,5 +1,5 @@
 """The layers of docs/ARCHITECTURE.md hold: the core plugin imports neither the tools, nor the reference
-trainer's package, nor anything only they need (so `pip install vidstab` without extras runs the guard)."""
+trainer's package, nor anything only they need (so `pip install -e .` without extras runs the guard)."""
 
 from __future__ import annotations
 

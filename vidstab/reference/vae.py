@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vidstab.atomic import atomic_folder
+from vidstab.limits import read_json_file
 from vidstab.reference.data import BadSampleError, collate_videos, validate_video
 
 __all__ = [
@@ -330,7 +331,7 @@ class LatentCache(torch.utils.data.Dataset):
         if not manifest_path.is_file():
             raise LatentCacheError(f"no manifest.json in {str(cache_dir)!r}")
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = read_json_file(manifest_path)
             shards = manifest["shards"]
             n, shape = len(manifest["sample_ids"]), tuple(manifest["latent_shape"])
         except (OSError, ValueError, KeyError, TypeError) as exc:

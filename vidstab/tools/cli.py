@@ -136,7 +136,7 @@ def _video_reader():
         from vidstab.reference.data import video_folder_dataset
     except ImportError as err:
         raise ImportError(f"--data-dir decodes videos with vidstab.reference.data, which needs the reference "
-                          f"extra: pip install 'vidstab[reference]' ({err})") from err
+                          f"extra: pip install -e '.[reference]' in the vidstab-train clone ({err})") from err
     return functools.partial(video_folder_dataset, skip_bad_samples=True)
 
 

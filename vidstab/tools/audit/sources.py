@@ -3,13 +3,13 @@ a reader the caller injects. This package reads no trainer's own cache format an
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...limits import loads_bounded, read_json_file
 from .data import audit_tensors
 from .findings import _IDS_IN_MESSAGE, finding
 
@@ -66,8 +66,8 @@ def _manifest_ids(path: Path) -> list[str] | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        manifest = read_json_file(path, path.name)
+    except ValueError as err:
         raise ValueError(f"{path.name} is not valid JSON ({err})") from err
     ids = manifest.get("sample_ids") if isinstance(manifest, dict) else None
     return [str(i) for i in ids] if isinstance(ids, list) else None
@@ -77,13 +77,13 @@ def _shard_ids(path: Path, metadata: dict) -> list[str] | None:
     """Sample ids for one shard from its sibling JSON or its safetensors metadata, if either has them."""
     sibling = path.with_suffix(".json")
     if sibling.is_file():
-        data = json.loads(sibling.read_text(encoding="utf-8"))
+        data = read_json_file(sibling, sibling.name)
         ids = data.get("sample_ids") if isinstance(data, dict) else data
         if isinstance(ids, list):
             return [str(i) for i in ids]
     if "sample_ids" in metadata:
         try:
-            return [str(i) for i in json.loads(metadata["sample_ids"])]
+            return [str(i) for i in loads_bounded(metadata["sample_ids"], f"{path.name} metadata sample_ids")]
         except ValueError:
             return None
     return None

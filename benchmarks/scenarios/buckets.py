@@ -275,7 +275,7 @@ def train_step(accelerator, model, optimizer, lr_scheduler, guard, batch, bucket
         result = guard.last_result
     else:
         kwargs = {"bucket": bucket.key} if loop == "explicit_bucket" else {}
-        guard.backward(loss, batch={"latents": x0, "noise": noise, "timesteps": t}, sample_ids=batch["ids"],
+        guard.backward(loss, batch={"latents": x0, "noise": noise}, sample_ids=batch["ids"], timesteps=t * 1000,
                        **kwargs)
         result = guard.step(1.0)
     if saved is not None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -128,7 +127,7 @@ def summarize(runs: list[tuple[str, str, B.RunSpec]], records: list[B.RunRecord]
                     "detectors": sorted({d for v in verdicts for d in v["detectors"]}),
                     "findings_before_fault": sum(v["findings_before"] for v in verdicts)}
         for split in ("tuning", "heldout"):
-            recs = [r for r in mine["healthy"].get("random", {}).get(split, [])]
+            recs = mine["healthy"].get("random", {}).get(split, [])
             s["buckets"][split] = B.bucket_figures(recs)
     return summary
 

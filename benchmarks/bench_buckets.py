@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -84,6 +83,14 @@ def _run_one(spec: B.RunSpec) -> B.RunRecord:
     return B.run(spec)
 
 
+def _progress(records, total: int, started: float):
+    """Pass the records on, a line on stderr every tenth of the runs."""
+    for done, record in enumerate(records, 1):
+        if done % max(total // 10, 1) == 0 or done == total:
+            print(f"  {done}/{total} runs, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        yield record
+
+
 def switch_alarms(record: B.RunRecord) -> int:
     """Findings within :data:`SWITCH_WINDOW` steps from the schedule's switch (0 for the random mix)."""
     if record.spec.schedule == "random":
@@ -120,7 +127,7 @@ def summarize(runs: list[tuple[str, str, B.RunSpec]], records: list[B.RunRecord]
                     "detectors": sorted({d for v in verdicts for d in v["detectors"]}),
                     "findings_before_fault": sum(v["findings_before"] for v in verdicts)}
         for split in ("tuning", "heldout"):
-            recs = [r for r in mine["healthy"].get("random", {}).get(split, [])]
+            recs = mine["healthy"].get("random", {}).get(split, [])
             s["buckets"][split] = B.bucket_figures(recs)
     return summary
 
@@ -190,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
           f"guard.backward takes bucket=: {has_bucket}, {args.jobs} worker(s)", flush=True)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
-            records = list(pool.map(_run_one, [spec for _, _, spec in runs]))
+            records = list(_progress(pool.map(_run_one, [spec for _, _, spec in runs]), len(runs), started))
     else:
         _init_worker()
-        records = [_run_one(spec) for _, _, spec in runs]
+        records = list(_progress(map(_run_one, [spec for _, _, spec in runs]), len(runs), started))
     seconds = time.perf_counter() - started
     summary = summarize(runs, records)
     print_tables(summary)

@@ -22,10 +22,9 @@ import inspect
 import math
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 
@@ -203,8 +202,6 @@ def guard_accepts_bucket() -> bool:
 
 def run(spec: RunSpec, run_dir: str | Path | None = None) -> RunRecord:
     """Train one run of the workload in this process (one CPU ``Accelerator``) and record every step."""
-    import time
-
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from diffusers.optimization import get_cosine_schedule_with_warmup
@@ -275,7 +272,7 @@ def train_step(accelerator, model, optimizer, lr_scheduler, guard, batch, bucket
         result = guard.last_result
     else:
         kwargs = {"bucket": bucket.key} if loop == "explicit_bucket" else {}
-        guard.backward(loss, batch={"latents": x0, "noise": noise, "timesteps": t}, sample_ids=batch["ids"],
+        guard.backward(loss, batch={"latents": x0, "noise": noise}, sample_ids=batch["ids"], timesteps=t * 1000,
                        **kwargs)
         result = guard.step(1.0)
     if saved is not None:
@@ -332,7 +329,3 @@ def bucket_figures(records: list[RunRecord]) -> dict[str, dict]:
                     "clip_rate": sum(x > 1.0 for x in xs) / len(xs)}
     return out
 
-
-def iter_alarm_lines(counts: dict, limit: int = 8) -> Iterator[str]:
-    for a in counts["alarms"][:limit]:
-        yield f"      seed {a['seed']} step {a['step']}: {a['kind']} {a['detector']}: {a['message']}"

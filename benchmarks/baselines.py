@@ -260,10 +260,12 @@ class VidstabReplay:
     def stats_of_vector(self, step: int, vector: list[float], lr: float | None, lr_peak: float | None,
                         lr_scheduled: float | None, bucket: str = "default", scale_known: bool = False):
         """``build_stats`` of one recorded one-process vector, as the guard's step calls it."""
-        vector = list(vector)
+        vector, L = list(vector), self.layout
+        for column, value in ((L.lr, lr), (L.lr_peak, lr_peak), (L.lr_scheduled, lr_scheduled)):
+            vector[column] = -1.0 if value is None else value  # the guard packs each rank's LR figures
         return self._build_stats(step, vector, self.layout, rows=[vector], bucket=bucket,
                                  max_grad_norm=self.max_grad_norm, sharded=False, scale_known=scale_known,
-                                 has_scaler=False, lr=lr, lr_peak=lr_peak, lr_scheduled=lr_scheduled)
+                                 has_scaler=False)
 
     def observe_stats(self, s) -> list:
         """Judge one step's statistics as the guard does, then absorb them; returns the findings (empty: no alarm)."""
@@ -287,7 +289,7 @@ class VidstabReplay:
         g = r.grad_norm
         v[L.norm_known] = 1.0
         v[L.grad_norm] = g if _finite(g) else 0.0
-        v[L.norm_nan], v[L.norm_inf] = float(math.isnan(g)), float(math.isinf(g))
+        v[L.norm_nan], v[L.norm_nonfinite] = float(math.isnan(g)), float(not math.isfinite(g))
         finite_loss = _finite(r.loss)
         v[L.loss_sum], v[L.loss_count] = (r.loss, 1.0) if finite_loss else (0.0, 0.0)
         v[L.loss_nonfinite] = v[L.ranks_loss_bad] = 0.0 if finite_loss else 1.0

@@ -262,9 +262,10 @@ class Paths:
         return line
 
     def _stats(self, step: int, summary: list[float], rows: list[list[float]] | None) -> StepStats:
-        lr, peak, sched = LR
-        return build_stats(step, summary, self.w.layout, rows=rows, bucket=BUCKET, max_grad_norm=MAX_GRAD_NORM,
-                           sharded=False, scale_known=False, has_scaler=False, lr=lr, lr_peak=peak, lr_scheduled=sched)
+        L, summary = self.w.layout, list(summary)
+        summary[L.lr], summary[L.lr_peak], summary[L.lr_scheduled] = LR  # what every rank packs (the same LR)
+        return build_stats(step, summary, L, rows=rows, bucket=BUCKET, max_grad_norm=MAX_GRAD_NORM,
+                           sharded=False, scale_known=False, has_scaler=False)
 
     def decide_new(self, kind: str) -> tuple[StepStats, bool]:
         """``Guard.guarded_step``'s steps 1-2 after the all_reduces; returns the statistics and whether rows were read."""

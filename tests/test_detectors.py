@@ -330,9 +330,10 @@ def timed_stats(step, times):
         v[layout.grad_norm], v[layout.norm_known], v[layout.loss_sum], v[layout.loss_count] = 1.0, 1.0, 1.0, 1.0
         v[layout.ranks], v[layout.seconds], v[layout.slowest] = 1.0, max(t, 0.0), signals.slowest_key(t, rank)
         v[layout.first_bad_rank] = signals.NOT_BAD
+        v[layout.lr] = v[layout.lr_peak] = v[layout.lr_scheduled] = -1.0  # not known
         rows.append(v)
     return build_stats(step, signals.reduce_rows(rows, layout), layout, max_grad_norm=None, sharded=False,
-                       scale_known=False, has_scaler=False, lr=None, lr_peak=None, lr_scheduled=None)
+                       scale_known=False, has_scaler=False)
 
 
 def straggler_run(times_of, steps, **overrides):

@@ -47,14 +47,15 @@ def random_rank(rng: random.Random, accum: int, rank: int, bad: bool) -> dict:
     return dict(micro=micro, seconds=rng.choice([-1.0, rng.uniform(0.001, 0.5)]), rank=rank)
 
 
-def vector(raw: dict, grad_norm, param_sums, scale, stop=False) -> list[float]:
+def vector(raw: dict, grad_norm, param_sums, scale, stop=False, lr=(1e-3, 1e-3, 1e-3)) -> list[float]:
     """The rank's vector through the real Window."""
     w = S.Window(torch.device("cpu"), NB, T)
     for m in raw["micro"]:
         batch = {f"in{i}": x for i, x in enumerate(m["inputs"])}
         w.record(torch.tensor(m["loss"]), batch, m["psl"], m["t"], m["error"], bucket="b")
     return w.pack(grad_norm, stop=stop, param_sq=param_sums[0], update_sq=param_sums[1], loss_scale=scale,
-                  seconds=raw["seconds"], rank=raw["rank"]).tolist()
+                  seconds=raw["seconds"], rank=raw["rank"], lr=lr,
+                  batch_crc=raw.get("crc")).tolist()
 
 
 def reference(ranks: list[dict], grad_norm, psq, usq, sharded, scale, max_grad_norm) -> dict:
@@ -129,13 +130,21 @@ def test_the_producer_equals_the_definitions_over_the_raw_values(seed):
         psq, usq = [psq[0]] * world, [usq[0]] * world
     scale = torch.tensor(float(2 ** rng.randint(0, 16))) if rng.random() < 0.3 else None
     max_grad_norm = rng.choice([None, 1.0])
-    rows = [vector(r, grad_norm, (torch.tensor(psq[i]), torch.tensor(usq[i])) if measured else (None, None), scale)
-            for i, r in enumerate(ranks)]
+    lrs = [1e-3 * (1000 if bad and rng.random() < 0.3 else 1) for _ in ranks]  # an LR bug on some ranks only
+    crcs = [rng.randrange(1 << 32) if rng.random() < 0.7 else None for _ in ranks]
+    for r, crc in zip(ranks, crcs):
+        r["crc"] = crc
+    rows = [vector(r, grad_norm, (torch.tensor(psq[i]), torch.tensor(usq[i])) if measured else (None, None), scale,
+                   lr=(lrs[i], 1e-3, 1e-3)) for i, r in enumerate(ranks)]
     layout = S.Layout(NB)
     summary = S.reduce_rows(rows, layout)
     s = build_stats(3, summary, layout, rows=rows, bucket="b", max_grad_norm=max_grad_norm, sharded=sharded,
-                    scale_known=scale is not None, has_scaler=scale is not None, lr=1e-3, lr_peak=1e-3, lr_scheduled=1e-3)
+                    scale_known=scale is not None, has_scaler=scale is not None)
     ref = reference(ranks, grad_norm, psq, usq, sharded, scale, max_grad_norm)
+    ref["lr"] = max(lrs)  # the largest LR any rank had: an LR bug on one rank is seen by every rank
+    known = [c for c in crcs if c is not None]
+    ref_fp = f"{sum(known) % (1 << 32):08x}" if known else None
+    assert s.batch_fp == ref_fp and s.lr_peak == s.lr_scheduled == 1e-3
     for name, want in ref.items():
         if name == "input_means":
             continue
@@ -167,8 +176,7 @@ def test_without_rows_the_summary_alone_gives_the_same_step_figures():
     rows = [vector(r, torch.tensor(0.5), (None, None), None) for r in ranks]
     layout = S.Layout(NB)
     summary = S.reduce_rows(rows, layout)
-    kw = dict(bucket="b", max_grad_norm=1.0, sharded=False, scale_known=False, has_scaler=False, lr=None, lr_peak=None,
-              lr_scheduled=None)
+    kw = dict(bucket="b", max_grad_norm=1.0, sharded=False, scale_known=False, has_scaler=False)
     with_rows, alone = build_stats(0, summary, layout, rows=rows, **kw), build_stats(0, summary, layout, **kw)
     assert not anomalous(summary, layout)
     for f in StepStats.__dataclass_fields__:
@@ -186,8 +194,7 @@ def test_a_step_of_ranks_in_different_buckets_is_mixed():
         w.record(torch.tensor(1.0), {"latents": torch.ones(2, 3)}, bucket=bucket)
         rows.append(w.pack(torch.tensor(1.0), stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=0.1,
                            rank=rank).tolist())
-    kw = dict(max_grad_norm=None, sharded=False, scale_known=False, has_scaler=False, lr=None, lr_peak=None,
-              lr_scheduled=None)
+    kw = dict(max_grad_norm=None, sharded=False, scale_known=False, has_scaler=False)
     assert build_stats(0, S.reduce_rows(rows, layout), layout, bucket="1x16x5x32x32", **kw).bucket == "mixed"
     assert build_stats(0, S.reduce_rows(rows[:2], layout), layout, bucket="1x16x5x32x32", **kw).bucket == "1x16x5x32x32"
 

@@ -1,10 +1,11 @@
 """Resume fidelity: does a resumed (or rewound) run replay what the original run did?
 
-Every ``metrics`` line carries ``batch_fp``, a cheap fingerprint of the step's batch on that rank: a hash of
-the sample ids given to ``guard.backward`` over the step's micro-batches, in order (:func:`batch_fingerprint`,
-kept per step by :class:`BatchFingerprints`; ``null`` when the loop gives no ids). After a resume or a
-rollback that rewinds the data, :class:`ResumeCheck` compares the first replayed steps with what the original
-attempt logged for the same steps, in the same rank's event log, and names what changed in a ``warn`` event
+Every ``metrics`` line carries ``batch_fp``, a cheap fingerprint of the step's batch on every rank: each rank's
+CRC-32 of the sample ids given to ``guard.backward`` over the step's micro-batches, in order (:func:`batch_crc`),
+summed over the ranks in the guard's one reduction (``null`` when the loop gives no ids), so rank 0's line,
+written every step, covers every rank's data. After a resume or a rollback that rewinds the data,
+:class:`ResumeCheck` compares the first replayed steps with what the original attempt logged for the same steps,
+in the same rank's event log, and names what changed in a ``warn`` event
 (``detector="resume_fidelity"``), in the order that explains the rest:
 
 * **world size**: the attempt that logged the original steps ran on another number of processes;
@@ -37,7 +38,7 @@ import torch
 from .events import events_dir, flush_open_logs, log_event
 from .strict_json import json_float
 
-__all__ = ["batch_fingerprint", "host_ids", "BatchFingerprints", "ResumeCheck", "compare_replay"]
+__all__ = ["batch_crc", "batch_fingerprint", "host_ids", "ResumeCheck", "compare_replay"]
 
 logger = logging.getLogger("vidstab.resume_check")
 
@@ -51,8 +52,14 @@ def host_ids(sample_ids: Any) -> Any:
 
 
 def batch_fingerprint(ids_per_micro_step: Iterable[Any]) -> str | None:
-    """8 hex digits: CRC-32 over the sample ids of a step's micro-batches, in order (ids as text; it tells
-    batches apart, it is not a security hash); None when no micro-step had ids."""
+    """8 hex digits of :func:`batch_crc` (None when no micro-step had ids)."""
+    crc = batch_crc(ids_per_micro_step)
+    return None if crc is None else f"{crc:08x}"
+
+
+def batch_crc(ids_per_micro_step: Iterable[Any]) -> int | None:
+    """CRC-32 over the sample ids of a step's micro-batches, in order (ids as text; it tells batches apart, it is
+    not a security hash); None when no micro-step had ids."""
     crc, seen = 0, False
     for ids in ids_per_micro_step:
         if ids is None:
@@ -60,33 +67,7 @@ def batch_fingerprint(ids_per_micro_step: Iterable[Any]) -> str | None:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
         crc = zlib.crc32(("\x1f".join(map(str, values)) + "\x1e").encode(), crc)  # \x1e: micro-step boundary
         seen = True
-    return f"{crc:08x}" if seen else None
-
-
-class BatchFingerprints:
-    """The guard's fingerprint of each step's batch, from the step's end until its metrics line is written."""
-
-    MAX_HELD = 64  # steps whose line is never written (a rollback discarded them) are dropped
-
-    def __init__(self) -> None:
-        self._by_step: dict[int, str] = {}
-
-    def record(self, step: int, refs: Sequence[tuple]) -> None:
-        """``refs``: the guard's ``(batch, sample_ids, error)`` per micro-step of ``step``."""
-        for r in refs:  # a loop without ids (the unmodified one) pays for this loop only
-            if r[1] is not None:
-                break
-        else:
-            return
-        fp = batch_fingerprint(r[1] for r in refs)
-        if fp is None:
-            return
-        if len(self._by_step) >= self.MAX_HELD:
-            self._by_step.pop(next(iter(self._by_step)))
-        self._by_step[step] = fp
-
-    def pop(self, step: int) -> str | None:
-        return self._by_step.pop(step, None) if self._by_step else None
+    return crc if seen else None
 
 
 def _close(a: Any, b: Any, rtol: float) -> bool:

@@ -13,10 +13,11 @@ whose summary shows something (:func:`gather_rows`), and per-micro-step detail o
 Columns (float64: a hash, a rank id or a count is exact), first those summed over ranks, then those maximised:
 
     sum:  loss_sum, loss_count, loss_nonfinite, ranks_loss_bad, ranks_input_bad, ranks_exception, stop,
-          in_sum, in_sumsq, in_numel, param_sq, update_sq, seconds, ranks, bucket_sum[nb], bucket_count[nb]
+          in_sum, in_sumsq, in_numel, param_sq, update_sq, seconds, ranks, batch_crc, batch_crc_ranks,
+          bucket_sum[nb], bucket_count[nb]
     max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
           loss_scale, first_bad_rank (as -rank), slowest (seconds and rank in one number), bucket, -bucket,
-          micro_steps
+          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown)
 
 ``loss_sum``/``loss_count`` are over the finite micro-step losses; the input columns over ranks whose inputs
 were finite (a non-finite value anywhere makes a rank's ``ranks_input_bad`` 1 and its input sums 0).
@@ -44,7 +45,7 @@ DEVICE_VALUES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "
                  "first_bad_rank")
 """What :meth:`Window.pack` computes on the device, in its order."""
 HOST_VALUES = ("ranks_exception", "stop", "seconds", "ranks", "norm_known", "param_measured", "slowest", "bucket",
-               "neg_bucket", "micro_steps")
+               "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled")
 """What the host knows of the step, in :meth:`Window.pack`'s order."""
 _HOST_COUNT = len(HOST_VALUES)
 _SLOWEST_SCALE = 1e6  # seconds to microseconds in the ``slowest`` column
@@ -58,9 +59,11 @@ class Layout:
     buckets: int
 
     SUM_NAMES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "ranks_input_bad", "ranks_exception",
-                 "stop", "in_sum", "in_sumsq", "in_numel", "param_sq_sum", "update_sq_sum", "seconds", "ranks")
+                 "stop", "in_sum", "in_sumsq", "in_numel", "param_sq_sum", "update_sq_sum", "seconds", "ranks",
+                 "batch_crc", "batch_crc_ranks")
     MAX_NAMES = ("grad_norm", "norm_nan", "norm_nonfinite", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
-                 "param_measured", "loss_scale", "first_bad_rank", "slowest", "bucket", "neg_bucket", "micro_steps")
+                 "param_measured", "loss_scale", "first_bad_rank", "slowest", "bucket", "neg_bucket", "micro_steps",
+                 "lr", "lr_peak", "lr_scheduled")
 
     @property
     def sum_width(self) -> int:
@@ -364,8 +367,12 @@ class Window:
         loss_scale: torch.Tensor | None,
         seconds: float,
         rank: int,
+        lr: tuple[float | None, float | None, float | None] = (None, None, None),
+        batch_crc: int | None = None,
     ) -> torch.Tensor:
-        """The rank's vector for this step (:data:`Layout` columns); device ops only, no host sync."""
+        """The rank's vector for this step (:data:`Layout` columns); device ops only, no host sync. ``lr``: this
+        rank's ``(lr, lr_peak, lr_scheduled)`` (the largest over ranks is judged, so an LR wrong on one rank is
+        seen by all); ``batch_crc``: the CRC-32 of this rank's sample ids (summed over ranks: the step's batch)."""
         dt, dev = self.dtype, self.device
         m, n = len(self.losses), len(self.in_values) // 4
         f32 = torch.float32
@@ -394,7 +401,9 @@ class Window:
         key = bucket_hash(self.shape_bucket)
         host = self._host_values([float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0,
                                   float(grad_norm is not None), float(param_sq is not None),
-                                  slowest_key(seconds, rank), key, -key, float(m)])
+                                  slowest_key(seconds, rank), key, -key, float(m),
+                                  float(batch_crc or 0), float(batch_crc is not None),
+                                  *(-1.0 if v is None else float(v) for v in lr)])
         buckets = self._buckets() if self.bucket_parts else self._no_buckets
         src = torch.cat([device, host, buckets])
         return src.index_select(0, self._pack_index)

@@ -196,7 +196,7 @@ class Guard:
         stop, self._stop_requested = self._stop_requested, False
         scale = self.control.loss_scale()
         local = self.recorder.pack(norm, stop=stop, param_sums=self.control.take_param_sums(), loss_scale=scale,
-                                   rank=self.rank)
+                                   rank=self.rank, lr=self.lr.figures())
         summary, mine = signals.reduce_and_read(local, self.layout, self.world_size)
         self.recorder.clock.restart()
         # 2. Statistics -> verdict. Every rank's vector is gathered only where the summary shows a bad rank or a
@@ -233,11 +233,9 @@ class Guard:
 
     def _stats(self, step: int, summary: list[float], rows: list[list[float]] | None, max_grad_norm: float | None,
                scale_known: bool) -> StepStats:
-        lr, lr_peak, lr_scheduled = self.lr.figures()
         return build_stats(step, summary, self.layout, rows=rows, bucket=self.recorder.bucket_name,
                            max_grad_norm=max_grad_norm, sharded=self.sharded, scale_known=scale_known,
-                           has_scaler=getattr(self.accelerator, "scaler", None) is not None,
-                           lr=lr, lr_peak=lr_peak, lr_scheduled=lr_scheduled)
+                           has_scaler=getattr(self.accelerator, "scaler", None) is not None)
 
     def _count(self, s: StepStats, skipped: bool) -> None:
         """The counters and the health of a judged step, once it is applied or skipped."""

@@ -12,7 +12,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from .. import signals
-from ..resume_check import host_ids
+from ..resume_check import batch_crc, host_ids
 
 
 class MicroBatch(NamedTuple):
@@ -49,11 +49,12 @@ class StepRecorder:
         return not self.micro_batches
 
     def pack(self, grad_norm: torch.Tensor | None, *, stop: bool, param_sums: tuple, loss_scale: torch.Tensor | None,
-             rank: int) -> torch.Tensor:
+             rank: int, lr: tuple) -> torch.Tensor:
         """This rank's vector for the step (:meth:`vidstab.signals.Window.pack`)."""
         self.bucket_name = self.window.shape_bucket
         return self.window.pack(grad_norm, stop=stop, param_sq=param_sums[0], update_sq=param_sums[1],
-                                loss_scale=loss_scale, seconds=self.clock.seconds(), rank=rank)
+                                loss_scale=loss_scale, seconds=self.clock.seconds(), rank=rank, lr=lr,
+                                batch_crc=batch_crc(m.sample_ids for m in self.micro_batches))
 
     def reset(self) -> None:
         """The step is over: drop the references and start the next window."""

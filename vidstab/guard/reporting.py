@@ -17,7 +17,6 @@ from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
 from ..quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
-from ..resume_check import batch_fingerprint
 from ..signals import Layout, Window
 from .recorder import MicroBatch
 from .result import StepResult
@@ -51,8 +50,7 @@ class Reporter:
                micro_batches: list[MicroBatch], window: Window) -> StepResult:
         """Log the step and, on a skipped step this rank is named in, write its incident bundles."""
         if self.rank == 0 or s.findings or s.step % self.config.rank_log_every == 0:
-            metrics = metrics_line(s, mine, layout, self.rank, clip_rate, skipped_total, overflow_total,
-                                   batch_fingerprint(m.sample_ids for m in micro_batches))
+            metrics = metrics_line(s, mine, layout, self.rank, clip_rate, skipped_total, overflow_total)
             metrics.update(thresholds)
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
@@ -150,7 +148,7 @@ class Reporter:
 
 
 def metrics_line(s: StepStats, mine: Sequence[float], L: Layout, rank: int, clip_rate: float, skipped_total: int,
-                 overflow_total: int, batch_fp: str | None = None) -> dict:
+                 overflow_total: int) -> dict:
     """The step's ``metrics`` line (before the detectors' thresholds): the step's statistics, this rank's own
     figures from its vector, and the counters as they stood right after the step."""
     n, bad = mine[L.in_numel], mine[L.ranks_input_bad] > 0
@@ -177,7 +175,7 @@ def metrics_line(s: StepStats, mine: Sequence[float], L: Layout, rank: int, clip
         "loss_by_t": s.timestep_bucket_loss,
         "local_seconds": mine[L.seconds] if mine[L.slowest] >= 0 else None,
         "bucket": s.bucket,
-        "batch_fp": batch_fp,  # the step's sample ids, hashed: a resume is checked against it (vidstab/resume_check.py)
+        "batch_fp": s.batch_fp,  # the step's sample ids over every rank: a resume is checked against it
         "verdict": s.verdict.name,
         "applied": s.applied,
     }

@@ -30,9 +30,6 @@ def build_stats(
     sharded: bool,
     scale_known: bool,
     has_scaler: bool,
-    lr: float | None,
-    lr_peak: float | None,
-    lr_scheduled: float | None,
 ) -> StepStats:
     """The statistics of one step.
 
@@ -40,8 +37,8 @@ def build_stats(
     when gathered (:func:`vidstab.signals.gather_rows`): the per-rank fields come from them. ``bucket``: this
     rank's name for the window's shape bucket (the summary says whether every rank had it). ``sharded``: FSDP,
     parameter sums of squares add up over ranks. ``scale_known``: a GradScaler scale is in the vectors.
-    ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow.
-    ``lr``/``lr_peak``/``lr_scheduled``: the guard's LR figures (:class:`vidstab.lr.LRMultiplier`)."""
+    ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow. The LR figures are the
+    largest any rank had (:class:`vidstab.lr.LRMultiplier` gives each rank's)."""
     L, x = layout, summary
     norm_known = x[L.norm_known] > 0
     grad_norm = math.nan if x[L.norm_nan] or not norm_known else math.inf if x[L.norm_nonfinite] else x[L.grad_norm]
@@ -60,9 +57,10 @@ def build_stats(
         world_size=world,
         max_grad_norm=max_grad_norm,
         clipped=bool(max_grad_norm is not None and math.isfinite(grad_norm) and grad_norm > max_grad_norm),
-        lr=lr,
-        lr_peak=lr_peak,
-        lr_scheduled=lr_scheduled,
+        lr=_known(x[L.lr]),
+        lr_peak=_known(x[L.lr_peak]),
+        lr_scheduled=_known(x[L.lr_scheduled]),
+        batch_fp=f"{int(x[L.batch_crc]) % (1 << 32):08x}" if x[L.batch_crc_ranks] > 0 else None,
         loss_scale=x[L.loss_scale] if scale_known else None,
         param_norm=param_norm,
         update_ratio=update_ratio,
@@ -87,6 +85,11 @@ def build_stats(
     s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
                       and not (x[L.ranks_loss_bad] or x[L.ranks_input_bad] or x[L.ranks_exception]))
     return s
+
+
+def _known(v: float) -> float | None:
+    """An LR column: ``-1`` (no rank knew it) is None."""
+    return None if v < 0 else v
 
 
 def bad_input_only(s: StepStats, ignore: Sequence[str]) -> bool:

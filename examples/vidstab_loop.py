@@ -7,7 +7,7 @@ checkpoints, rollback and replay (``diff examples/plain_loop.py examples/vidstab
 faults into the user's own data and loop::
 
     python examples/vidstab_loop.py --nan_step 6       # skipped on every rank, the NaN sample captured
-    python examples/vidstab_loop.py --lr_blowup_step 14  # skipped, rolled back to the last good checkpoint
+    python examples/vidstab_loop.py --lr_blowup_step 14  # that step refused; the schedule's LR again from the next
 
 FSDP2: ``--fsdp`` (CPU: the script applies ``fully_shard`` per block; GPU: ``accelerate launch --use_fsdp --fsdp_version 2``).
 Two processes: ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/vidstab_loop.py``.

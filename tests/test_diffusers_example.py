@@ -168,7 +168,10 @@ def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_o
     # (until a reload); it recurs after every rollback: the retry budget runs out and the run aborts.
     faults = [x for _ in range(5) for x in ("--inject_fault", "lr_spike@6=100000")]
     first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
-    assert first.returncode != 0 and "vidstab: run aborted" in first.stderr and "vidstab replay" in first.stderr
+    assert first.returncode != 0 and "vidstab: run aborted" in first.stderr
+    # An LR bug leaves no incident bundle (lr_bound captures no batch): the message names none, and says where
+    # the evidence is.
+    assert "vidstab replay" not in first.stderr and "No incident bundle was written" in first.stderr
     rollbacks = _events(out, "rollback")
     assert len(rollbacks) == 3 and all(r["to_step"] <= 6 for r in rollbacks)
     for r in rollbacks:  # every rollback removed the script's own checkpoint-N of the abandoned trajectory

@@ -1,6 +1,7 @@
 """examples/vidstab_loop.py --fsdp with 2 real processes (FSDP2 ``fully_shard`` per block on a gloo CPU mesh,
 as the example does where Accelerate refuses FSDP): the DDP drill's faults -- a NaN sample on rank 1 and an
-LR x10^4 bug in the user's loop -- give the same lockstep skip and rollback with LR back-off; the checkpoint
+LR x10^4 bug in the user's loop -- give the same lockstep skips (the one-step LR bug costs one skip, no
+rollback: issue 40, item 5; FSDP rollbacks: tests/test_checkpoint_fsdp_train.py); the checkpoint
 is sharded (each rank wrote its own shard, nothing gathered, nothing pickled), `vidstab replay` reproduces
 the NaN bundle on it, and its weights are the run's.
 examples/plain_loop.py --fsdp with the same faults ends with ruined weights.
@@ -56,12 +57,8 @@ def test_guarded_example_fsdp_two_processes_skip_rollback_sharded_checkpoint_res
     skips = {r: [(e["step"], e["detector"], e["bad_ranks"]) for e in ev[r] if e["kind"] == "skip"] for r in (0, 1)}
     assert skips[0] == skips[1]  # lockstep under FSDP2 too: the same steps skipped on both ranks
     assert [s for s in skips[0] if s[1] == "nonfinite"] == [(5, "nonfinite", [1])]
-    rollbacks = {r: [e for e in ev[r] if e["kind"] == "rollback"] for r in (0, 1)}
-    assert len(rollbacks[0]) == len(rollbacks[1]) == 1
-    for rb in (rollbacks[0][0], rollbacks[1][0]):
-        # Back to the last good checkpoint (the skipped NaN sample left step 10 healthy), with the LR halved.
-        assert rb["cause"] == "divergence" and rb["step"] > 14 and rb["to_step"] == 10
-        assert (rb["old_lr_multiplier"], rb["lr_multiplier"]) == (1.0, 0.5)
+    assert [s for s in skips[0] if s[1] == "lr_bound"] == [(13, "lr_bound", [])]
+    assert not [e for r in (0, 1) for e in ev[r] if e["kind"] in ("rollback", "rollback_request")]
 
     # Sharded: the manifest says so, and each rank wrote its own shard of every parameter (a half of dim 0:
     # hidden 32 -> 16 rows, channels 4 -> 2), so no rank ever held the full model to write it.

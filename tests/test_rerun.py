@@ -66,3 +66,42 @@ def test_under_fsdp_every_rank_reruns_together_without_a_peer_check(tmp_path):
         assert [(e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [(verdict, [1], {})]
         assert reruns[1][0]["verdict"] == verdict
     assert len(_reruns(data)[1][0]["samples"]) == 4
+
+
+def test_one_process_a_nan_sample_is_data_an_overflowing_layer_numerics_a_one_off_corruption_transient(tmp_path):
+    import torch
+    from accelerate import Accelerator
+
+    import vidstab
+    from vidstab.faults import add_flaky_activation, add_module_fault
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    guard.set_replay_fn(lambda b: (model(b["x"]) - b["x"]).pow(2).mean(dim=1))
+    verdicts = {}
+    for step in range(8):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ids = [f"s{step}-{i}" for i in range(4)]
+        if step == 3:
+            x[2, 5] = float("nan")  # a bad sample
+        handle = add_flaky_activation(model, "0") if step == 6 else None  # one NaN activation, first pass only
+        if step == 5:
+            handle = add_module_fault(model, "1")  # a layer that overflows on clean inputs, every time
+        loss = (model(x) - x).pow(2).mean()
+        guard.backward(loss, batch={"x": x}, sample_ids=ids)
+        result = guard.step(1.0)
+        if handle is not None:
+            handle.remove()
+        if result.rerun is not None:
+            verdicts[step] = result.rerun
+    guard.close()
+    assert sorted(verdicts) == [3, 5, 6]
+    assert verdicts[5].verdict == "numerics" and verdicts[5].samples == []
+    assert verdicts[3].verdict == "data" and verdicts[3].samples == ["s3-2"]
+    assert verdicts[6].verdict == "transient" and verdicts[6].transient_by_rank == {"0": 1}
+    assert QuarantineList(tmp_path).ids() == {"s3-2"}
+    assert [e["verdict"] for e in events(tmp_path, kind="rerun")] == ["data", "numerics", "transient"]

@@ -86,7 +86,7 @@ def _run_one(spec: B.RunSpec) -> B.RunRecord:
 def _progress(records, total: int, started: float):
     """Pass the records on, a line on stderr every tenth of the runs."""
     for done, record in enumerate(records, 1):
-        if done % max(total // 10, 1) == 0 or done == total:
+        if done % -(-total // 10) == 0 or done == total:
             print(f"  {done}/{total} runs, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         yield record
 

@@ -270,16 +270,18 @@ def train_step(accelerator, model, optimizer, lr_scheduler, guard, batch, bucket
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         result = guard.last_result
-    else:
+    else:  # guard.step clips, steps the optimizer and the LR scheduler, and zeroes the gradients
         kwargs = {"bucket": bucket.key} if loop == "explicit_bucket" else {}
         guard.backward(loss, batch={"latents": x0, "noise": noise}, sample_ids=batch["ids"], timesteps=t * 1000,
                        **kwargs)
         result = guard.step(1.0)
-    if saved is not None:
+    if saved is not None:  # undone unless a scheduler step has already set the next LR
         for g, lr in zip(optimizer.param_groups, saved):
-            g["lr"] = lr
-    lr_scheduler.step()
-    optimizer.zero_grad()
+            if g["lr"] == lr * 1000:
+                g["lr"] = lr
+    if loop == "attached":
+        lr_scheduler.step()
+        optimizer.zero_grad()
     return result
 
 

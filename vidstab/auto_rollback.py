@@ -49,6 +49,8 @@ class AutoRollback:
             self.ckpt.register(name, obj)
         self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig())
         self._saved_this_launch = False
+        self.steps_lost = 0
+        """Optimizer steps the in-place rollbacks undid: the loop's count minus the trajectory's."""
         if guard.reporter.checkpoint_fn is None:  # incident bundles name the checkpoint their replay starts from
             guard.reporter.checkpoint_fn = self.ckpt.latest_path_str
 
@@ -59,15 +61,18 @@ class AutoRollback:
         if result is None or result.micro:
             return
         step = guard.global_step  # the loop's count of optimizer steps, this one included
+        # Recovery and the rollback checkpoints count the trajectory's steps: after an in-place rollback the loop's
+        # count goes on, but the run must get past the failure point again before the incident is over.
+        trajectory = step - self.steps_lost
         if result.rollback is not None:
-            self._roll_back(result, step)
+            self._roll_back(result, step, trajectory)
             return
-        self.recovery.on_step(step, skipped=bool(result.skipped))
-        if step % self.every == 0 or not self._saved_this_launch:
-            self.ckpt.save(step, healthy=guard.healthy)
+        self.recovery.on_step(trajectory, skipped=bool(result.skipped))
+        if trajectory % self.every == 0 or not self._saved_this_launch:
+            self.ckpt.save(trajectory, healthy=guard.healthy)
             self._saved_this_launch = True
 
-    def _roll_back(self, result: Any, step: int) -> None:
+    def _roll_back(self, result: Any, step: int, trajectory: int) -> None:
         """Load the last healthy rollback checkpoint into the model, optimizer and guard; everything else goes on."""
         guard, optimizer = self.guard, self.guard.optimizer
         scheduler = torch_scheduler(guard.lr_scheduler)
@@ -75,8 +80,10 @@ class AutoRollback:
         bases = list(getattr(scheduler, "base_lrs", None) or [])
         rng = rng_state()
         # Loads in place, backs the LR off for a divergence, or raises RunAborted once the budget is spent.
-        self.recovery.after_step(result, step)
+        state = self.recovery.after_step(result, trajectory)
         guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
+        if state is not None:
+            self.steps_lost += trajectory - int(state["_checkpoint"]["step"])
         set_rng_state(rng)
         # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule
         # goes on from where it is now, on the base LRs the rollback restored (with its back-off).

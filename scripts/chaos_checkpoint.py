@@ -89,6 +89,8 @@ def chaos(a: argparse.Namespace) -> dict:
         p = subprocess.Popen(_cmd(run, a, extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         start = None
         line = p.stdout.readline()
+        while line and not line.startswith("start step"):  # libraries may print first (DeepSpeed's accelerator note)
+            line = p.stdout.readline()
         if line.startswith("start step"):
             start = int(line.split()[-1])
         if start is None:

@@ -184,7 +184,7 @@ def test_recording_and_packing_a_step_take_a_few_dozen_small_device_ops():
     with OpCounter() as packed:
         vec = window.pack(norm, stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=0.01, rank=0)
     assert len(recorded) <= 6, recorded  # a detach (view), aminmax, sum, norm
-    assert len(packed.ops) <= 45, packed.ops
+    assert len(packed.ops) <= 60, packed.ops
     layout = signals.Layout(10)
     assert vec.shape == (layout.width,) and vec[layout.grad_norm] == 1.0 and vec[layout.loss_sum] == 0.5
 

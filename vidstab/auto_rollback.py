@@ -51,8 +51,8 @@ class AutoRollback:
         self._saved_this_launch = False
         self.steps_lost = 0
         """Optimizer steps the in-place rollbacks undid: the loop's count minus the trajectory's."""
-        if guard.reporter.checkpoint_fn is None:  # incident bundles name the checkpoint their replay starts from
-            guard.reporter.checkpoint_fn = self.ckpt.latest_path_str
+        if guard.checkpoint_fn is None:  # incident bundles name the checkpoint their replay starts from
+            guard.checkpoint_fn = self.ckpt.latest_path_str
 
     def after_step(self) -> None:
         """Roll back in place when the step asked for it, else keep the books and save on the interval."""

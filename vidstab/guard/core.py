@@ -131,6 +131,15 @@ class Guard:
                         run=run_environment(accelerator))
 
     @property
+    def checkpoint_fn(self) -> Callable[[], str | None] | None:
+        """``() -> newest checkpoint path or None``, written into incident bundles (settable after attach)."""
+        return self.reporter.checkpoint_fn
+
+    @checkpoint_fn.setter
+    def checkpoint_fn(self, fn: Callable[[], str | None] | None) -> None:
+        self.reporter.checkpoint_fn = fn
+
+    @property
     def events(self):
         """This rank's event log (:class:`vidstab.events.EventLog`)."""
         return self.reporter.events

@@ -8,15 +8,14 @@ the sum of all ranks' times (``StepStats.slowest_rank``, ``slowest_seconds``, ``
 summary, whatever the number of ranks, with no extra collective.
 
 Robust to ordinary jitter: a step is slow for rank ``r`` when ``r`` is the slowest rank and at least ``ratio``
-times AND ``min_seconds`` slower than the mean of the others; a warning needs ``patience`` such steps for the
-same rank within the last ``window`` steps. The same straggler is not reported again for ``quiet_steps``
+times AND ``min_seconds`` slower than the mean of the others; a warning needs ``patience`` such steps in a row
+for the same rank (a jittery rank is the slowest now and then, a straggler every time). The same straggler is not reported again for ``quiet_steps``
 steps. The idea follows NVIDIA's resiliency extension (straggler detection by relative per-rank performance
 scores, https://github.com/NVIDIA/nvidia-resiliency-ext), without its CUPTI kernels.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from .base import Detector, DetectorConfig, Finding, StepStats, check
@@ -29,13 +28,14 @@ class StragglerConfig(DetectorConfig):
     action: str = "warn"
     """``warn | skip | rollback``. Warn: a slow rank costs time, not correctness."""
     window: int = 20
-    """Judged steps looked back over."""
+    """Not used (the straggler is read from each step's summary: ``patience`` slow steps in a row); kept so that
+    configurations written for per-rank medians still load."""
     ratio: float = 1.5
     """A step is slow for the slowest rank when its time is at least this multiple of the others' mean ..."""
     min_seconds: float = 0.002
     """... and at least this many seconds more (tiny steps jitter by whole milliseconds)."""
     patience: int = 10
-    """Slow steps of the same rank within ``window`` before a warning (a passing hiccup is not a straggler)."""
+    """Slow steps of the same rank in a row before a warning (a passing hiccup is not a straggler)."""
     warmup_steps: int = 5
     """Steps ignored at the start (first-step compilation and cache warm-up differ between ranks)."""
     quiet_steps: int = 500
@@ -58,7 +58,7 @@ class StragglerDetector(Detector):
 
     def __init__(self, config: StragglerConfig) -> None:
         super().__init__(config)
-        self.slow_ranks: deque[int] = deque(maxlen=config.window)  # per judged step: the slow rank, or -1
+        self.streak_rank, self.streak = -1, 0  # the rank slow on the last judged steps, and on how many in a row
         self.quiet_until: dict[int, int] = {}
         self.seen = 0
 
@@ -72,19 +72,23 @@ class StragglerDetector(Detector):
         slow = factor >= self.config.ratio and t - others >= self.config.min_seconds
         return (r if slow else -1), factor, others
 
+    def _run_with(self, r: int) -> int:
+        """The streak of slow steps of ``r`` with this step in it."""
+        return self.streak + 1 if r == self.streak_rank else 1
+
     def observe(self, s: StepStats) -> Finding | None:
         if self.seen < self.config.warmup_steps:
             return None
         r, factor, others = self._slow_rank(s)
         if r < 0 or s.step < self.quiet_until.get(r, -1):
             return None
-        count = sum(1 for x in self.slow_ranks if x == r) + 1
-        if count < self.config.patience:
+        run = self._run_with(r)
+        if run < self.config.patience:
             return None
         return self.finding(
             f"rank {r} is a straggler: its own compute time is {factor:.2f}x the other ranks' mean "
-            f"({s.slowest_seconds * 1e3:.1f} ms vs {others * 1e3:.1f} ms), slowest on {count} of the last "
-            f"{min(len(self.slow_ranks) + 1, self.config.window)} steps; every rank waits for it",
+            f"({s.slowest_seconds * 1e3:.1f} ms vs {others * 1e3:.1f} ms), the slowest on {run} steps in a row; "
+            "every rank waits for it",
             {"rank": float(r), "factor": factor, "rank_seconds": float(s.slowest_seconds), "others_seconds": others},
             [r],
         )
@@ -95,18 +99,19 @@ class StragglerDetector(Detector):
         self.seen += 1
         if self.seen <= self.config.warmup_steps:
             return
-        self.slow_ranks.append(self._slow_rank(s)[0])
+        r = self._slow_rank(s)[0]
+        self.streak_rank, self.streak = (r, self._run_with(r)) if r >= 0 else (-1, 0)
         for f in s.findings:
             if f.detector == self.name:
-                for r in f.ranks:
-                    self.quiet_until[r] = s.step + self.config.quiet_steps
+                for rank in f.ranks:
+                    self.quiet_until[rank] = s.step + self.config.quiet_steps
 
     def state_dict(self) -> dict:
-        return {"slow_ranks": list(self.slow_ranks), "quiet_until": {str(k): v for k, v in self.quiet_until.items()},
-                "seen": self.seen}
+        return {"streak_rank": self.streak_rank, "streak": self.streak,
+                "quiet_until": {str(k): v for k, v in self.quiet_until.items()}, "seen": self.seen}
 
     def load_state_dict(self, d: dict) -> None:
-        self.slow_ranks = deque((int(x) for x in d.get("slow_ranks", [])), maxlen=self.config.window)
+        self.streak_rank, self.streak = int(d.get("streak_rank", -1)), int(d.get("streak", 0))
         quiet = d.get("quiet_until", {})
         self.quiet_until = {int(k): int(v) for k, v in quiet.items()} if isinstance(quiet, dict) else {}
         self.seen = int(d.get("seen", 0))

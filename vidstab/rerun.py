@@ -111,20 +111,21 @@ class StepRerun:
         run_dir: the run folder (event log, quarantine list, suspect hosts).
         events: the guard's :class:`~vidstab.events.EventLog`.
         sharded: the model is sharded (FSDP): every rank re-runs together, no peer check.
-        observe_only: DeepSpeed, whose engine a rank cannot re-run alone: nothing is re-run.
+        deepspeed: the engine is DeepSpeed's, which a rank cannot re-run alone: nothing is re-run.
         peer_check: send a reproduced rank's micro-batches to a peer (DDP, two or more processes).
         quarantine: quarantine the samples a ``data`` verdict names.
     """
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, run_dir: str | os.PathLike, events: Any, *,
-                 sharded: bool, observe_only: bool, peer_check: bool = True, quarantine: bool = True) -> None:
+                 sharded: bool, deepspeed: bool, peer_check: bool = True, quarantine: bool = True) -> None:
         self.accelerator, self.model, self.run_dir, self.events = accelerator, model, Path(run_dir), events
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.sharded, self.observe_only = sharded, observe_only
+        self.sharded, self.deepspeed = sharded, deepspeed
         self.peer_check, self.quarantine = peer_check, quarantine
         self.transient_by_rank: dict[int, int] = {}
         self.reruns = 0
         """Steps re-run in this process."""
+        self._said: set[str] = set()  # reasons already printed
 
     # ------------------------------------------------------------------ the guard's one call
     def check(self, s: StepStats, incidents: Sequence[Path], refs: Sequence[tuple],
@@ -138,7 +139,7 @@ class StepRerun:
         if not triggers:
             return None
         why = None
-        if self.observe_only:
+        if self.deepspeed:
             why = "under DeepSpeed a rerun would have to go through the engine's own forward and backward: not re-run"
         elif replay_fn is None:
             why = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
@@ -357,7 +358,9 @@ class StepRerun:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(f"{host}\n")
-        if self.rank == 0 or self.rank in verdict.ranks:
+        said = verdict.verdict == "not_rerun" and verdict.message.split(": ", 1)[-1] in self._said
+        self._said.add(verdict.message.split(": ", 1)[-1])
+        if not said and (self.rank == 0 or self.rank in verdict.ranks):  # the same reason once; the log has each step
             logger.warning("vidstab rerun: %s (%s, %.3f s)", verdict.message, verdict.verdict, verdict.seconds)
 
 

@@ -107,7 +107,7 @@ class Guard:
                                  checkpoint_fn=checkpoint_fn)
         self.lr = LRMultiplier(optimizer, lr_scheduler)
         self.rerun = StepRerun(accelerator, model, self.run_dir, self.events, sharded=self.sharded,
-                               observe_only=self.deepspeed is not None, peer_check=self.config.rerun_peer_check,
+                               deepspeed=self.deepspeed is not None, peer_check=self.config.rerun_peer_check,
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False

@@ -19,18 +19,15 @@ from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
 
 
 class LRGuard:
-    """Stand-in for the guard's LR contract: scale_lr / lr_multiplier / reapply_lr_multiplier + JSON state."""
+    """Stand-in for the guard's LR contract (lr_multiplier / set_lr_multiplier) + JSON state."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.base = [g["lr"] for g in optimizer.param_groups]
         self.lr_multiplier = 1.0
 
-    def scale_lr(self, factor):
-        self.lr_multiplier *= factor
-        self.reapply_lr_multiplier()
-
-    def reapply_lr_multiplier(self):
+    def set_lr_multiplier(self, multiplier):
+        self.lr_multiplier = multiplier
         for g, b in zip(self.optimizer.param_groups, self.base):
             g["lr"] = b * self.lr_multiplier
 

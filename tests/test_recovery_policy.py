@@ -138,3 +138,24 @@ def test_rollback_cause_reads_the_step_findings():
     assert rollback_cause("consecutive_skips: 5 in a row", [bad_input]) == "data"
     assert rollback_cause("exception: boom") == "exception"
     assert rollback_cause("repeated_spikes: 3 spikes") == "divergence"
+
+
+def test_the_guard_owns_the_multiplier_and_a_relaunch_carries_it_over_the_checkpoint_once(tmp_path):
+    cfg = RecoveryConfig(max_retries=3, incident_window=50, lr_restore_every=0)
+    acc, model, opt, guard, ckpt, rec = _setup(tmp_path, cfg)
+    _train(acc, model, opt, guard, ckpt, rec, until=14, faults={12: ("grad_spike", "divergence")})
+    # The rollback went to step 10, saved at multiplier 1; the back-off after it is the guard's, and recorded.
+    assert guard.lr_multiplier == rec.lr_multiplier == 0.5
+    assert json.loads((tmp_path / "vidstab" / "recovery.json").read_text())["lr_multiplier"] == 0.5
+    # A relaunch before the next save: the loop loads step 10 itself (multiplier 1 in it) and says so.
+    rec2 = Recovery(acc, ckpt, guard, cfg, run_dir=str(tmp_path))
+    state = ckpt.load("latest")
+    assert state["_checkpoint"]["step"] == 10 and guard.lr_multiplier == 1.0
+    rec2.check_resume(10)
+    assert guard.lr_multiplier == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(BASE_LR * 0.5)
+    # Once: recovery keeps no copy of its own that would undo a later change of the owner's.
+    guard.set_lr_multiplier(0.3)
+    rec2.on_step(11)
+    rec2.check_resume(11)
+    assert guard.lr_multiplier == rec2.lr_multiplier == 0.3
+    assert opt.param_groups[0]["lr"] == pytest.approx(BASE_LR * 0.3)

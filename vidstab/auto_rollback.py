@@ -67,6 +67,8 @@ class AutoRollback:
         if result.rollback is not None:
             self._roll_back(result, step, trajectory)
             return
+        if not self._saved_this_launch:
+            self.recovery.apply_carried_over()  # over the multiplier of the checkpoint the loop resumed from
         self.recovery.on_step(trajectory, skipped=bool(result.skipped))
         if trajectory % self.every == 0 or not self._saved_this_launch:
             self.ckpt.save(trajectory, healthy=guard.healthy)

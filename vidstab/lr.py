@@ -1,9 +1,9 @@
-"""The learning-rate multiplier: what recovery backs off and restores, held by the guard.
+"""The learning-rate multiplier: what recovery backs off and restores, owned by the guard.
 
-:class:`~vidstab.recovery.Recovery` decides the multiplier (back-off on a rollback, return after a stable
-stretch: docs/ARCHITECTURE.md, "Recovery"); the guard holds it with its state (``vidstab_guard.json``:
-``lr_multiplier`` and the un-multiplied ``base_lrs``) so it survives checkpoints and reloads. Everything
-that changes an optimizer's LR for either of them is here:
+The guard owns the multiplier and saves it with its state (``vidstab_guard.json``: ``lr_multiplier`` and the
+un-multiplied ``base_lrs``) so it survives checkpoints and reloads; :class:`~vidstab.recovery.Recovery`
+decides when it changes (back-off on a rollback, return after a stable stretch: docs/ARCHITECTURE.md,
+"Recovery") and sets it through the guard. Everything that changes an optimizer's LR for either is here:
 
 * :func:`scale_lrs` -- the one primitive: multiply every param group's LR now and the
   scheduler's ``base_lrs`` so the factor survives ``lr_scheduler.step()`` (also used by the LR faults of
@@ -14,7 +14,7 @@ that changes an optimizer's LR for either of them is here:
 * :meth:`LRMultiplier.restore_schedule` -- after a skipped step, put back into ``param_groups`` the LR the
   schedule set (times the multiplier): the held scheduler does not rewrite it, so a value a bug wrote there
   would otherwise outlive the bug;
-* :func:`match_multiplier` -- bring a guard's multiplier to the one recovery decided.
+* :meth:`LRMultiplier.set` -- make the multiplier a given value (recovery's decisions).
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ class LRMultiplier:
         scale_lrs(self.optimizer, factor, self.lr_scheduler)
         self.multiplier *= float(factor)
 
+    def set(self, multiplier: float) -> None:
+        """Make the multiplier ``multiplier``: the optimizer/scheduler first made consistent with the one in
+        effect (they may have been reloaded), then scaled by the ratio."""
+        self.reapply()
+        if float(multiplier) != self.multiplier:
+            self.scale(float(multiplier) / self.multiplier)
+
     def restore_schedule(self) -> bool:
         """Set each param group's LR to what the schedule says for the step to come; True if one changed.
 
@@ -158,18 +165,3 @@ class LRMultiplier:
             sch.base_lrs = list(target[: len(sch.base_lrs)])
             if hasattr(sch, "_last_lr"):
                 sch._last_lr = [g["lr"] for g in groups]
-
-
-def match_multiplier(guard: Any, multiplier: float) -> None:
-    """Make ``guard``'s (and so the optimizer's) LR multiplier equal to ``multiplier``.
-
-    ``guard``: any object with ``scale_lr(factor)``, ``lr_multiplier`` and optionally
-    ``reapply_lr_multiplier()`` (the vidstab ``Guard``); without ``scale_lr`` nothing happens.
-    """
-    if guard is None or not hasattr(guard, "scale_lr"):
-        return
-    if hasattr(guard, "reapply_lr_multiplier"):
-        guard.reapply_lr_multiplier()  # optimizer consistent with the guard's own multiplier first
-    current = float(getattr(guard, "lr_multiplier", 1.0) or 1.0)
-    if current != multiplier:
-        guard.scale_lr(multiplier / current)

@@ -43,7 +43,6 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .capture import incident_step, list_incidents
 from .events import log_event
 from .limits import read_json_file
-from .lr import match_multiplier
 from .resume_check import ResumeCheck
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
@@ -130,8 +129,8 @@ class Recovery:
     Args:
         accelerator: the run's ``Accelerator``.
         ckpt: the run's :class:`~vidstab.checkpoint.CheckpointManager` (with everything registered).
-        guard: object with ``scale_lr(factor)``, ``lr_multiplier`` and ``reapply_lr_multiplier()``
-            (the vidstab ``Guard``); None to leave the LR alone.
+        guard: the vidstab ``Guard`` (any object with ``lr_multiplier`` and ``set_lr_multiplier(m)``), the owner
+            of the LR multiplier recovery backs off and restores; None to leave the LR alone.
         config: :class:`RecoveryConfig`.
         run_dir: the output dir (holds ``vidstab/recovery.json`` and the event logs).
         reset: forget the state carried over from an earlier launch (open incident, LR multiplier);
@@ -153,6 +152,9 @@ class Recovery:
         self.state: dict[str, Any] = self._fresh_state()
         self.carried_over: str | None = None
         """What this launch inherited from ``recovery.json`` (one sentence), or None."""
+        # The multiplier recovery.json recorded (1 after a reset): newer than any checkpoint's, so it replaces the
+        # loaded checkpoint's once, at the resume (see apply_carried_over).
+        self._carried_multiplier: float | None = None
         # The first and latest skipped step of the current run of skips (event-log numbering): skips fewer than the
         # guard's health_window steps apart belong together (what the health gate itself treats as one trouble).
         self._skips: tuple[int, int] | None = None
@@ -165,7 +167,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self) -> dict[str, Any]:
-        return {"schema": STATE_SCHEMA, "lr_multiplier": 1.0, "incident": None, "stable_since": 0,
+        return {"schema": STATE_SCHEMA, "incident": None, "stable_since": 0,
                 "rollbacks_total": 0, "history": [], "config_hash": self.config_hash,
                 "recovery_config": _config_dict(self.config)}
 
@@ -191,12 +193,14 @@ class Recovery:
         self.state.update(history=history, rollbacks_total=int(d.get("rollbacks_total", len(history))),
                           stable_since=int(d.get("stable_since", 0)))
         if reset:
-            self.state.update(lr_multiplier=1.0, incident=None)
+            self.state.update(incident=None)
+            self._carry_over(1.0)
             self._announce("reset", "recovery state reset as asked (reset=True): LR multiplier back to 1, "
                                     "no open incident", old_multiplier=multiplier, old_incident=incident)
             self._persist()
             return
-        self.state.update(lr_multiplier=multiplier, incident=incident)
+        self.state.update(incident=incident)
+        self._carry_over(multiplier)
         if multiplier == 1.0 and not incident:
             return
         parts = []
@@ -234,23 +238,39 @@ class Recovery:
 
     @property
     def lr_multiplier(self) -> float:
-        """The LR multiplier recovery holds in effect (1.0: on schedule)."""
-        return float(self.state["lr_multiplier"])
+        """The guard's LR multiplier in effect (1.0: on schedule, or no guard)."""
+        return float(getattr(self.guard, "lr_multiplier", 1.0) or 1.0)
+
+    def _set_lr_multiplier(self, multiplier: float) -> None:
+        if self.guard is not None and hasattr(self.guard, "set_lr_multiplier"):
+            self.guard.set_lr_multiplier(multiplier)
+
+    def _carry_over(self, multiplier: float) -> None:
+        self._carried_multiplier = multiplier
+        self._set_lr_multiplier(multiplier)
+
+    def apply_carried_over(self) -> None:
+        """After the loop loaded a checkpoint itself: the LR multiplier recovery.json carried over from the last
+        launch (newer than the checkpoint's) replaces the checkpoint's, once. :meth:`resume` and
+        :meth:`check_resume` call it; later calls do nothing."""
+        if self._carried_multiplier is not None:
+            self._set_lr_multiplier(self._carried_multiplier)
+            self._carried_multiplier = None
 
     def reset(self) -> None:
         """Forget the open incident and bring the LR back to the schedule now (every rank together)."""
         old = self.lr_multiplier
-        self.state.update(lr_multiplier=1.0, incident=None)
-        self._sync_guard_lr()
+        self.state.update(incident=None)
+        self._carry_over(1.0)  # now, and over a checkpoint loaded afterwards
         self._announce("reset", "recovery state reset: LR multiplier back to 1, no open incident", old_multiplier=old)
         self._persist()
 
     # ------------------------------------------------------------------ the loop's calls
     def resume(self, which: str = "latest") -> dict | None:
-        """``ckpt.load(which)`` and then make the LR follow the recovery state (the checkpoint holds the
-        multiplier as of its save). Returns what ``load`` returns (None on a fresh run)."""
+        """``ckpt.load(which)``, then the multiplier carried over in recovery.json replaces the checkpoint's (which
+        is as of its save). Returns what ``load`` returns (None on a fresh run)."""
         state = self.ckpt.load(which)
-        self._sync_guard_lr()
+        self.apply_carried_over()
         if state is not None:
             self.check_resume(int(state["_checkpoint"]["step"]))
         return state
@@ -258,7 +278,9 @@ class Recovery:
     def check_resume(self, step: int) -> None:
         """After a checkpoint of ``step`` was loaded (:meth:`resume` calls it; call it after a load the loop
         makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.resume_check`);
-        :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event."""
+        :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event. The carried-over LR
+        multiplier replaces the checkpoint's (:meth:`apply_carried_over`)."""
+        self.apply_carried_over()
         self.resume_check.begin(step, what="resume")
 
     def after_step(self, result: Any, step: int | None = None) -> dict | None:
@@ -285,8 +307,6 @@ class Recovery:
         bring a backed-off LR back towards the schedule after a stable stretch (each change is an event)."""
         st = self.state
         self.resume_check.after_step(step)
-        if self.guard is not None and float(getattr(self.guard, "lr_multiplier", 1.0)) != self.lr_multiplier:
-            self._sync_guard_lr()  # e.g. a checkpoint loaded by the loop itself restored an older multiplier
         if skipped:
             st["stable_since"] = step
             self._skips = self._count_skip(step - 1)  # the skipped step as the event log numbers it
@@ -305,9 +325,8 @@ class Recovery:
             old = self.lr_multiplier
             new = min(1.0, old / self.config.lr_backoff)
             new = 1.0 if new > 0.999999 else new
-            st["lr_multiplier"] = new
             st["stable_since"] = step
-            self._sync_guard_lr()
+            self._set_lr_multiplier(new)
             self._announce("lr_restore", f"{every} stable steps: LR multiplier x{old:.4g} -> x{new:.4g}",
                            step=step, old_multiplier=old, lr_multiplier=new)
             changed = True
@@ -371,6 +390,7 @@ class Recovery:
                                                  max(open_incident["last_failure"] - 1, failed)))
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
         choice = self._target(step)
+        old_multiplier = self.lr_multiplier  # in effect at the failure
         try:
             state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
         except CheckpointError as e:
@@ -380,9 +400,10 @@ class Recovery:
             raise RunAborted(self._abort_message(
                 f"rollback after the failure at step {failed} impossible: no healthy checkpoint yet ({reason_text})",
                 incident, first, failed))
-        old_multiplier = self.lr_multiplier
         backoff = self.config.lr_backoff if cause in self.config.lr_backoff_causes else 1.0
-        multiplier = old_multiplier * backoff
+        self._carried_multiplier = None
+        self._set_lr_multiplier(old_multiplier * backoff)  # the load brought back the checkpoint's
+        multiplier = self.lr_multiplier
         info = state["_checkpoint"]
         # A restart before the next save should resume on this trajectory, not the abandoned one.
         self.ckpt.set_latest(info["path"])
@@ -398,9 +419,8 @@ class Recovery:
             # last_failure: the loop's count after the latest failing step (the point the run must get past).
             open_incident = {"first_step": first, "last_failure": step, "retries": int(budget == "retries"),
                              "transient": int(budget == "transient"), "cause": cause}
-        self.state.update(incident=open_incident, lr_multiplier=multiplier, stable_since=int(info["step"]),
+        self.state.update(incident=open_incident, stable_since=int(info["step"]),
                           rollbacks_total=self.rollbacks_total + 1)
-        self._sync_guard_lr()
         # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
         self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
                                 lr_ratio=multiplier / old_multiplier, until=open_incident["first_step"])
@@ -483,10 +503,6 @@ class Recovery:
             return skipped, skipped
         return self._skips[0], skipped
 
-    def _sync_guard_lr(self) -> None:
-        """Make the guard's (and so the optimizer's) LR multiplier equal to the recovery state's."""
-        match_multiplier(self.guard, self.lr_multiplier)
-
     def _announce(self, action: str, message: str, step: int | None = None, **fields: Any) -> None:
         if self.accelerator.is_main_process:
             logger.warning("vidstab recovery: %s", message)
@@ -519,7 +535,8 @@ class Recovery:
             return
         self.state["config_hash"] = self.config_hash
         self.state["recovery_config"] = _config_dict(self.config)
-        write_json_atomic(os.path.join(self.run_dir, STATE_FILE), self.state)
+        # The owner's value as of this decision: a relaunch before the next checkpoint keeps the back-off.
+        write_json_atomic(os.path.join(self.run_dir, STATE_FILE), dict(self.state, lr_multiplier=self.lr_multiplier))
 
 
 def _config_dict(config: RecoveryConfig) -> dict:

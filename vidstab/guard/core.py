@@ -297,6 +297,11 @@ class Guard:
     def lr_multiplier(self, value: float) -> None:
         self.lr.multiplier = float(value)
 
+    def set_lr_multiplier(self, multiplier: float) -> None:
+        """Make the LR multiplier ``multiplier`` (recovery's back-off and return): the param groups' LRs and the
+        scheduler's ``base_lrs`` follow it."""
+        self.lr.set(multiplier)
+
     def scale_lr(self, factor: float) -> None:
         """Multiply the LR persistently: param-group lrs now, and the scheduler's ``base_lrs`` so the
         factor survives ``lr_scheduler.step()`` (LambdaLR & co. recompute ``base_lr * f(step)``)."""

@@ -34,7 +34,7 @@ import torch
 from .. import deepspeed_support, signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import Detector, StepStats, Verdict, absorb, build_detectors, judge, published
+from ..detectors import Detector, StepStats, Verdict, absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence
@@ -230,7 +230,7 @@ class Guard:
         absorb(self.detectors, stats)
         result = self.reporter.report(
             stats, mine, self.layout, clip_rate=self._clip_flags.rate(), skipped_total=self.skipped_total,
-            overflow_total=self.overflow_total, thresholds=published(self.detectors), stop=stats_stop(summary, self.layout),
+            overflow_total=self.overflow_total, detectors=self.detectors, stop=stats_stop(summary, self.layout),
             skipped=skipped, micro_batches=self.recorder.micro_batches, window=self.recorder.window)
         if skipped and self.config.rerun_suspect_steps:  # every rank together: data, numerics or a flaky device?
             result.rerun = self.rerun.check(stats, result.incidents, self.recorder.micro_batches,

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import capture
-from ..detectors import Finding, StepStats, Verdict
+from ..detectors import Finding, StepStats, Verdict, published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
 from ..quarantine import quarantine_bundle_dir
@@ -46,12 +46,12 @@ class Reporter:
         return step % self.config.log_every == 0 and bool(getattr(self.accelerator, "trackers", None))
 
     def report(self, s: StepStats, mine: Sequence[float], layout: Layout, *, clip_rate: float, skipped_total: int,
-               overflow_total: int, thresholds: dict[str, float], stop: bool, skipped: bool,
+               overflow_total: int, detectors: Sequence[Any], stop: bool, skipped: bool,
                micro_batches: list[MicroBatch], window: Window) -> StepResult:
         """Log the step and, on a skipped step this rank is named in, write its incident bundles."""
         if self.rank == 0 or s.findings or s.step % self.config.rank_log_every == 0:
             metrics = metrics_line(s, mine, layout, self.rank, clip_rate, skipped_total, overflow_total)
-            metrics.update(thresholds)
+            metrics.update(published(detectors))  # the thresholds of the next judgement, on logged lines only
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},

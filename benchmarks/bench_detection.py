@@ -548,7 +548,7 @@ def run_heldout(quick: bool = False, vidstab_config=None, cache: Path = CACHE_DI
         fault_runs += [r for r in fine if r.fault is not None]
         if c_like:
             fault_runs += H.logit_growth_runs(seeds)
-        if c_like:  # issue 11's heavy-tailed healthy UNet: batches of 2, some of only small timesteps
+        if c_like:  # the heavy-tailed healthy UNet: batches of 2, some of only small timesteps
             healthy_runs += H.healthy_runs((H.SMALL_BATCH_FAMILY,), H.SMALL_BATCH_SCHEDULES, seeds, H.SMALL_BATCH_STEPS)
     healthy = {r: H.record(r, cache) for r in healthy_runs}
     faults = []

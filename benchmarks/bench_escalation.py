@@ -39,7 +39,7 @@ from vidstab.strict_json import dumps_strict  # noqa: E402
 FAMILY = "plain_tf_flow"
 SEED = 110
 CHECKPOINT_EVERY = 20
-#: (name, schedule, fault, steps): the slow faults of issue 11 on the held-out transformer.
+#: (name, schedule, fault, steps): the slow faults on the held-out transformer.
 SCENARIOS = (
     ("logit_growth", "cosine_warmup", "qk_growth@120=0.1", 640),
     ("input_drift", "constant_nowarmup", "input_drift@120=0.01", 400),
@@ -48,7 +48,7 @@ SCENARIOS = (
 )
 ARMS = ("unguarded", "vidstab", "vidstab_no_trend", "trend_only")
 #: ``trend_only``: the detectors that act first on these faults only warn, so what rolls back is ``trend``'s
-#: escalation of corroborated warnings (issue 11's "escalation that acts"), isolated.
+#: escalation of corroborated warnings, isolated.
 WARN_ONLY_IN_TREND_ONLY = ("lr_bound", "input_scale", "grad_spike", "loss_spike", "input_range")
 
 

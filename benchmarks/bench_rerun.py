@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What closing the incident loop costs (issue 40): the in-job rerun of a skipped step, against the run's own
+"""What closing the incident loop costs: the in-job rerun of a skipped step, against the run's own
 healthy step, and the per-step batch fingerprint on the hot path.
 
 Runs the reference trainer on 2 CPU processes three times (no fault; a NaN sample on rank 1 at step 10; one

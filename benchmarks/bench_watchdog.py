@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Claim: the hang watchdog and the straggler bookkeeping keep a healthy guarded run within 1.02x.
 
-Issue 12 item 7. The same guarded training step as the reference trainer (``recipes/train.py``'s
+The same guarded training step as the reference trainer (``recipes/train.py``'s
 ``train_step``: ``guard.backward(loss, batch=...)`` + ``guard.step``) on the reference video DiT, in two
 variants, on 2 real CPU processes (gloo, DDP) so the straggler detector has ranks to compare:
 

@@ -6,7 +6,7 @@ wrong) when vidstab mishandles the case and returns one line saying what it chec
 them all; ``tests/test_checkpoint_safety.py`` runs each as a test and ``benchmarks/bench_chaos.py``
 counts them (section "drills"), so none of these regresses unnoticed.
 
-Cases (issue 15 items 2-6, issue 10): manifest names reaching outside the folder (``..``, absolute paths,
+Cases: manifest names reaching outside the folder (``..``, absolute paths,
 symbolic links, FIFOs, devices), sizes checked before reading, unreadable pointer and manifest bytes,
 the clock stepped back (order comes from the step), a damaged checkpoint that cannot be moved aside, a
 resume on another world size, "no such checkpoint", and the damage that already fell back before
@@ -339,7 +339,7 @@ def drill_manifest_bad_bytes(work: Path) -> str:
 
 def drill_clock_stepped_back(work: Path) -> str:
     """The clock steps back an hour mid-run: rotation keeps the newest steps and fallback goes to the
-    newest valid step (issue 15: it used to delete steps 8 and 10 and then find no valid checkpoint)."""
+    newest valid step (it used to delete steps 8 and 10 and then find no valid checkpoint)."""
     t = Trainee(work / "run", CheckpointConfig(keep=3, async_save=False))
     for s in (2, 4, 6):
         t.train(2)
@@ -586,7 +586,7 @@ def drill_accelerate_and_diffusers_coexist(work: Path) -> str:
 
 
 def drill_bundle_weights_reachable_or_refused(work: Path, sharded: bool = False) -> str:
-    """issue 10: an incident bundle names a checkpoint. Rotation keeps it (``keep_for_incidents``), and when
+    """An incident bundle names a checkpoint. Rotation keeps it (``keep_for_incidents``), and when
     a rollback saves that step again with other weights, ``vidstab replay`` refuses the bundle with a
     message instead of replaying on weights the incident never saw. ``sharded``: the same with DCP shards
     (what an FSDP2 run writes), which replay reads into its one plain model."""
@@ -635,7 +635,7 @@ def drill_bundle_weights_reachable_or_refused(work: Path, sharded: bool = False)
 
 
 def drill_frozen_base_weights(work: Path) -> str:
-    """issue 10: with frozen parameters (a LoRA-style fine-tune's base), a checkpoint holds only what
+    """With frozen parameters (a LoRA-style fine-tune's base), a checkpoint holds only what
     training changes plus a fingerprint of the frozen weights; a resume onto the same base restores the
     trained part bitwise, a resume onto other base weights is refused with a message that says so."""
     from safetensors import safe_open
@@ -662,7 +662,7 @@ def drill_frozen_base_weights(work: Path) -> str:
 
 
 def drill_resume_event(work: Path) -> str:
-    """issue 10: a loop that resumes through ``CheckpointManager.load`` gets a ``resume`` event naming the
+    """A loop that resumes through ``CheckpointManager.load`` gets a ``resume`` event naming the
     checkpoint (and what was skipped); a rollback's load logs ``rollback``, not ``resume``."""
     from vidstab.recovery import Recovery
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_watchdog.py --quick (issue 12 item 7): the A/B of the watchdog and straggler bookkeeping
+"""benchmarks/bench_watchdog.py --quick: the A/B of the watchdog and straggler bookkeeping
 runs on 2 real processes and ends with one JSON line; a healthy run has no finding and no hang."""
 
 import json

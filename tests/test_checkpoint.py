@@ -437,7 +437,7 @@ def test_two_processes_save_load_and_a_failure_on_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_stalled_between_creating_and_writing_its_files_does_not_break_the_save(tmp_path):
-    """Issue 10: a non-main rank's files (and its report that they are done) are never taken half-written."""
+    """A non-main rank's files (and its report that they are done) are never taken half-written."""
     r = _launch_two("ckpt_marker_race.py", tmp_path)
     for mode in ("sync", "async"):
         assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]
@@ -446,7 +446,7 @@ def test_a_rank_stalled_between_creating_and_writing_its_files_does_not_break_th
 
 @pytest.mark.slow
 def test_replicated_state_is_identical_on_every_rank_after_a_load(tmp_path):
-    """Issue 9 item 5: node-local folders whose guard state differs (a stale copy on one node) give every
+    """Node-local folders whose guard state differs (a stale copy on one node) give every
     rank rank 0's state, or a clear refusal; never replicas that decide differently."""
     for node, mult in (("node0", 0.25), ("node1", 1.0)):
         AcceleratorState._reset_state(True)

@@ -1,5 +1,5 @@
-"""Checkpoints that come from shared storage, other people and a stepped clock (issue 15 items 2-6, 8) and
-a trainer that survives failed saves (issue 10): every drill of ``tests/checkpoint_drills.py`` as a test,
+"""Checkpoints that come from shared storage, other people and a stepped clock and
+a trainer that survives failed saves: every drill of ``tests/checkpoint_drills.py`` as a test,
 plus the trainer-level ones (real processes, real files)."""
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ def _fsize_limit(limit: int):
 
 
 def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
-    """issue 10: a failed save never ends a run while earlier checkpoints are intact: logged, a warn event
+    """A failed save never ends a run while earlier checkpoints are intact: logged, a warn event
     per failed interval, training goes on to the end, the report says so; exit code 4 because the final
     state could not be written; the earlier checkpoint still loads."""
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "4", "--checkpointing_steps", "2")
     latest = checkpoint_root(out) / "latest"
     assert latest.read_text().strip() == "step_000004"
-    # issue 13, in a copy of the run and alongside the failing run below (independent: started together).
+    # In a copy of the run and alongside the failing run below (independent: started together).
     typo = tmp_path / "typo"
     shutil.copytree(out, typo)
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -73,7 +73,7 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
     stop = events(out, kind="stop")[-1]
     assert stop["exit_code"] == 4
     verify_checkpoint_files(checkpoint_root(out) / "step_000004")  # the earlier checkpoint is intact
-    # issue 13: a mistyped --resume_from_checkpoint says what exists instead of "incomplete save"
+    # A mistyped --resume_from_checkpoint says what exists instead of "incomplete save"
     proc = mistyped.result()
     pool.shutdown()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -83,7 +83,7 @@ def test_trainer_keeps_training_when_checkpoint_saves_fail(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_refuses_a_resume_on_another_world_size(tmp_path):
-    """issue 15 item 6: a checkpoint of a 1-process run resumed by 2 processes is refused with a message
+    """A checkpoint of a 1-process run resumed by 2 processes is refused with a message
     that says why and what to do (exit 2), instead of silently changing the data order and LR schedule."""
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "2", "--checkpointing_steps", "2")

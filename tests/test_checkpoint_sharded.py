@@ -113,7 +113,7 @@ def _start_plain(n: int, script: str, *args: str, nodes: bool = False) -> list[s
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,kind", [("async", "ddp"), ("async", "fsdp")])
 def test_a_rank_killed_during_a_save_never_leaves_the_others_waiting(tmp_path, mode, kind):
-    """Issue 12 item 3: rank 1 is SIGKILLed mid-save with no elastic agent around; rank 0 exits on its own
+    """Rank 1 is SIGKILLed mid-save with no elastic agent around; rank 0 exits on its own
     (the bound below is the 1800 s rank_timeout_s it used to wait, far above), with a clear message, and
     the half-written checkpoint is never loaded."""
     rank0, rank1 = _start_plain(2, "ckpt_dead_rank.py", str(tmp_path), mode, kind)

@@ -71,7 +71,7 @@ def test_zscore_catches_smaller_but_abnormal_jump():
     dets = only("grad_spike", ratio=100.0)  # ratio test out of the way: only the z-score can fire
     out = run(dets, noisy(40, sigma=0.02) + [stats(40, grad_norm=4.0)])
     assert out[-1][1] == Verdict.SKIP
-    # The z-test is on log(norm) with a log-std floor of 0.2 (issue 11: heavy-tailed healthy norms of an
+    # The z-test is on log(norm) with a log-std floor of 0.2 (heavy-tailed healthy norms of an
     # epsilon UNet reach 3.5-5x their mean): in a quiet phase it needs exp(6 * 0.2) = 3.3x, so 3x passes.
     out = run(only("grad_spike", ratio=100.0), noisy(40, sigma=0.02) + [stats(40, grad_norm=3.0)])
     assert out[-1][1] == Verdict.OK
@@ -398,7 +398,7 @@ def test_straggler_state_round_trips_through_json():
 
 
 # ------------------------------------------------------------------------------------------------------
-# Rules that need no history, references that do not drift, escalation, the registry (issue 11)
+# Rules that need no history, references that do not drift, escalation, the registry
 # ------------------------------------------------------------------------------------------------------
 def test_lr_bound_refuses_an_lr_beyond_the_schedule_from_the_first_step():
     dets = only("lr_bound")

@@ -50,7 +50,7 @@ def test_guarded_example_two_processes_nan_on_rank1_and_lr_blowup(tmp_path):
     nan_skip = [s for s in skips[0] if s[1] == "nonfinite"]
     assert nan_skip == [(5, "nonfinite", [1])]  # guard step 5 is the loop's global_step 6 (counted from 1)
     # The LR bug wrote param_groups once: that step is refused, the next one runs at the schedule's LR again, so
-    # one skip and no rollback or back-off (issue 40, item 5).
+    # One skip and no rollback or back-off.
     assert [s for s in skips[0] if s[1] == "lr_bound"] == [(13, "lr_bound", [])]
     assert not [e for r in (0, 1) for e in ev[r] if e["kind"] in ("rollback", "rollback_request")]
     # The NaN sample's bundle is rank 1's, and `vidstab replay` reproduces it and names the sample.

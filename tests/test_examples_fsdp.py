@@ -1,7 +1,7 @@
 """examples/vidstab_loop.py --fsdp with 2 real processes (FSDP2 ``fully_shard`` per block on a gloo CPU mesh,
 as the example does where Accelerate refuses FSDP): the DDP drill's faults -- a NaN sample on rank 1 and an
 LR x10^4 bug in the user's loop -- give the same lockstep skips (the one-step LR bug costs one skip, no
-rollback: issue 40, item 5; FSDP rollbacks: tests/test_checkpoint_fsdp_train.py); the checkpoint
+rollback; FSDP rollbacks: tests/test_checkpoint_fsdp_train.py); the checkpoint
 is sharded (each rank wrote its own shard, nothing gathered, nothing pickled), `vidstab replay` reproduces
 the NaN bundle on it, and its weights are the run's.
 examples/plain_loop.py --fsdp with the same faults ends with ruined weights.

@@ -229,7 +229,7 @@ def test_attach_forwards_every_guard_option_register_hooks_included(tmp_path):
 
 def test_the_unmodified_loop_leaves_float_timesteps_out_of_the_input_statistics(tmp_path):
     """Flow-matching loops pass float timesteps (``[B]``, up to 1000) to the model: they are not data, and
-    would otherwise be the inputs' absmax and RMS, hiding a drift of the latents (issue 11, item 4)."""
+    would otherwise be the inputs' absmax and RMS, hiding a drift of the latents."""
     acc, model, opt, sched, guard = build(accum=1, guard_dir=tmp_path)
     for latents, noise, t in batches(2):
         with acc.accumulate(model):

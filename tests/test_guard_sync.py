@@ -191,7 +191,7 @@ def test_recording_and_packing_a_step_take_a_few_dozen_small_device_ops():
 
 @pytest.mark.parametrize("tracked", [True, False], ids=["log_with-every-step", "no-tracker"])
 def test_between_the_host_read_and_the_optimizer_step_runs_nothing_but_the_step(tmp_path, tracked):
-    """Issue 16, item 4: reporting, tracker logging and the event log's lines come after the step is enqueued.
+    """Reporting, tracker logging and the event log's lines come after the step is enqueued.
 
     The user's plain loop after ``vidstab.attach``; observed with real components only: the torch optimizer's own
     step pre-hook, an Accelerate tracker given in ``log_with``, and the event log file on disk. With a tracker

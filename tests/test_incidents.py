@@ -1,4 +1,4 @@
-"""Incidents as specified (issue 40, items 4 and 7), in the reference trainer as a user runs it: a failure that
+"""Incidents as specified, in the reference trainer as a user runs it: a failure that
 recurs before the run gets past the previous failure point is the same incident, one further on is a new one;
 a failure that does not recur never lowers the LR; abort messages name the incident's first failing step and
 only bundles that exist."""

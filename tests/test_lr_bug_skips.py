@@ -1,4 +1,4 @@
-"""An LR bug that stops is not a divergence (issue 40, item 5): after a skipped step the LR in param_groups is
+"""An LR bug that stops is not a divergence: after a skipped step the LR in param_groups is
 what the schedule says (times vidstab's multiplier), so a bug that wrote it for three steps costs three skips,
 no rollback and no back-off. Real Accelerate, the user's own unmodified loop, real checkpoints and recovery."""
 

@@ -1,4 +1,4 @@
-"""Quarantine (issue 40, item 2): a sample named bad is kept out of later epochs and of a resumed run, on 2
+"""Quarantine: a sample named bad is kept out of later epochs and of a resumed run, on 2
 processes, through the data set wrapper a user's loop (and the reference trainer) uses; the CLI lists and
 clears the list."""
 

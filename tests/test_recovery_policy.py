@@ -1,4 +1,4 @@
-"""Recovery policy for a weeks-long run (issue 11 item 8, issue 10): a retry budget per incident, an LR
+"""Recovery policy for a weeks-long run: a retry budget per incident, an LR
 back-off that depends on the cause and returns to the schedule, state carried over on a restart said and
 resettable. Real Accelerate, real guard, real checkpoints, real files."""
 

@@ -1,4 +1,4 @@
-"""Replay of frozen-base checkpoints (issue 40, item 6): a LoRA fine-tune's checkpoint holds only the adapters
+"""Replay of frozen-base checkpoints: a LoRA fine-tune's checkpoint holds only the adapters
 and a fingerprint of the frozen base; `vidstab replay` rebuilds the base from the recorded factory, loads the
 adapters over it, verifies the fingerprint, reproduces the incident and names the sample. A factory that
 builds another base is refused, naming the fingerprints."""

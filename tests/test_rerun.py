@@ -1,4 +1,4 @@
-"""Rerun on suspicion (issue 40, item 1), in the reference trainer on 2 processes: a skipped step is re-run on
+"""Rerun on suspicion, in the reference trainer on 2 processes: a skipped step is re-run on
 the same weights, in the job, and classified. A NaN sample (a data fault) reproduces everywhere: data, its
 samples named and quarantined. An activation corrupted once on one rank (the flaky_activation fault, first
 pass only) does not reproduce: transient, counted for that rank. A fault that stays on one rank reproduces

@@ -1,4 +1,4 @@
-"""Resume fidelity (issue 40, item 3): every metrics line carries a fingerprint of its batch's sample ids, and
+"""Resume fidelity: every metrics line carries a fingerprint of its batch's sample ids, and
 after a resume the first replayed steps are compared with what the original run logged: a loader reshuffled
 on resume is caught and named, as are an RNG, scheduler or optimizer state that was not restored; an exact
 resume is quiet. Real Accelerate, real checkpoints, the user's loop; and the reference trainer on 2 processes."""

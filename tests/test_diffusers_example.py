@@ -160,23 +160,21 @@ def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
     assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
 
 
-@pytest.mark.skip(reason="needs a fault that fails again after every rollback: the guard now puts the schedule's LR "
-                         "back after a refused step and the in-job rerun calls a one-off exception transient, so "
-                         "neither drill reaches the abort; a persistent-fault drill is still to be written")
 def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_own_resume_latest(tmp_path):
     """The explicit form (vidstab's own checkpoints, Recovery in the loop, which sets global_step back): after a
     rollback the two checkpoint systems agree, the script's own `latest` never picks a checkpoint-N of the
     abandoned trajectory (``RecoveryConfig(own_checkpoints=...)``)."""
     images, config = _data(tmp_path, n=8)
     out = tmp_path / "run"
-    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. Step 6 raises every time it is taken (an LR
-    # bug no longer serves: the guard puts the schedule's LR back after the refused step); it recurs after every
-    # rollback: the retry budget runs out and the run aborts.
-    faults = [x for _ in range(5) for x in ("--inject_fault", "exception@6")]
+    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. Steps 4-8 get an LR x10^4 every time they are
+    # taken (four copies of each fault, one fires per visit): refused steps leave the checkpoints saved among them
+    # unhealthy (a NaN batch would not: skipped bad data says nothing of the weights), the fifth skip in a row asks
+    # for a rollback, the fault recurs after every rollback, the retry budget runs out and the run aborts.
+    faults = [x for _ in range(4) for step in range(4, 9) for x in ("--inject_fault", f"lr_spike@{step}=1e4")]
     first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
     assert first.returncode != 0 and "vidstab: run aborted" in first.stderr, first.stderr[-3000:]
     rollbacks = _events(out, "rollback")
-    assert len(rollbacks) == 3 and all(r["to_step"] <= 6 for r in rollbacks)
+    assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks
     for r in rollbacks:  # every rollback removed the script's own checkpoint-N of the abandoned trajectory
         assert all(int(n.split("-")[1]) > r["to_step"] for n in r["discarded_own_checkpoints"])
     abort = [e for e in _events(out, "recovery") if e["action"] == "abort"][-1]

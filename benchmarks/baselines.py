@@ -232,11 +232,11 @@ class VidstabReplay:
     """vidstab's detectors judging recorded steps with the guard's OWN statistics producer and judge.
 
     The detectors are the ones a one-process :class:`vidstab.Guard` builds from the config
-    (``vidstab.detectors.build_detectors``). Per step, the recorded vector (a rank's :class:`vidstab.signals.Layout`
+    (``vidstab.detectors.running.build_detectors``). Per step, the recorded vector (a rank's :class:`vidstab.signals.Layout`
     columns; with one process it is also the reduced summary) goes through ``vidstab.guard.stats.build_stats`` with
     the three LR values the guard reads from the optimizer and the scheduler (the param group's LR, the schedule's
-    peak, the scheduler's own LR) and the step's shape bucket; then ``vidstab.detectors.judge``,
-    ``applied = verdict <= WARN`` (the unguarded trajectory), ``vidstab.detectors.absorb``: the guard's two phases.
+    peak, the scheduler's own LR) and the step's shape bucket; then ``vidstab.detectors.running.judge``,
+    ``applied = verdict <= WARN`` (the unguarded trajectory), ``vidstab.detectors.running.absorb``: the guard's two phases.
     Nothing about what detectors see is re-implemented here.
     """
 
@@ -245,7 +245,8 @@ class VidstabReplay:
     def __init__(self, config=None, max_grad_norm: float = 1.0, lr_peak: float | None = None) -> None:
         from vidstab import signals
         from vidstab.config import GuardConfig
-        from vidstab.detectors import Verdict, absorb, build_detectors, judge
+        from vidstab.detectors import Verdict
+        from vidstab.detectors.running import absorb, build_detectors, judge
         from vidstab.guard.stats import build_stats
 
         self.config = config if config is not None else GuardConfig()

@@ -42,7 +42,8 @@ import torch
 
 from vidstab import signals
 from vidstab.config import GuardConfig
-from vidstab.detectors import StepStats, absorb, build_detectors, judge, published
+from vidstab.detectors import StepStats
+from vidstab.detectors.running import absorb, build_detectors, judge, published
 from vidstab.guard.reporting import metrics_line
 from vidstab.guard.stats import anomalous, build_stats
 

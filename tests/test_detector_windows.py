@@ -366,7 +366,7 @@ def test_slope_window_matches_the_two_pass_fit_and_does_not_drift():
 
 def test_judge_and_absorb_skip_only_detectors_with_nothing_to_do_and_reach_the_same_verdicts_and_state():
     from vidstab import GuardConfig
-    from vidstab.detectors import absorb, build_detectors, judge
+    from vidstab.detectors.running import absorb, build_detectors, judge
 
     def everyone(detectors, s):  # the judge without the ``needs`` gate: every observe, every step
         for det in detectors:

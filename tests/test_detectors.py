@@ -10,7 +10,8 @@ import pytest
 
 from vidstab import ConfigError, GuardConfig, StepStats, Verdict
 from vidstab import signals
-from vidstab.detectors import DETECTORS, absorb, build_detectors, judge
+from vidstab.detectors import DETECTORS
+from vidstab.detectors.running import absorb, build_detectors, judge
 from vidstab.guard.stats import build_stats
 
 

@@ -214,7 +214,7 @@ def test_detectors_with_nothing_to_judge_are_not_built_or_not_called(tmp_path):
 
     import vidstab
     from vidstab.config import GuardConfig
-    from vidstab.detectors import build_detectors, judge
+    from vidstab.detectors.running import build_detectors, judge
 
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 4)

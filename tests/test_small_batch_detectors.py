@@ -7,7 +7,8 @@ import math
 import random
 
 from vidstab import GuardConfig, StepStats, Verdict
-from vidstab.detectors import DETECTORS, Finding, InputScaleConfig, absorb, build_detectors, judge
+from vidstab.detectors import DETECTORS, Finding, InputScaleConfig
+from vidstab.detectors.running import absorb, build_detectors, judge
 from vidstab.detectors.input_scale import smooth_window
 
 

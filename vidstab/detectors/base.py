@@ -250,10 +250,10 @@ class Detector:
     :meth:`update` is called on every step and checks what it absorbs itself."""
     min_world_size: ClassVar[int] = 1
     """The fewest processes a run needs for this detector to judge anything (``straggler``, which compares
-    the ranks, needs 2): with fewer the guard does not build it (:func:`vidstab.detectors.build_detectors`)."""
+    the ranks, needs 2): with fewer the guard does not build it (:func:`vidstab.detectors.running.build_detectors`)."""
     per_bucket: ClassVar[bool] = False
     """Whether its statistics depend on the step's shape bucket (resolution, frame count, batch size): the guard
-    then keeps one instance per bucket (:class:`vidstab.detectors.PerBucket`), so a planned change of bucket is
+    then keeps one instance per bucket (:class:`vidstab.detectors.running.PerBucket`), so a planned change of bucket is
     compared with steps of the same bucket, not taken for a spike or a drift."""
 
     def __init__(self, config: Any) -> None:

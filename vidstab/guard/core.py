@@ -34,7 +34,8 @@ import torch
 from .. import deepspeed_support, signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import Detector, StepStats, Verdict, absorb, build_detectors, judge
+from ..detectors import Detector, StepStats, Verdict
+from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence

@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import capture
-from ..detectors import StepStats, Verdict, published
+from ..detectors import StepStats, Verdict
+from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
 from ..quarantine import quarantine_bundle_dir

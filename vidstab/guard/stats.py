@@ -8,7 +8,8 @@ import math
 from typing import Sequence
 
 from .. import signals as S
-from ..detectors import MIXED_BUCKET, StepStats, Verdict
+from ..detectors import StepStats, Verdict
+from ..detectors.running import MIXED_BUCKET
 
 
 def anomalous(summary: Sequence[float], layout: S.Layout) -> bool:

@@ -113,7 +113,7 @@ def test_what_the_replay_does_not_rebuild_is_refused_naming_it(tmp_path):
 
     wrong_dtype = json.loads(json.dumps(spec))
     wrong_dtype["peft"]["base"]["dtype"] = "int8"
-    _refused(wrong_dtype, "'int8'", "not a floating-point dtype")
+    _refused(wrong_dtype, "'int8' is not a floating-point dtype")
 
 
 def test_a_base_that_is_gone_or_another_is_named_and_the_size_cap_comes_first(tmp_path, monkeypatch):
@@ -131,3 +131,24 @@ def test_a_base_that_is_gone_or_another_is_named_and_the_size_cap_comes_first(tm
     # the recorded architecture (adapters included) is counted on the meta device, before any base is read
     monkeypatch.setenv("VIDSTAB_MAX_PARAMS", "5000")
     _refused(gone, "5,912 parameters", "refused before allocating")
+
+
+def test_a_base_from_the_hub_cache_is_recorded_by_repo_id_and_rebuilt_from_the_cache_only(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from diffusers import CogVideoXTransformer3DModel
+
+    # The hub cache's layout for a repository "tiny/cogvideox" at one commit, holding the pipeline folder.
+    repo = tmp_path / "hub" / "models--tiny--cogvideox"
+    _pipeline_folder(repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = CogVideoXTransformer3DModel.from_pretrained("tiny/cogvideox", subfolder="transformer", local_files_only=True)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=TARGET_MODULES))
+    spec = _spec(model)
+    assert spec["peft"]["base"] == {"pretrained": "tiny/cogvideox", "subfolder": "transformer", "dtype": "float32"}
+    rebuilt = build_model(spec)
+    original, again = model.state_dict(), rebuilt.state_dict()
+    assert all(torch.equal(original[k], again[k]) for k in original if "lora_" not in k)

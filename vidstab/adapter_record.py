@@ -53,16 +53,27 @@ def _pretrained_source(model: torch.nn.Module) -> dict:
     name = getattr(config, "_name_or_path", None) or (config.get("_name_or_path") if isinstance(config, dict) else None)
     if not isinstance(name, str) or not name:
         return {"pretrained": None, "subfolder": None}
-    if not os.path.isdir(name):
-        return {"pretrained": name, "subfolder": None}  # a hub id: the replay looks in the local cache only
+    if not os.path.isdir(name):  # a hub id: its pipeline index from the local cache (a replay reads only that)
+        return {"pretrained": name, "subfolder": _component_subfolder(_cached_repo(name), type(model).__name__)}
     root = os.path.abspath(name)
     return {"pretrained": root, "subfolder": _component_subfolder(root, type(model).__name__)}
 
 
-def _component_subfolder(root: str, class_name: str) -> str | None:
+def _cached_repo(repo_id: str) -> str | None:
+    """The local cache's folder of the hub repository ``repo_id`` (its ``model_index.json``'s), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache  # diffusers' own dependency: there with its models
+
+        index = try_to_load_from_cache(repo_id, "model_index.json")
+    except Exception:  # noqa: BLE001 - not installed, not a repo id: no subfolder recorded
+        return None
+    return os.path.dirname(index) if isinstance(index, str) else None
+
+
+def _component_subfolder(root: str | None, class_name: str) -> str | None:
     """The component of the pipeline folder ``root`` whose class is ``class_name`` (``model_index.json``);
     None when ``root`` is the model's own folder or no single component has that class."""
-    if os.path.isfile(os.path.join(root, "config.json")):
+    if root is None or os.path.isfile(os.path.join(root, "config.json")):
         return None
     try:
         index = read_json_file(os.path.join(root, "model_index.json"))

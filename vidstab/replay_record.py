@@ -2,9 +2,9 @@
 
 For a diffusers model (a ``ConfigMixin`` with ``from_config``: UNets, transformers, VAEs), :func:`model_spec_of`
 records its class and config, so a replay rebuilds it the way ``from_config`` does, and for one holding PEFT
-adapters (LoRA) also the adapters and where its base came from (:mod:`vidstab.adapter_record`). The loss is not needed
-either: :class:`OutputGradients` keeps, for each micro-step of the optimizer step, the gradient that reached
-the model's output -- where the backward started from. An incident bundle stores it beside the model's
+adapters (LoRA) also the adapters and where its base came from (:mod:`vidstab.adapter_record`). The loss is
+not needed either: :class:`OutputGradients` keeps, for each micro-step of the optimizer step, the gradient
+that reached the model's output -- where the backward started from. An incident bundle stores it beside the model's
 inputs (:data:`OUTPUT_GRAD_KEY`), and the replay's loss (:data:`OUTPUT_GRAD_LOSS`) is ``sum(output x that
 gradient)``, whose gradients with respect to the weights are the step's own. A user's ``model_spec`` (a
 factory, a loss function) takes precedence over all of this.

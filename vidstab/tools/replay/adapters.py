@@ -12,16 +12,20 @@ base or need data (PiSSA, LoftQ, EVA, ...) and other adapter types are refused, 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...limits import read_json_file
 from ...replay_record import plain_json
 from .base import ReplayError
 
 #: ``init_lora_weights`` values rebuilt: the plain initialisations, none of which reads the base or data.
 PLAIN_INITS = (True, False, "gaussian")
+#: The dtypes a base or an adapter may be recorded in.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 #: LoraConfig fields dropped before it is built: bookkeeping, or a module name peft would import.
 IGNORED_FIELDS = {"peft_version", "base_model_name_or_path", "revision", "auto_mapping", "megatron_core", "runtime_config"}
 
@@ -93,9 +97,12 @@ def _pretrained(cls: Any, config: dict, base: dict, what: str) -> nn.Module:
         raise ReplayError(f"{what}: the base's source must be a path or hub id, got {source!r} / {subfolder!r}")
     where = f"{source}" + (f" (subfolder {subfolder})" if subfolder else "")
     options = {"subfolder": subfolder, "local_files_only": True}
-    try:
-        on_disk = cls.load_config(source, **options)
-    except Exception as e:  # noqa: BLE001 - a missing folder, a cache without it: named
+    local = os.path.join(source, subfolder or "", "config.json")
+    try:  # a local folder's config read within vidstab's bounds; a hub id's from the local cache
+        on_disk = read_json_file(local) if os.path.isfile(local) else cls.load_config(source, **options)
+        if not isinstance(on_disk, dict):
+            raise ValueError("not a JSON object")
+    except Exception as e:  # noqa: BLE001 - a missing folder, a cache without it, a damaged file: named
         raise ReplayError(f"{what} was fine-tuned over the base at {where}, which cannot be read here "
                           f"({type(e).__name__}: {str(e)[:300]}); replay on the machine that has it") from e
     differ = sorted(k for k, v in on_disk.items() if not k.startswith("_") and k in config and plain_json(v) != config[k])
@@ -110,7 +117,6 @@ def _pretrained(cls: Any, config: dict, base: dict, what: str) -> nn.Module:
 def _dtype(name: Any, what: str) -> torch.dtype | None:
     if name is None:
         return None
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ReplayError(f"{what}: {name!r} is not a floating-point dtype")
-    return dtype
+    if name not in DTYPES:
+        raise ReplayError(f"{what}: {name!r} is not a floating-point dtype ({', '.join(DTYPES)})")
+    return getattr(torch, name)

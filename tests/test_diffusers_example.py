@@ -11,10 +11,7 @@ the retry budget is spent; after a SIGKILL the script's own resume goes on.
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,9 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+
+from diffusers_drills import (KILL, LR_FOR_GOOD, SKIP_FAULTS, changed_lines, check_replay_names_the_sample, check_resumed,
+                             check_rollbacks_then_abort, check_skips, events, launch, own_checkpoints)
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDER = REPO / "examples" / "diffusers_unconditional"
@@ -47,43 +47,23 @@ def _data(tmp_path: Path, n: int = 16) -> tuple[Path, Path]:
 
 def _run(script: Path, out: Path, images: Path, config: Path, *extra: str, faults: tuple[str, ...] = (),
          nproc: int = 2) -> subprocess.CompletedProcess:
-    """The script as a user launches it (``accelerate launch``, ``nproc`` CPU processes), unchanged, through
-    the drill harness (tests/scripts/drill.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc), "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    if nproc > 1:
-        env["ACCELERATE_USE_CPU"] = "1"
-        launch.insert(3, "--multi_gpu")
-    # Through the drill harness always: it injects the faults and, without torchvision, the shim's transforms.
-    drill = [str(REPO / "tests" / "scripts" / "drill.py"), *[x for f in faults for x in ("--fault", f)]]
-    cmd = [*launch, *drill, str(script), "--train_data_dir", str(images), "--model_config_name_or_path", str(config),
-           "--output_dir", str(out), "--resolution", "16", "--center_crop", "--train_batch_size", "2", "--eval_batch_size", "1",
-           "--lr_warmup_steps", "2", "--learning_rate", "1e-3", "--checkpointing_steps", "2", "--checkpoints_total_limit", "2",
-           "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100", "--save_model_epochs", "100",
-           "--dataloader_num_workers", "0", "--cache_dir", str(out.parent / "hf_cache"), *extra]
-    return subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
-
-
-def _own_checkpoints(out: Path) -> list[int]:
-    return sorted(int(m.group(1)) for n in os.listdir(out) if (m := re.fullmatch(r"checkpoint-(\d+)", n)))
-
-
-def _events(out: Path, kind: str, rank: int = 0) -> list[dict]:
-    rows = [json.loads(x) for x in (out / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if r["kind"] == kind]
+    return launch(script, out, ["--train_data_dir", str(images), "--model_config_name_or_path", str(config),
+                                "--output_dir", str(out), "--resolution", "16", "--center_crop", "--train_batch_size", "2",
+                                "--eval_batch_size", "1", "--lr_warmup_steps", "2", "--learning_rate", "1e-3",
+                                "--checkpointing_steps", "2", "--checkpoints_total_limit", "2",
+                                "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100", "--save_model_epochs", "100",
+                                "--dataloader_num_workers", "0", "--cache_dir", str(out.parent / "hf_cache"), *extra],
+                  faults, nproc)
 
 
 def test_the_patches_are_the_diffs_between_upstream_and_the_guarded_copies():
-    body = lambda text: [x for x in text.splitlines() if x[:1] in "+-" and not x.startswith(("+++", "---"))]
     for copy, patch in ((GUARDED, "vidstab.patch"), (EXPLICIT, "vidstab_explicit.patch")):
         diff = subprocess.run(["diff", "-u", str(UPSTREAM), str(copy)], capture_output=True, text=True).stdout
-        assert body(diff) == body((FOLDER / patch).read_text()), patch
+        assert changed_lines(diff) == changed_lines((FOLDER / patch).read_text()), patch
 
 
 def test_the_integration_adds_at_most_six_lines_and_removes_none():
-    body = [x for x in (FOLDER / "vidstab.patch").read_text().splitlines() if not x.startswith(("+++", "---"))]
+    body = changed_lines((FOLDER / "vidstab.patch").read_text())
     added, removed = sum(x.startswith("+") for x in body), sum(x.startswith("-") for x in body)
     assert added <= 6 and removed == 0, (added, removed)
 
@@ -99,64 +79,32 @@ def test_healthy_run_is_bitwise_the_upstream_scripts(tmp_path):
     assert upstream.returncode == 0 and guarded.returncode == 0, upstream.stderr[-3000:] + guarded.stderr[-3000:]
     a, b = _final_unet(tmp_path / "upstream"), _final_unet(tmp_path / "guarded")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _own_checkpoints(tmp_path / "guarded") == _own_checkpoints(tmp_path / "upstream") == [6, 8]
+    assert own_checkpoints(tmp_path / "guarded") == own_checkpoints(tmp_path / "upstream") == [6, 8]
 
 
 def test_nan_on_rank1_and_an_lr_spike_for_three_steps_are_skipped(tmp_path):
     images, config = _data(tmp_path)
     out = tmp_path / "run"
     # 16 images / (2 processes x batch 2) = 4 steps per epoch, 3 epochs = 12 steps.
-    run = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=("nan@3:1", "lr@6+3=1e4"))
-    assert run.returncode == 0, run.stderr[-4000:]
-    for rank in (0, 1):
-        skips = {e["step"]: e["detector"] for e in _events(out, "skip", rank)}
-        assert skips == {3: "nonfinite", 6: "lr_bound", 7: "lr_bound", 8: "lr_bound"}, skips
-    assert not _events(out, "rollback")
-    (incident,) = _events(out, "incident", 1)
-    bundle = out / incident["path"]
-    meta = json.loads((bundle / "incident.json").read_text())
-    assert meta["rank"] == 1 and meta["step"] == 3 and meta["bad_sample_ids"] == ["#1"]
+    bundle, _ = check_skips(_run(GUARDED, out, images, config, "--num_epochs", "3", faults=SKIP_FAULTS), out)
     assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
-    assert _own_checkpoints(out) == [10, 12]  # its own saving and --checkpoints_total_limit, as before
     # The replay rebuilds the diffusers model from the bundle alone (no code of the user's) and names the sample.
-    replay = subprocess.run([sys.executable, "-m", "vidstab", "replay", str(bundle)], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-                            timeout=300)
-    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
-    report = json.loads((bundle / "replay_report.json").read_text())
-    assert report["reproduced"] and report["data"]["culprits"] == ["#1"], report["verdict"]
-    assert "leave-one-out names #1" in replay.stdout
+    check_replay_names_the_sample(bundle)
 
 
 def test_an_lr_spike_for_good_rolls_back_in_place_then_aborts_with_the_replay_command(tmp_path):
     images, config = _data(tmp_path)
     out = tmp_path / "run"
-    run = _run(GUARDED, out, images, config, "--num_epochs", "10", faults=("lr@4=1e4",))
-    # An LR bug leaves no incident bundle (lr_bound captures no batch): the message says where the evidence is.
-    assert run.returncode != 0 and "vidstab: run aborted" in run.stderr and "No incident bundle was written" in run.stderr
-    for rank in (0, 1):
-        rollbacks = _events(out, "rollback", rank)
-        assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks
-        # in place: the loop's step count went on past each rollback
-        steps = [e["step"] for e in _events(out, "skip", rank)]
-        assert steps == sorted(steps) and len(set(steps)) == len(steps)
-    multipliers = [r["lr_multiplier"] for r in _events(out, "rollback")]
-    assert multipliers == [0.5, 0.25, 0.125]
+    check_rollbacks_then_abort(_run(GUARDED, out, images, config, "--num_epochs", "10", faults=LR_FOR_GOOD), out)
 
 
 def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
     images, config = _data(tmp_path)
     out = tmp_path / "run"
-    killed = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=("kill@7:1",))
-    assert killed.returncode != 0
-    assert _own_checkpoints(out) == [4, 6]
+    killed = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=KILL)
+    assert own_checkpoints(out) == [4, 6]
     resumed = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "Resuming from checkpoint checkpoint-6" in resumed.stdout + resumed.stderr
-    assert _events(out, "resume")[-1]["step"] == 6  # the guard's state came back with the script's own load_state
-    metrics = _events(out, "metrics")
-    assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])
-    assert _own_checkpoints(out) == [10, 12]
+    check_resumed(killed, resumed, out)
     assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
 
 
@@ -173,15 +121,15 @@ def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_o
     faults = [x for _ in range(4) for step in range(4, 9) for x in ("--inject_fault", f"lr_spike@{step}=1e4")]
     first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
     assert first.returncode != 0 and "vidstab: run aborted" in first.stderr, first.stderr[-3000:]
-    rollbacks = _events(out, "rollback")
+    rollbacks = events(out, "rollback")
     assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks
     for r in rollbacks:  # every rollback removed the script's own checkpoint-N of the abandoned trajectory
         assert all(int(n.split("-")[1]) > r["to_step"] for n in r["discarded_own_checkpoints"])
-    abort = [e for e in _events(out, "recovery") if e["action"] == "abort"][-1]
+    abort = [e for e in events(out, "recovery") if e["action"] == "abort"][-1]
     discarded = [n for e in rollbacks + [abort] for n in e["discarded_own_checkpoints"]]
     assert discarded, "the abandoned trajectory left no checkpoint-N: the drill did not test the agreement"
     # One source of truth: what the script's own `latest` finds is not newer than vidstab's last good checkpoint.
-    own = _own_checkpoints(out)
+    own = own_checkpoints(out)
     assert own and max(own) <= abort["last_good_step"] and len(own) <= 2  # --checkpoints_total_limit still holds
 
     # The fixed script (no fault) resumes with its own --resume_from_checkpoint latest and finishes; the changed
@@ -191,6 +139,6 @@ def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_o
     assert f"Resuming from checkpoint checkpoint-{max(own)}" in second.stdout + second.stderr
     assert "started afresh because the run's configuration changed" in second.stderr
     assert (out / "model_index.json").is_file() and (out / "unet" / "diffusion_pytorch_model.safetensors").is_file()
-    assert _own_checkpoints(out) == [10, 12]  # its own saving and total limit, after the resume
-    metrics = _events(out, "metrics")
+    assert own_checkpoints(out) == [10, 12]  # its own saving and total limit, after the resume
+    metrics = events(out, "metrics")
     assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])

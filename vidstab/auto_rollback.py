@@ -13,12 +13,15 @@ The retry budget, the LR back-off and the abort with the replay command are :cla
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .checkpoint import CheckpointConfig, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
 from .lr import torch_scheduler
 from .recovery import Recovery, RecoveryConfig
+
+logger = logging.getLogger(__name__)
 
 ROLLBACK_SUBDIR = "vidstab/rollback"
 """Where the rollback checkpoints live, under the run folder (apart from ``checkpoint-N`` folders)."""
@@ -96,3 +99,11 @@ class AutoRollback:
                 group["lr"] = lrs[i] * factor
         if scheduler is not None and hasattr(scheduler, "_last_lr"):
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+    def close(self) -> None:
+        """Let this rank's writer finish the last rollback checkpoint (its exchange with the other ranks is a
+        collective: a process that exits in the middle of one is aborted). No collective of its own: at the
+        end of a script the main process may still be saving or validating."""
+        error = self.ckpt.join_writer()
+        if error is not None:
+            logger.warning("the last rollback checkpoint was not written: %s", error)

@@ -1,9 +1,10 @@
 """What ``vidstab replay`` needs to rebuild an incident without code from the user, recorded at attach.
 
 For a diffusers model (a ``ConfigMixin`` with ``from_config``: UNets, transformers, VAEs), :func:`model_spec_of`
-records its class and config, so a replay rebuilds it the way ``from_config`` does. The loss is not needed
-either: :class:`OutputGradients` keeps, for each micro-step of the optimizer step, the gradient that reached
-the model's output -- where the backward started from. An incident bundle stores it beside the model's
+records its class and config, so a replay rebuilds it the way ``from_config`` does, and for one holding PEFT
+adapters (LoRA) also the adapters and where its base came from (:mod:`vidstab.adapter_record`). The loss is
+not needed either: :class:`OutputGradients` keeps, for each micro-step of the optimizer step, the gradient
+that reached the model's output -- where the backward started from. An incident bundle stores it beside the model's
 inputs (:data:`OUTPUT_GRAD_KEY`), and the replay's loss (:data:`OUTPUT_GRAD_LOSS`) is ``sum(output x that
 gradient)``, whose gradients with respect to the weights are the step's own. A user's ``model_spec`` (a
 factory, a loss function) takes precedence over all of this.
@@ -11,6 +12,7 @@ factory, a loss function) takes precedence over all of this.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -22,25 +24,33 @@ OUTPUT_GRAD_LOSS = "vidstab.tools.replay.output_grad:output_grad_loss"
 
 
 def model_spec_of(model: torch.nn.Module) -> dict | None:
-    """``{"class", "config", "loss_fn"}`` for a diffusers ``ConfigMixin`` model; None for any other model, and
-    for one holding PEFT adapters (a replay would rebuild it without them)."""
+    """``{"class", "config", "loss_fn"}`` for a diffusers ``ConfigMixin`` model, plus ``"peft"`` for one holding
+    PEFT adapters (:mod:`vidstab.adapter_record`); None for any other model, and for adapters it cannot record."""
     config = getattr(model, "config", None)
     cls = type(model)
-    if getattr(model, "peft_config", None):
-        return None
     if config is None or not callable(getattr(cls, "from_config", None)) or not hasattr(config, "items"):
         return None
-    spec = {"class": f"{cls.__module__}:{cls.__qualname__}", "config": _plain(dict(config.items())),
+    spec = {"class": f"{cls.__module__}:{cls.__qualname__}", "config": plain_json(dict(config.items())),
             "loss_fn": OUTPUT_GRAD_LOSS}
+    if getattr(model, "peft_config", None):
+        from .adapter_record import adapter_spec_of
+
+        spec["peft"] = adapter_spec_of(model)
+        if spec["peft"] is None:  # a replay would rebuild it without its adapters
+            return None
     return spec
 
 
-def _plain(value: Any) -> Any:
-    """JSON values (tuples and sets as lists, anything else not JSON as its ``str``)."""
+def plain_json(value: Any) -> Any:
+    """JSON values (enums by value, tuples as lists, sets as sorted lists, anything else not JSON as its ``str``)."""
+    if isinstance(value, enum.Enum):
+        return plain_json(value.value)
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in value]
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((plain_json(v) for v in value), key=str)
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)

@@ -240,6 +240,17 @@ class CheckpointManager:
 
     close = wait
 
+    def join_writer(self) -> BaseException | None:
+        """Wait for this rank's writer thread to finish the pending async save, without the collective that
+        agrees on its outcome: for a rank about to exit (a process that exits while its writer is in the
+        save's exchange is aborted) while another may still be busy. Returns this rank's error for that save,
+        if any; a later :meth:`wait` or save still settles it."""
+        if self._job_done is not None:
+            self._job_done.wait()
+        for deleter in self._deleters:
+            deleter.join()
+        return self._job.error if self._job is not None else None
+
     def _finish_pending(self, join_deleters: bool = True) -> None:
         """Join the pending async save and agree with every rank on its outcome (raises its error)."""
         job, err = self._join_pending(join_deleters)

@@ -370,8 +370,11 @@ class Guard:
             self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier)
 
     def close(self) -> None:
-        """Log ``stop`` (``reason="closed"``: the report reads the run as finished), detach (:meth:`detach`)
-        and close the event log."""
+        """Let the last automatic rollback checkpoint (``rollback_every``) finish writing on this rank, log
+        ``stop`` (``reason="closed"``: the report reads the run as finished), detach (:meth:`detach`) and close
+        the event log."""
+        if self.auto_rollback is not None:
+            self.auto_rollback.close()
         if not self.events.closed:
             self.events.log("stop", self.step_count, reason="closed")
         self.detach()

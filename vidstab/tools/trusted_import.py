@@ -6,7 +6,9 @@ naming ``os:system`` as its model factory would otherwise run a shell command. S
 ``transformers``' ``trust_remote_code``, a name is imported only when it is
 
 - **vidstab's own**: a ``torch.nn.Module`` subclass under ``vidstab.`` or a diffusers model class (``class``
-  specs: only ``from_config`` is called), or one of the replay entry points in :data:`BUILTIN_CALLABLES`;
+  specs: only ``from_config`` is called, or for a recorded LoRA fine-tune ``from_pretrained`` on safetensors
+  files and ``add_adapter``: :mod:`vidstab.tools.replay.adapters`), or one of the replay entry points in
+  :data:`BUILTIN_CALLABLES`;
 - **named by the user**: on the command line (``vidstab audit --model mod:fn``), or allowed explicitly
   (``vidstab replay --trust MODULE``, ``replay(..., trust=["MODULE"])``): a module name trusts that module
   and its submodules, ``module:attr`` that one object.
@@ -36,7 +38,8 @@ BUILTIN_CALLABLES = frozenset({
     "vidstab.faults:model_with_module_fault",
     "vidstab.tools.replay.output_grad:output_grad_loss",
 })
-#: Packages whose ``torch.nn.Module`` classes a ``class`` spec may name (rebuilt with ``from_config`` only).
+#: Packages whose ``torch.nn.Module`` classes a ``class`` spec may name (rebuilt with ``from_config``, or
+#: ``from_pretrained`` on safetensors files plus LoRA adapters for a recorded fine-tune).
 MODEL_CLASS_PACKAGES = ("vidstab", "diffusers")
 
 # Names the user allowed for the replay now running (nested specs, e.g. a fault factory wrapping a model

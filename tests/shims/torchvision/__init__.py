@@ -1,5 +1,6 @@
-"""A stand-in for the part of torchvision that diffusers' ``train_unconditional.py`` imports (``transforms``),
-used by tests/test_diffusers_example.py only when torchvision is not installed.
+"""A stand-in for the part of torchvision that diffusers' ``train_unconditional.py`` and ``train_cogvideox_lora.py``
+import (``transforms``, ``transforms.functional``'s ``resize`` and ``crop``), used by the drills on them
+(tests/scripts/drill.py) only when torchvision is not installed.
 
 Why: torchvision is no dependency of vidstab, and an unpinned ``pip install torchvision`` on a machine with
 torch 2.13 resolves to a torchvision that pulls a different torch. The script under test is diffusers'

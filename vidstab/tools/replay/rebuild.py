@@ -104,6 +104,10 @@ def _build(spec: dict | None) -> nn.Module:
         config = spec.get("config")
         if not isinstance(config, dict):
             raise ReplayError(f"model spec for {spec['class']!r} has no 'config' dict to rebuild it from")
+        if "peft" in spec:  # a LoRA fine-tune: its base as the run loaded it, plus the recorded adapters
+            from .adapters import build_with_adapters
+
+            return _module(build_with_adapters(cls, config, spec["peft"], f"model.peft of {spec['class']}"))
         try:
             model = cls.from_config(config)
         except Exception as e:  # the user's constructor: report whatever it raises
@@ -119,6 +123,10 @@ def _build(spec: dict | None) -> nn.Module:
             raise ReplayError(f"{spec['factory']}(**kwargs) failed: {type(e).__name__}: {e}") from e
     else:
         raise ReplayError(f"model spec has neither 'class' nor 'factory': {sorted(spec)}")
+    return _module(model)
+
+
+def _module(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ReplayError(f"the model spec built a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -288,5 +296,5 @@ def _check_rebuilt_base(model: nn.Module, weights: Path, saved: dict, trained: s
             f"tensors fingerprint {now['crc32']} ({now['bytes']} bytes), the checkpoint {weights} recorded "
             f"{saved.get('crc32')} ({saved.get('bytes')} bytes). Make the factory load the same base model (and "
             "revision) the run used")
-    return (f"frozen-base checkpoint: {len(trained)} trained tensor(s) loaded over the base the factory rebuilt, "
+    return (f"frozen-base checkpoint: {len(trained)} trained tensor(s) loaded over the rebuilt base, "
             f"whose {len(keys)} frozen tensor(s) match the recorded fingerprint {now['crc32']}")

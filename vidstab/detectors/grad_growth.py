@@ -40,7 +40,7 @@ class GradGrowthConfig(DetectorConfig):
     of i.i.d. noise; a steady trend moves only the changes' mean). 3.5 is ``min_growth`` at the log-norm
     std 0.3 it was tuned for (``log 3 / (3.5 x 0.31)``): below that std ``min_growth`` decides, as before;
     above it (a batch of two samples: 0.4) the bar rises with the noise instead of letting its false-alarm
-    rate rise (benchmarks/RESULTS.md, "Small-batch UNet on the tuning split"). 0: off."""
+    rate rise (CHANGELOG.md, "Small-batch UNet on the tuning split"). 0: off."""
 
     def validate_fields(self, prefix: str) -> None:
         check(self.noise_z >= 0, f"{prefix}.noise_z", "must be >= 0", self.noise_z)

@@ -21,7 +21,7 @@ video clip batch ~0.03). So the window is sized from the dispersion measured ove
 ``warn_ratio`` on healthy data with probability at most ``false_warn_rate`` per step (log-normal batch RMS,
 its std measured as the sample std of log RMS: an odd batch among the first steps only lengthens the window;
 the margin less the reference's own standard error), at most ``max_smooth_steps``. With batches of four and
-more this is ``smooth_steps`` itself; with batches of two, 7-9 steps (benchmarks/RESULTS.md, "Small-batch
+more this is ``smooth_steps`` itself; with batches of two, 7-9 steps (CHANGELOG.md, "Small-batch
 UNet on the tuning split").
 
 A slow drift (inputs +1% per step) needs ~41 steps to carry the median to x1.5. A second test warns about
@@ -134,7 +134,7 @@ class InputScaleConfig(DetectorConfig):
     standard deviations; 0: no drift test. With ``drift_allowance`` 0.75 and ``drift_lag`` 50, simulated on
     400-step runs of normal log RMS with the baseline measured as the detector does: 4.6e-6 false warnings
     per step, and +1% per step at a log-RMS std of 0.13 (batches of four images) warned 23 steps after it
-    began (95%: within 30); benchmarks/RESULTS.md, "Input drift on the tuning split"."""
+    began (95%: within 30); CHANGELOG.md, "Input drift on the tuning split"."""
     drift_allowance: float = 0.75
     """The CUSUM's allowance, in standard deviations of the log RMS: each step adds its deviation less
     this, so only a shift larger than it accumulates (Page's reference value, half the shift the test is

@@ -3,7 +3,7 @@
 A diffusion loss depends on the timesteps drawn for the batch: under an epsilon loss a sample at t < 100 has
 several times the loss of one at t ~ 500. With a few samples per step, some batches draw only small
 timesteps (a batch of two: about 1 step in 100), and their loss is 5-8x the EMA on a healthy run
-(benchmarks/RESULTS.md, "Small-batch UNet on the tuning split"). So when the step carries the loss per
+(CHANGELOG.md, "Small-batch UNet on the tuning split"). So when the step carries the loss per
 timestep bucket (``StepStats.timestep_bucket_loss``), the detector judges the loss *the batch would have had
 at the usual mix of timesteps*: ``loss x E[all buckets] / E[this batch's buckets]``, with ``E[b]`` an EMA of
 bucket ``b``'s loss. A fault (an LR, a data or a numerics change) raises the loss at every timestep, so

@@ -5,7 +5,7 @@ sample at least ``window`` steps old), and from the second measurement on, not o
 history exist: a x1.5 growth in 10 steps is at least as alarming as one in 200. Without that, a fault whose
 weights blow up inside the first ``window`` steps of a run (or of the detector's history) was judged only at
 step ``window``: on attention-logit growth without QK-norm (query/key weights x1.1 per step) that left the
-first finding 9-27 steps behind OLMo's 6-sigma rule (benchmarks/RESULTS.md, "Logit growth on the tuning
+first finding 9-27 steps behind OLMo's 6-sigma rule (CHANGELOG.md, "Logit growth on the tuning
 split", where this was chosen). Healthy runs grow far less (at most x1.03 within 200 steps on every tuning
 run), and the rule fires wherever the old one did (its reference is among the samples compared).
 """

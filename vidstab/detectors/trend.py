@@ -13,7 +13,7 @@ A rollback restores weights, so the trend must include a *witness*: a warning fr
 the optimizer's trajectory (the LR, the update, the weights), not only the batch just seen. Warnings that
 judge one batch (``loss_spike``, ``input_scale``, ``input_range``) and the gradient of a few batches
 (``grad_growth``) all fire together on a run of unlucky small batches (a batch of two samples at t < 100
-under an epsilon loss: benchmarks/RESULTS.md, "Small-batch UNet on the tuning split"), which is noise, and
+under an epsilon loss: CHANGELOG.md, "Small-batch UNet on the tuning split"), which is noise, and
 a data fault they see is refused by the skip detectors and escalated by ``consecutive_skips``.
 """
 

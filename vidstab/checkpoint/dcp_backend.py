@@ -80,7 +80,7 @@ def _streaming_writer(path: str, algo: str, fsync: bool):
     Why not the stock ``write_data``: torch's ``_write_files_from_queue`` serialises a rank's whole shard into
     one in-memory buffer with ``safetensors.torch.save`` (a full extra copy of the state) before writing it and
     fsyncs each file on its own; that copy was most of what a vidstab sharded save cost beyond a plain
-    ``dcp.save`` (``benchmarks/RESULTS.md``, "Sharded checkpoints")."""
+    ``dcp.save`` (``CHANGELOG.md``, "Sharded checkpoints")."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
                                                         HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name)

@@ -245,10 +245,7 @@ class CheckpointManager:
         agrees on its outcome: for a rank about to exit (a process that exits while its writer is in the
         save's exchange is aborted) while another may still be busy. Returns this rank's error for that save,
         if any; a later :meth:`wait` or save still settles it."""
-        if self._job_done is not None:
-            self._job_done.wait()
-        for deleter in self._deleters:
-            deleter.join()
+        self._wait_writer()
         return self._job.error if self._job is not None else None
 
     def _finish_pending(self, join_deleters: bool = True) -> None:
@@ -258,16 +255,20 @@ class CheckpointManager:
 
     def _join_pending(self, join_deleters: bool = True) -> tuple[SaveJob | None, BaseException | None]:
         """Wait for this rank's writer thread (no collective); (the job, its error on this rank)."""
-        if self._job_done is not None:
-            self._job_done.wait()
-            self._job_done = None
-        while join_deleters and self._deleters:
-            self._deleters.pop().join()
+        self._wait_writer(join_deleters)
         job, self._job = self._job, None
         err = job.error if job is not None else None
         if isinstance(err, _PeerLost):
             raise err  # the default group has lost the same peer: another collective would fail or hang
         return job, err
+
+    def _wait_writer(self, join_deleters: bool = True) -> None:
+        """Block until this rank's writer has finished the pending job (and the rotation's deleters)."""
+        if self._job_done is not None:
+            self._job_done.wait()
+            self._job_done = None
+        while join_deleters and self._deleters:
+            self._deleters.pop().join()
 
     def _settle_pending(self, job: SaveJob | None, err: BaseException | None, all_ok: bool) -> None:
         """Given every rank's word on the joined job (``all_ok``): raise its error, or record its path."""

@@ -88,7 +88,7 @@ def test_the_adapter_is_recorded_and_replay_rebuilds_base_and_adapter_over_a_fro
         assert torch.equal(model(**_inputs()).sample, rebuilt(**_inputs()).sample)
 
 
-def _refused(spec: dict, *words: str) -> None:
+def _expect_refused(spec: dict, *words: str) -> None:
     with pytest.raises(ReplayError) as err:
         build_model(spec)
     assert all(w in str(err.value) for w in words), str(err.value)
@@ -103,17 +103,17 @@ def test_what_the_replay_does_not_rebuild_is_refused_naming_it(tmp_path):
         s["peft"]["adapters"]["default"].update(lora)
         return s
 
-    _refused(changed(init_lora_weights="pissa"), "'pissa'", "reads the base or data")
-    _refused(changed(peft_type="LOHA"), "LOHA", "LoRA only")
-    _refused(changed(a_field_of_a_newer_peft=3), "a_field_of_a_newer_peft", "install that version")
-    _refused(changed(eva_config={"rho": 2.0}), "eva_config", "variant")
+    _expect_refused(changed(init_lora_weights="pissa"), "'pissa'", "reads the base or data")
+    _expect_refused(changed(peft_type="LOHA"), "LOHA", "LoRA only")
+    _expect_refused(changed(a_field_of_a_newer_peft=3), "a_field_of_a_newer_peft", "install that version")
+    _expect_refused(changed(eva_config={"rho": 2.0}), "eva_config", "variant")
     # peft would import the module megatron_core names: refused before peft sees it
-    _refused(changed(megatron_config={"tensor_model_parallel_size": 1}, megatron_core="this"), "Megatron")
+    _expect_refused(changed(megatron_config={"tensor_model_parallel_size": 1}, megatron_core="this"), "Megatron")
     assert "this" not in sys.modules
 
     wrong_dtype = json.loads(json.dumps(spec))
     wrong_dtype["peft"]["base"]["dtype"] = "int8"
-    _refused(wrong_dtype, "'int8' is not a floating-point dtype")
+    _expect_refused(wrong_dtype, "'int8' is not a floating-point dtype")
 
 
 def test_a_base_that_is_gone_or_another_is_named_and_the_size_cap_comes_first(tmp_path, monkeypatch):
@@ -122,15 +122,15 @@ def test_a_base_that_is_gone_or_another_is_named_and_the_size_cap_comes_first(tm
     config_file = root / "transformer" / "config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "num_layers": 2}))
-    _refused(spec, f"the base at {root} (subfolder transformer) is not the one the run trained over", "num_layers")
+    _expect_refused(spec, f"the base at {root} (subfolder transformer) is not the one the run trained over", "num_layers")
 
     gone = json.loads(json.dumps(spec))
     gone["peft"]["base"]["pretrained"] = str(tmp_path / "elsewhere")
-    _refused(gone, "fine-tuned over the base at", "elsewhere", "cannot be read here")
+    _expect_refused(gone, "fine-tuned over the base at", "elsewhere", "cannot be read here")
 
     # the recorded architecture (adapters included) is counted on the meta device, before any base is read
     monkeypatch.setenv("VIDSTAB_MAX_PARAMS", "5000")
-    _refused(gone, "5,912 parameters", "refused before allocating")
+    _expect_refused(gone, "5,912 parameters", "refused before allocating")
 
 
 def test_a_base_from_the_hub_cache_is_recorded_by_repo_id_and_rebuilt_from_the_cache_only(tmp_path, monkeypatch):

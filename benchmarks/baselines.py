@@ -298,7 +298,6 @@ class VidstabReplay:
         v[L.ranks_input_bad] = 0.0 if inputs_ok else 1.0
         # One input "tensor" whose absmax is the recorded one (a rank with non-finite inputs carries no input figures).
         v[L.in_numel], v[L.in_absmax] = (1.0, r.input_absmax) if inputs_ok else (0.0, 0.0)
-        v[L.first_bad_rank] = 0.0 if (not finite_loss or not inputs_ok) else S.NOT_BAD  # -rank of rank 0
         v[L.loss_scale] = 0.0 if r.loss_scale is None else r.loss_scale
         v[L.ranks] = v[L.micro_steps] = 1.0
         v[L.slowest] = S.slowest_key(-1.0, 0)

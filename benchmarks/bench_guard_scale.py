@@ -212,11 +212,9 @@ class World:
             v[L.grad_norm] = 0.8
         if bad:
             v[L.loss_nonfinite] = v[L.ranks_loss_bad] = v[L.ranks_input_bad] = 1.0
-            v[L.first_bad_rank] = -float(rank)
         else:
             v[L.loss_sum], v[L.loss_count] = f["loss"], 1.0
             v[L.in_sum], v[L.in_sumsq], v[L.in_numel], v[L.in_absmax] = f["in_sum"], f["in_sumsq"], f["numel"], f["absmax"]
-            v[L.first_bad_rank] = signals.NOT_BAD
             for t, x in zip(f["t"], f["psl"]):
                 v[L.bucket_sum.start + t] += x
                 v[L.bucket_count.start + t] += 1.0

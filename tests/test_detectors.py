@@ -245,6 +245,28 @@ def test_state_dict_round_trip_is_json_and_continues_identically():
     assert {d.name: d.state_dict() for d in a} == {d.name: d.state_dict() for d in b}
 
 
+def test_a_bucket_in_warm_up_is_judged_against_every_bucket_at_a_wider_ratio():
+    """The first steps of a new bucket: a loss a few times the others' is a new resolution; ten times is a fault.
+    The pooled statistics and each bucket's count of steps survive a save and load."""
+    def steps(start, n, bucket, level, seed):
+        rng = random.Random(seed)
+        return [stats(start + i, loss=level * math.exp(rng.gauss(0, 0.05)), bucket=bucket) for i in range(n)]
+
+    a = only("loss_spike")
+    run(a, steps(0, 40, "low_res", 1.0, 1))
+    assert run(a, [stats(40, loss=3.0, bucket="high_res")]) == [(40, Verdict.OK, set())]  # a z-test would flag it
+    b = only("loss_spike")
+    for det, blob in zip(b, json.loads(json.dumps([d.state_dict() for d in a]))):
+        det.load_state_dict(blob)
+    for dets in (a, b):
+        assert run(dets, [stats(41, loss=15.0, bucket="high_res")]) == [(41, Verdict.WARN, {"loss_spike"})]
+        # Past its warm-up the bucket is judged by its own statistics alone, at the configured ratio.
+        run(dets, steps(42, 20, "high_res", 3.0, 2))
+        assert run(dets, [stats(62, loss=18.0, bucket="high_res")]) == [(62, Verdict.WARN, {"loss_spike"})]
+        assert run(dets, [stats(63, loss=9.0, bucket="high_res")]) == [(63, Verdict.OK, set())]
+    assert [d.state_dict() for d in a] == [d.state_dict() for d in b]
+
+
 @pytest.mark.parametrize("bad, msg", [
     ({"grad_spike": {"ratio": 0.5}}, "grad_spike.ratio must be > 1, got 0.5"),
     ({"grad_growth": {"window": 8, "min_rises": 9}}, "grad_growth.min_rises must be in [1, window=8]"),
@@ -330,7 +352,6 @@ def timed_stats(step, times):
         v = [0.0] * layout.width
         v[layout.grad_norm], v[layout.norm_known], v[layout.loss_sum], v[layout.loss_count] = 1.0, 1.0, 1.0, 1.0
         v[layout.ranks], v[layout.seconds], v[layout.slowest] = 1.0, max(t, 0.0), signals.slowest_key(t, rank)
-        v[layout.first_bad_rank] = signals.NOT_BAD
         v[layout.lr] = v[layout.lr_peak] = v[layout.lr_scheduled] = -1.0  # not known
         rows.append(v)
     return build_stats(step, signals.reduce_rows(rows, layout), layout, max_grad_norm=None, sharded=False,

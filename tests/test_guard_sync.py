@@ -178,13 +178,20 @@ def test_recording_and_packing_a_step_take_a_few_dozen_small_device_ops():
 
     window = signals.Window(torch.device("cpu"), buckets=10, num_train_timesteps=1000)
     loss, x, norm = torch.tensor(0.5), torch.randn(2, 4, 8, 8), torch.tensor(1.0)
+
+    def pack():
+        return window.pack(norm, stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=0.01, rank=0)
+
+    window.record(loss, {"sample": x})
+    pack()  # the first step of a window shape builds its fixed maps
+    window.reset()
     with OpCounter() as rec:
         window.record(loss, {"sample": x})
     recorded = list(rec.ops)
     with OpCounter() as packed:
-        vec = window.pack(norm, stop=False, param_sq=None, update_sq=None, loss_scale=None, seconds=0.01, rank=0)
+        vec = pack()
     assert len(recorded) <= 6, recorded  # a detach (view), aminmax, sum, norm
-    assert len(packed.ops) <= 60, packed.ops
+    assert len(packed.ops) <= 40, packed.ops
     layout = signals.Layout(10)
     assert vec.shape == (layout.width,) and vec[layout.grad_norm] == 1.0 and vec[layout.loss_sum] == 0.5
 

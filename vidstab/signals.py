@@ -16,18 +16,20 @@ Columns (float64: a hash, a rank id or a count is exact), first those summed ove
           in_sum, in_sumsq, in_numel, param_sq, update_sq, seconds, ranks, batch_crc, batch_crc_ranks,
           bucket_sum[nb], bucket_count[nb]
     max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
-          loss_scale, first_bad_rank (as -rank), slowest (seconds and rank in one number), bucket, -bucket,
+          loss_scale, slowest (seconds and rank in one number), bucket, -bucket,
           micro_steps, lr, lr_peak, lr_scheduled (-1: unknown)
 
 ``loss_sum``/``loss_count`` are over the finite micro-step losses; the input columns over ranks whose inputs
 were finite (a non-finite value anywhere makes a rank's ``ranks_input_bad`` 1 and its input sums 0).
 ``param_sq``/``update_sq`` are sums of squares of the *local* parameters (and of the last update): under FSDP
 each rank holds a shard, so the summed column is the global one; under DDP every rank holds all of them, so the
-maximised column is. A minimum is the maximum of the negated value; the first bad rank is the largest ``-rank``.
+maximised column is. A minimum is the maximum of the negated value. Which ranks were bad is per-rank detail: a
+step with a bad rank gathers every rank's vector.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -37,13 +39,11 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-NOT_BAD = -float(2 ** 24)
-"""``first_bad_rank`` column of a rank that was not bad (any real rank's ``-rank`` is larger)."""
 _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
-DEVICE_VALUES = ("loss_sum", "loss_count", "loss_nonfinite", "ranks_loss_bad", "ranks_input_bad", "in_sum", "in_sumsq",
-                 "in_absmax", "in_numel", "param_sq", "update_sq", "grad_norm", "norm_nan", "norm_nonfinite", "loss_scale",
-                 "first_bad_rank")
-"""What :meth:`Window.pack` computes on the device, in its order."""
+DEVICE_VALUES = ("loss_nonfinite", "input_nonfinite", "loss_sum", "loss_count", "grad_norm", "norm_nan",
+                 "norm_nonfinite", "ranks_loss_bad", "ranks_input_bad", "in_sum", "in_sumsq", "in_absmax", "in_numel",
+                 "param_sq", "update_sq", "loss_scale")
+"""What :meth:`Window.pack` computes on the device, in its order (``input_nonfinite`` is not a column)."""
 HOST_VALUES = ("ranks_exception", "stop", "seconds", "ranks", "norm_known", "param_measured", "slowest", "bucket",
                "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled")
 """What the host knows of the step, in :meth:`Window.pack`'s order."""
@@ -62,7 +62,7 @@ class Layout:
                  "stop", "in_sum", "in_sumsq", "in_numel", "param_sq_sum", "update_sq_sum", "seconds", "ranks",
                  "batch_crc", "batch_crc_ranks")
     MAX_NAMES = ("grad_norm", "norm_nan", "norm_nonfinite", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
-                 "param_measured", "loss_scale", "first_bad_rank", "slowest", "bucket", "neg_bucket", "micro_steps",
+                 "param_measured", "loss_scale", "slowest", "bucket", "neg_bucket", "micro_steps",
                  "lr", "lr_peak", "lr_scheduled")
 
     @property
@@ -103,6 +103,7 @@ class Layout:
         return slice(start, start + self.buckets)
 
 
+@functools.lru_cache(maxsize=4096)
 def bucket_hash(key: str) -> float:
     """A shape bucket's name as a number below 2**52 (exact in float64), the same on every rank."""
     return float(int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big") >> 12)
@@ -291,7 +292,7 @@ class Window:
         self.input_keys = None if input_keys is None else tuple(input_keys)
         self._zero = torch.zeros((), device=self.device, dtype=self.dtype)
         self._zero32 = torch.zeros((), device=self.device, dtype=torch.float32)
-        self._zeros4 = torch.zeros(4, device=self.device, dtype=self.dtype)
+        self._map_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._no_buckets = torch.zeros(2 * buckets, device=self.device, dtype=self.dtype)
         self._host_buf = torch.zeros(_HOST_COUNT, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         self._host_np = self._host_buf.numpy()
@@ -380,24 +381,20 @@ class Window:
                    for v in (grad_norm, param_sq, update_sq, loss_scale)]
         raw = torch.stack(scalars + self.losses + self.in_values).to(dt)
         bad = (raw - raw) != 0  # x - x is NaN exactly where x is NaN or infinite
-        clean, badf = raw.masked_fill(bad, 0.0), bad.to(dt)
-        loss_bad = badf[4:4 + m].sum()
-        if n:
-            v = clean[4 + m:].view(n, 4)
-            in_bad = badf[4 + m:].amax()
-            # A rank with a non-finite input adds nothing to the input statistics (its flag says why).
-            inputs = torch.stack([v[:, 2].sum(), v[:, 3].square().sum(), v[:, :2].abs().amax(),
-                                  torch.full((), float(self.in_numel), dtype=dt, device=dev)]) * (1 - in_bad)
-        else:
-            inputs, in_bad = self._zeros4, self._zero
-        bad_rank = (loss_bad > 0) | (in_bad > 0) | (self.exceptions > 0)
+        clean = raw.masked_fill(bad, 0.0)
+        sums_map, absmax_map = self._maps(m, n)
+        squares = clean * clean
+        if dt != torch.float64:  # a float32 square can overflow, and 0 * inf would spoil every other sum
+            squares = squares.clamp_(max=torch.finfo(dt).max)
+        # Every summed value is a fixed linear map of the window's values: one product instead of a slice each.
+        sums = sums_map @ torch.cat([clean, squares, bad, raw != raw, ~bad])
+        flags = sums[:2] > 0  # this rank's loss, its inputs had a NaN/inf
+        absmax = (clean * absmax_map).amax(0, keepdim=True)  # max(max, -min) over the input tensors
+        numel = torch.full((1,), float(self.in_numel), dtype=dt, device=dev)
+        # A rank with a non-finite input adds nothing to the input statistics (its flag says why).
+        inputs = torch.where(flags[1], 0.0, torch.cat([sums[7:], absmax, numel]))
         # The device values in DEVICE_VALUES order, then the host ones in HOST_VALUES order (Layout.pack_index).
-        device = torch.cat([
-            torch.stack([clean[4:4 + m].sum(), m - loss_bad, loss_bad, (loss_bad > 0).to(dt), in_bad]),
-            inputs,
-            torch.stack([raw[1], raw[2], clean[0], (raw[0] != raw[0]).to(dt), badf[0], raw[3],
-                         torch.where(bad_rank, -float(rank), NOT_BAD).to(dt)]),
-        ])
+        device = torch.cat([sums[:7], flags, inputs, raw[1:4]])
         key = bucket_hash(self.shape_bucket)
         host = self._host_values([float(self.exceptions > 0), float(stop), max(seconds, 0.0), 1.0,
                                   float(grad_norm is not None), float(param_sq is not None),
@@ -407,6 +404,32 @@ class Window:
         buckets = self._buckets() if self.bucket_parts else self._no_buckets
         src = torch.cat([device, host, buckets])
         return src.index_select(0, self._pack_index)
+
+    def _maps(self, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed maps of :meth:`pack` for ``m`` micro-steps and ``n`` input tensors (built once per shape): the
+        ``[9, 5 * size]`` matrix whose rows sum DEVICE_VALUES' first nine values from ``(clean, squares, bad, nan,
+        finite)``, and the +1/-1 weights whose maximum with the values is the inputs' largest magnitude."""
+        maps = self._map_cache.get((m, n))
+        if maps is not None:
+            return maps
+        size = 4 + m + 4 * n  # grad norm, param_sq, update_sq, loss scale, the losses, each input's 4 values
+        clean, square, bad, nan, finite = (k * size for k in range(5))  # each block's offset in the product
+        losses = torch.arange(4, 4 + m)
+        tensors = 4 + m + 4 * torch.arange(n)  # each input tensor's (max, min, sum, norm)
+        w = torch.zeros(9, 5 * size, dtype=self.dtype)
+        w[0, bad + losses] = 1  # loss_nonfinite
+        w[1, bad + 4 + m:bad + size] = 1  # input_nonfinite
+        w[2, clean + losses] = 1  # loss_sum
+        w[3, finite + losses] = 1  # loss_count
+        w[4, clean] = w[5, nan] = w[6, bad] = 1  # grad_norm, norm_nan, norm_nonfinite
+        w[7, clean + tensors + 2] = 1  # in_sum
+        w[8, square + tensors + 3] = 1  # in_sumsq
+        absmax = torch.zeros(size, dtype=self.dtype)
+        absmax[tensors], absmax[tensors + 1] = 1.0, -1.0
+        if len(self._map_cache) >= 64:  # window shapes a loop never repeats must not grow this without bound
+            self._map_cache.clear()
+        maps = self._map_cache[(m, n)] = (w.to(self.device), absmax.to(self.device))
+        return maps
 
     def _host_values(self, values: list[float]) -> torch.Tensor:
         """Host-known values on the device: written into a (pinned) host buffer without a torch op, then one

@@ -72,13 +72,13 @@ def build_stats(
         slowest_rank=slowest[0] if slowest else None,
         slowest_seconds=slowest[1] if slowest else None,
         seconds_sum=x[L.seconds],
-        first_bad_rank=int(-x[L.first_bad_rank]) if x[L.first_bad_rank] > S.NOT_BAD else None,
         bucket=bucket if x[L.bucket] == -x[L.neg_bucket] else MIXED_BUCKET,
     )
     if rows is not None:
         s.nonfinite_loss_ranks = [r for r, v in enumerate(rows) if v[L.ranks_loss_bad] > 0]
         s.nonfinite_input_ranks = [r for r, v in enumerate(rows) if v[L.ranks_input_bad] > 0]
         s.exception_ranks = [r for r, v in enumerate(rows) if v[L.ranks_exception] > 0]
+        s.first_bad_rank = min(s.nonfinite_loss_ranks + s.nonfinite_input_ranks + s.exception_ranks, default=None)
         s.rank_loss = [v[L.loss_sum] / v[L.loss_count] if v[L.loss_count] > 0 else math.nan for v in rows]
         s.rank_input_absmax = [math.nan if v[L.ranks_input_bad] > 0 else v[L.in_absmax] if v[L.in_numel] > 0 else 0.0
                                for v in rows]

@@ -2,7 +2,7 @@
 
 Runs the bucketed workload of ``benchmarks/scenarios/buckets.py`` (a tiny diffusers ``WanTransformer3DModel``,
 flow matching, four token-balanced latent buckets, AdamW + warm-up/cosine, clip 1.0, vidstab attached to a
-plain Accelerate loop) on the tuning and the held-out seeds, side by side:
+plain Accelerate loop) on the tuning seeds and two held-out draws (``B.SPLITS``), side by side:
 
 * healthy schedules (random bucket mix, low-res -> high-res switch, batch-size switch): SKIP and ROLLBACK
   counts, warnings per 1,000 healthy steps by detector, and the findings within 50 steps of a switch;
@@ -14,7 +14,7 @@ Loops: ``attached`` (the bucket key, if any, left to the guard: derived from the
 ``guard.backward`` takes ``bucket=`` also ``explicit_bucket`` (``guard.backward(loss, batch=..., bucket=KEY)``).
 Figures read the guard's ``StepResult`` per step and its event log (``RUN_DIR/vidstab/events-rank0.jsonl``).
 
-    python benchmarks/bench_buckets.py            # about 4-8 minutes on 2 cores (2 worker processes)
+    python benchmarks/bench_buckets.py            # about 15 minutes on 2 cores (2 worker processes)
     python benchmarks/bench_buckets.py --quick    # under a minute
 
 The last line is one JSON object.
@@ -40,7 +40,8 @@ from benchmarks.scenarios import buckets as B  # noqa: E402
 HEALTHY_STEPS = 800
 FAULT_RUN_STEPS = 300  # the LR schedule's length of a fault run; it stops B.RunSpec.tail steps after the fault
 SWITCH_WINDOW = 50  # findings this many steps from a switch count as the switch's alarms
-QUICK = {"healthy_steps": 200, "fault_run_steps": 120, "seeds": (B.TUNING_SEEDS[:1], B.HELDOUT_SEEDS[:1])}
+QUICK = {"healthy_steps": 200, "fault_run_steps": 120,
+         "splits": {"tuning": B.TUNING_SEEDS[:1], "heldout": B.HELDOUT_SEEDS[:1]}}
 
 
 def fault_placements(run_steps: int, switch_at: float = 0.5) -> list[tuple[str, B.Fault]]:
@@ -60,13 +61,13 @@ def plan(quick: bool, loops: list[str]) -> list[tuple[str, str, B.RunSpec]]:
     """``(loop, split, spec)`` of every run."""
     healthy_steps = QUICK["healthy_steps"] if quick else HEALTHY_STEPS
     fault_steps = QUICK["fault_run_steps"] if quick else FAULT_RUN_STEPS
-    tuning, heldout = QUICK["seeds"] if quick else (B.TUNING_SEEDS, B.HELDOUT_SEEDS)
+    splits = QUICK["splits"] if quick else B.SPLITS
     placements = fault_placements(fault_steps)
     if quick:
         placements = [p for p in placements if p[0] in ("random", "low_to_high") and p[1].bucket != 0]
     runs = []
     for loop in loops:
-        for split, seeds in (("tuning", tuning), ("heldout", heldout)):
+        for split, seeds in splits.items():
             for seed in seeds:
                 runs += [(loop, split, B.RunSpec(s, seed, healthy_steps, loop=loop)) for s in B.SCHEDULES]
                 runs += [(loop, split, B.RunSpec(s, seed, fault_steps, fault=f, loop=loop)) for s, f in placements]
@@ -126,8 +127,7 @@ def summarize(runs: list[tuple[str, str, B.RunSpec]], records: list[B.RunRecord]
                     "verdicts": [v["verdict"] for v in verdicts],
                     "detectors": sorted({d for v in verdicts for d in v["detectors"]}),
                     "findings_before_fault": sum(v["findings_before"] for v in verdicts)}
-        for split in ("tuning", "heldout"):
-            recs = mine["healthy"].get("random", {}).get(split, [])
+        for split, recs in mine["healthy"].get("random", {}).items():
             s["buckets"][split] = B.bucket_figures(recs)
     return summary
 
@@ -142,7 +142,7 @@ def print_tables(summary: dict) -> None:
         print(f"{'healthy schedule':<14} {'split':<8} {'steps':>6} {'SKIP':>5} {'RB':>3} {'warn/1k':>8} "
               f"{'switch+50':>9}  warnings by detector")
         for schedule, by_split in s["healthy"].items():
-            for split in ("tuning", "heldout"):
+            for split in B.SPLITS:
                 c = by_split.get(split)
                 if c:
                     print(f"{schedule:<14} {split:<8} {c['steps']:>6} {c['skip']:>5} {c['rollback']:>3} "
@@ -150,16 +150,15 @@ def print_tables(summary: dict) -> None:
                     for a in c["alarms"]:
                         if a["kind"] != "warn":
                             print(f"    {a['kind']} seed {a['seed']} step {a['step']}: {a['detector']}: {a['message']}")
-        print(f"\n{'fault (schedule/bucket)':<42} {'tuning: first-step caught':<36} {'held-out: first-step caught':<36}")
+        print(f"\n{'fault (schedule/bucket)':<42} " + " ".join(f"{split + ': first-step caught':<32}" for split in B.SPLITS))
         for name, by_split in s["faults"].items():
             cells = []
-            for split in ("tuning", "heldout"):
+            for split in B.SPLITS:
                 f = by_split.get(split)
                 cells.append(f"{f['caught_first_step']}/{f['runs']} >= {f['needed']} {','.join(f['verdicts'])}"
                              if f else "-")
-            dets = sorted(set(by_split.get("tuning", {}).get("detectors", [])) |
-                          set(by_split.get("heldout", {}).get("detectors", [])))
-            print(f"{name:<42} {cells[0]:<36} {cells[1]:<36} {dets}")
+            dets = sorted({d for f in by_split.values() for d in f["detectors"]})
+            print(f"{name:<42} " + " ".join(f"{c:<32}" for c in cells) + f" {dets}")
         print("\nper bucket (healthy random mix): median pre-clip grad norm, clip rate (norm > 1.0)")
         keys = [b.key for b in B.BUCKETS]
         print(f"{'split':<8} " + " ".join(f"{k:>22}" for k in keys))
@@ -208,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{steps} steps in {seconds:.0f} s ({1000 * sum(r.seconds for r in records) / steps:.1f} ms per step "
           f"in a worker)")
     print(json.dumps({"bench": "buckets", "quick": args.quick, "bucket_kwarg": has_bucket, "loops": loops,
-                      "tuning_seeds": list(QUICK["seeds"][0] if args.quick else B.TUNING_SEEDS),
-                      "heldout_seeds": list(QUICK["seeds"][1] if args.quick else B.HELDOUT_SEEDS),
+                      "seeds": {k: list(v) for k, v in (QUICK["splits"] if args.quick else B.SPLITS).items()},
                       "seconds": round(seconds, 1), "results": strip(summary)}, allow_nan=False))
     return 0
 

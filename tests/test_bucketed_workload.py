@@ -71,8 +71,8 @@ def test_a_bucket_switch_raises_no_alarm(schedule, loop):
     assert not near, f"{schedule}: findings within {SWITCH_WINDOW} steps of the switch: {near}"
 
 
-# Every bucket past its detectors' warm-up (about 25 steps each by step 100 of a four-bucket random mix): a bucket
-# seen fewer times is judged by the rules that need no history (non-finite values, the LR bound, input_scale).
+# Every bucket past its detectors' warm-up (about 25 steps each by step 100 of a four-bucket random mix); a bucket
+# still in its warm-up: the last test.
 @pytest.mark.parametrize("schedule,at", [("random", 100), ("low_to_high", 80)])
 @pytest.mark.parametrize("kind", B.FAULTS)
 def test_a_fault_inside_a_bucket_is_caught_at_its_first_step(kind, schedule, at, loop="attached"):
@@ -86,3 +86,14 @@ def test_a_fault_inside_a_bucket_is_caught_at_its_first_step(kind, schedule, at,
     else:
         assert first.verdict in ("SKIP", "ROLLBACK"), f"{kind} at step {first.step}: {first.verdict} {first.findings}"
         assert record.steps[record.fault_step + 1].verdict in ("OK", "WARN")  # the fault lasted one step
+
+
+@pytest.mark.parametrize("schedule,at", [("low_to_high", FAULT_RUN_STEPS // 2), ("random", 30)])
+def test_latents_x5_in_a_bucket_still_in_its_warm_up_is_caught(schedule, at, loop="attached"):
+    """The bucket's own statistics cannot judge yet (the first high-res step after the switch; a few steps of the
+    random mix's smallest bucket): every bucket's steps do, by the ratio test at a wider ratio."""
+    record = _run(schedule, loop, FAULT_RUN_STEPS, B.Fault("latents_x5", at, 0 if schedule == "random" else len(B.BUCKETS) - 1))
+    first = record.steps[record.fault_step]
+    own = sum(s.key == first.key for s in record.steps[:record.fault_step])
+    assert first.fault and own < 20, own  # the bucket's detectors are still in their warm-up
+    assert first.findings, f"latents x5 at step {first.step}, its bucket's step {own}, went unnoticed"

@@ -13,7 +13,8 @@ bucket: ``nan_sample`` (one sample's latents NaN), ``lr_x1000`` (the param group
 written by the loop), ``latents_x5`` (every latent x5 from that step on: a dropped VAE scaling factor).
 
 Seeds: :data:`TUNING_SEEDS` may be looked at to choose anything (fault steps, buckets, thresholds);
-:data:`HELDOUT_SEEDS` are only replayed once the choices are frozen.
+:data:`HELDOUT_SEEDS` are only replayed once the choices are frozen; :data:`HELDOUT2_SEEDS` too, drawn after the
+last change that a held-out figure led to (so the first draw no longer says how the changed guard does).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 TUNING_SEEDS = (500, 501, 502)
 #: Seeds only replayed after every choice is frozen (disjoint from the tuning seeds and every other split).
 HELDOUT_SEEDS = (600, 601, 602)
+#: A second held-out draw, never looked at before the guard it reports was frozen.
+HELDOUT2_SEEDS = (700, 701, 702)
+SPLITS = {"tuning": TUNING_SEEDS, "heldout": HELDOUT_SEEDS, "heldout2": HELDOUT2_SEEDS}
 
 LATENT_CHANNELS = 4
 TEXT_TOKENS = 8

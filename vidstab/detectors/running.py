@@ -4,6 +4,8 @@ instance per shape bucket for those whose statistics depend on it (:class:`PerBu
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from . import DETECTORS, detector_order, registered_detectors
@@ -15,11 +17,21 @@ MIXED_BUCKET = "mixed"
 """The bucket of a step whose ranks or micro-steps were of different shape buckets."""
 
 
+POOLED_RATIO_MARGIN = 2.0
+"""A step of a bucket still in warm-up is judged against every bucket's steps by the ratio test alone, at this many
+times the configured ``ratio`` (:class:`PerBucket`): the buckets' healthy levels differ by a few times, a fault
+by an order of magnitude; a z-score against steps of other buckets would mistake the first for the second."""
+
+
 class PerBucket(Detector):
     """One instance of a per-bucket detector (:attr:`Detector.per_bucket`) for each shape bucket it has seen.
 
     A step is judged and absorbed by the instance of its own bucket (``StepStats.bucket``), so a bucket seen for
     the first time starts with its own warm-up instead of being compared with another resolution's statistics.
+    Until that bucket has its config's ``warmup_steps`` applied steps, a step its own instance does not flag is
+    judged by a pooled instance that absorbs every bucket's steps, by its ratio test alone at
+    :data:`POOLED_RATIO_MARGIN` times the ``ratio`` (detectors whose config has a ``ratio``): a new resolution is
+    not a fault, a loss ten times the usual level still is.
     At most ``max_buckets`` instances are kept; the least recently used one is dropped beyond that."""
 
     def __init__(self, detector_cls: type[Detector], config: Any, max_buckets: int = 64) -> None:
@@ -28,22 +40,34 @@ class PerBucket(Detector):
         self.needs = detector_cls.needs  # type: ignore[misc]
         self.detector_cls, self.max_buckets = detector_cls, int(max_buckets)
         self.instances: dict[str, Detector] = {}
+        self.applied: dict[str, int] = {}  # applied steps each bucket's instance has absorbed
         self.current: Detector | None = None  # the instance of the last step's bucket
+        self.current_bucket: str | None = None
+        self.warmup = int(getattr(config, "warmup_steps", 0) or 0)
+        self.pooled = None  # judges the steps of a bucket in warm-up (POOLED_RATIO_MARGIN), absorbs every step
+        if self.warmup and hasattr(config, "ratio") and dataclasses.is_dataclass(config):
+            ratio_only = {"ratio": config.ratio * POOLED_RATIO_MARGIN} | ({"zscore": math.inf} if hasattr(config, "zscore") else {})
+            self.pooled = detector_cls(dataclasses.replace(config, **ratio_only))
         self._unplaced: dict | None = None  # a state saved before buckets: given to the first bucket seen
 
     def of(self, bucket: str) -> Detector:
         """The instance of ``bucket`` (made on first use), now the most recently used."""
+        if bucket == self.current_bucket:
+            return self.current  # type: ignore[return-value]
         inst = self.instances.pop(bucket, None)
         if inst is None:
             inst = self.detector_cls(self.config)
+            self.applied[bucket] = 0
             if self._unplaced is not None:
                 inst.load_state_dict(self._unplaced)
+                self.applied[bucket] = self.warmup  # the state of a guard without buckets: warm already
                 self._unplaced = None
-
             while len(self.instances) >= self.max_buckets:
-                self.instances.pop(next(iter(self.instances)))
+                oldest = next(iter(self.instances))
+                del self.instances[oldest]
+                self.applied.pop(oldest, None)
         self.instances[bucket] = inst
-        self.current = inst
+        self.current, self.current_bucket = inst, bucket
         return inst
 
     def __getattr__(self, name: str) -> Any:
@@ -54,24 +78,37 @@ class PerBucket(Detector):
         return getattr(current, name)
 
     def observe(self, s: StepStats) -> Finding | None:
-        return self.of(s.bucket).observe(s)
+        finding = self.of(s.bucket).observe(s)
+        if finding is None and self.pooled is not None and self.applied[s.bucket] < self.warmup:
+            finding = self.pooled.observe(s)
+        return finding
 
     def update(self, s: StepStats) -> None:
         self.of(s.bucket).update(s)
+        self.applied[s.bucket] += bool(s.applied)
+        if self.pooled is not None:
+            self.pooled.update(s)
 
     def published(self) -> dict[str, float]:
         return self.current.published() if self.current is not None else {}
 
     def state_dict(self) -> dict:
-        return {"buckets": {k: d.state_dict() for k, d in self.instances.items()}}
+        out = {"buckets": {k: d.state_dict() for k, d in self.instances.items()}, "applied": dict(self.applied)}
+        if self.pooled is not None:
+            out["pooled"] = self.pooled.state_dict()
+        return out
 
     def load_state_dict(self, d: dict) -> None:
-        self.instances, self.current, self._unplaced = {}, None, None
+        self.instances, self.applied, self.current, self.current_bucket, self._unplaced = {}, {}, None, None, None
         if "buckets" not in d:  # saved by a guard without buckets
             self._unplaced = d
             return
+        applied = d.get("applied", {})
         for bucket, state in d["buckets"].items():  # saved least recently used first: the last one is current
             self.of(bucket).load_state_dict(state)
+            self.applied[bucket] = int(applied.get(bucket, self.warmup))  # saved without counts: warm
+        if self.pooled is not None and "pooled" in d:
+            self.pooled.load_state_dict(d["pooled"])
 
 
 def build_detectors(config: Any, world_size: int | None = None) -> list[Detector]:

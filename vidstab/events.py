@@ -194,7 +194,7 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
     try:
         path = events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
         open_log = _OPEN.get(str(path.resolve()))
-        if open_log is not None and not open_log._f.closed:  # the guard's log: keep one file order, flush now
+        if open_log is not None and not open_log.closed:  # the guard's log: keep one file order, flush now
             open_log.log(kind, step, **fields)
             return
         log = EventLog(run_dir, rank)

@@ -92,7 +92,8 @@ def test_a_fault_inside_a_bucket_is_caught_at_its_first_step(kind, schedule, at,
 def test_latents_x5_in_a_bucket_still_in_its_warm_up_is_caught(schedule, at, loop="attached"):
     """The bucket's own statistics cannot judge yet (the first high-res step after the switch; a few steps of the
     random mix's smallest bucket): every bucket's steps do, by the ratio test at a wider ratio."""
-    record = _run(schedule, loop, FAULT_RUN_STEPS, B.Fault("latents_x5", at, 0 if schedule == "random" else len(B.BUCKETS) - 1))
+    bucket = 0 if schedule == "random" else len(B.BUCKETS) - 1  # the smallest; after the switch, the high-res one
+    record = _run(schedule, loop, FAULT_RUN_STEPS, B.Fault("latents_x5", at, bucket))
     first = record.steps[record.fault_step]
     own = sum(s.key == first.key for s in record.steps[:record.fault_step])
     assert first.fault and own < 20, own  # the bucket's detectors are still in their warm-up

@@ -46,7 +46,9 @@ class PerBucket(Detector):
         self.warmup = int(getattr(config, "warmup_steps", 0) or 0)
         self.pooled = None  # judges the steps of a bucket in warm-up (POOLED_RATIO_MARGIN), absorbs every step
         if self.warmup and hasattr(config, "ratio") and dataclasses.is_dataclass(config):
-            ratio_only = {"ratio": config.ratio * POOLED_RATIO_MARGIN} | ({"zscore": math.inf} if hasattr(config, "zscore") else {})
+            ratio_only = {"ratio": config.ratio * POOLED_RATIO_MARGIN}
+            if hasattr(config, "zscore"):
+                ratio_only["zscore"] = math.inf
             self.pooled = detector_cls(dataclasses.replace(config, **ratio_only))
         self._unplaced: dict | None = None  # a state saved before buckets: given to the first bucket seen
 

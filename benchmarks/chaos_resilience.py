@@ -73,7 +73,7 @@ def launch(out: Path, steps: int, ckpt: int, extra: list[str], timeout: float) -
            "--checkpointing_steps", str(ckpt), "--report_to", "none", "--num_videos", "16", "--train_batch_size", "4",
            "--hidden_size", "32", "--num_heads", "2", "--lr_warmup_steps", "2", "--no_async_save", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PET_STANDALONE": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     started = time.perf_counter()
     started_unix = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

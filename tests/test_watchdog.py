@@ -152,7 +152,13 @@ def test_launch_info_reads_the_elastic_agents_environment():
         LaunchInfo.from_env({"TORCHELASTIC_RESTART_COUNT": "x"})
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning(
         {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
-    assert shared_store_warning({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    fresh_store = {"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert shared_store_warning({**fresh_store, "TORCHELASTIC_RUN_ID": "5f0c"}) is None  # PET_STANDALONE's own id
+    # torch's default rendezvous on one machine, shared with any job launched the same way
+    default = {**fresh_store, "TORCHELASTIC_RUN_ID": "none"}
+    assert "PET_STANDALONE=1" in shared_store_warning({**default, "GROUP_WORLD_SIZE": "1"})
+    assert shared_store_warning({**default, "GROUP_WORLD_SIZE": "2"}) is None  # nodes meet at their own endpoint
+    assert shared_store_warning({**fresh_store, "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}) is None
 
 
 def _attempt(run_dir, rank, last_words: str | None, **fields):

@@ -27,6 +27,11 @@ __all__ = ["LaunchInfo", "previous_attempt", "shared_store_warning"]
 PROCESS_START = time.time()
 """When this process imported vidstab.elastic: events written before it belong to an earlier attempt."""
 
+DEFAULT_RUN_ID = "none"
+"""torchrun's default ``--rdzv_id``, which ``accelerate launch`` keeps: every job launched without one shares it."""
+LAUNCH_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PET_STANDALONE=1"
+"""The environment of the documented launch (docs/faults.md): a fresh store per round, and this job's own rendezvous."""
+
 # Events that end an attempt, in the order of precedence used to name the cause.
 LAST_WORDS = ("hang", "crash", "stop")
 
@@ -171,17 +176,32 @@ def _least_progress(hung: list[int], ranks: dict[int, dict]) -> list[int]:
 
 
 def shared_store_warning(environ: Mapping[str, str] | None = None) -> str | None:
-    """A warning when restarts may fail to re-form the process group, else None.
+    """A warning when restarts may fail to re-form the process group, or may be lost to another job, else None.
 
     Under torch elastic's static rendezvous (``--master_port``, the default of ``accelerate launch``) or a
     shared c10d store, a restarted worker can read a peer address left in the store by the previous attempt
     and fail with ``Connection refused`` (pytorch/pytorch#135712). Measured here (torch 2.13, gloo, 2 processes,
     both ranks exiting at once as after a hang): 7 of 13 restarts failed under static rendezvous or a shared
     c10d store, 0 of 5 with a fresh store per round: ``--rdzv_backend c10d`` and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+
+    On one machine, ``accelerate launch --rdzv_backend c10d`` passes its port as ``--master_port``, which torch
+    ignores for c10d: every such job meets at torch's default endpoint (``localhost:29400``) under the default
+    id ``none`` (the agent tells its workers ``TORCHELASTIC_RUN_ID=none``). Two jobs at once then share one
+    rendezvous: a restarting job can lose its round to the other, wait, and end with torch's
+    ``AttributeError: 'NoneType' object has no attribute 'is_failed'`` when the other job's launcher closes the
+    rendezvous on exit. ``PET_STANDALONE=1`` (torchrun's ``--standalone``) gives each job its own store and id.
     """
     env = os.environ if environ is None else environ
-    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return ("restarts are enabled but workers share the launcher's store, so a restarted group may read the previous "
                 "attempt's addresses (pytorch/pytorch#135712); launch with --rdzv_backend c10d and "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README: 'Launching a run that survives faults')")
+                f"{LAUNCH_ENV} (docs/faults.md: 'Launching a run that survives faults')")
+    if env.get("TORCHELASTIC_RUN_ID") == DEFAULT_RUN_ID and env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return ("restarts are enabled but this job's rendezvous is torch's machine-wide default (localhost:29400, id "
+                f"'{DEFAULT_RUN_ID}'): another job launched the same way on this machine joins it, and a restart can then "
+                "be lost to that job (torch ends this launcher with \"'NoneType' object has no attribute 'is_failed'\"); "
+                f"launch with {LAUNCH_ENV} (docs/faults.md: 'Launching a run that survives faults'). A job ended that way "
+                "resumes when launched again with --resume_from_checkpoint latest")
     return None

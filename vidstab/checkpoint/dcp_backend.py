@@ -405,8 +405,9 @@ class ShardedBackend(FullStateBackend):
             else:
                 stem = file_stem(n)
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
-                out["objects"][n] = sio.unflatten(structure, tensors)
-        out.update(self.decode_common(raw))
+                state = sio.unflatten(structure, tensors)
+                out["objects"][n] = self.check_types(ckpt, n, obj, state) if tensors else state
+        out.update(self.decode_common(raw, ckpt))
         out["ckpt"] = ckpt
         return out
 

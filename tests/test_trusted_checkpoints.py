@@ -233,3 +233,22 @@ def test_a_read_only_output_folder_is_one_line_and_changes_nothing(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "cannot be written" in msg and "Nothing in it was changed" in msg, msg
     assert _files(out) == before
+
+
+def test_the_trainer_says_one_line_for_a_read_only_output_folder(tmp_path):
+    from trainer_utils import run_trainer
+
+    out = tmp_path / "run"
+    out.mkdir()
+    undo = unremovable(out)
+    if undo is None:
+        pytest.skip("cannot make a folder immutable here (needs root and chattr)")
+    try:
+        done = run_trainer(out, "--max_train_steps", "2", "--resume_from_checkpoint", "latest", check=False)
+    finally:
+        undo()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stderr.splitlines() if "error:" in ln]
+    assert "cannot be written" in line and "choose another --output_dir" in line, line
+    assert os.listdir(out) == []

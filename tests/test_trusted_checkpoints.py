@@ -121,6 +121,10 @@ def test_checkpoints_without_a_run_id_still_resume_with_one_warning(tmp_path, ca
         assert t2.ckpt.load("latest")["step"] == 4
         assert t2.ckpt.load("step_000002")["step"] == 2
     assert caplog.text.count("before vidstab recorded run ids") == 1
+    # Outside the run's checkpoint folder, a checkpoint without a run id cannot be told to be this run's.
+    shutil.copytree(t.folder(2), tmp_path / "elsewhere" / "step_000002")
+    expect_error(lambda: t2.ckpt.load(str(tmp_path / "elsewhere" / "step_000002")), "another run",
+                 "records no run id", "--allow_other_run_checkpoint")
 
 
 # ------------------------------------------------------------------------------------------ one step
@@ -151,6 +155,33 @@ def test_folder_name_manifest_and_trainer_json_must_agree_or_the_folder_is_unver
         t3.save()  # steps 4, 6, 8 with keep=1: neither unverifiable folder is rotated away or replaced
     assert _files(root / "unverified-step_000006") == kept and (root / "unverified-step_000004").is_dir()
     assert manifest(root / "step_000008")["steps"] == {"trainer.json": {"step": 8}}
+
+
+class StepCounter:
+    """JSON state carrying a step, like the guard's ``step_count``."""
+
+    def __init__(self, trainee: Trainee):
+        self.trainee = trainee
+
+    def state_dict(self):
+        return {"step_count": self.trainee.step, "lr_multiplier": 1.0}
+
+    def load_state_dict(self, d):
+        self.loaded = d
+
+
+def test_a_guard_state_from_another_step_makes_the_folder_unverifiable(tmp_path):
+    t = Trainee(tmp_path / "run")
+    t.ckpt.register("vidstab", StepCounter(t))
+    for _ in range(2):
+        t.train(2)
+        t.save()
+    assert manifest(t.folder(4))["steps"] == {"trainer.json": {"step": 4}, "vidstab.json": {"step_count": 4}}
+    _rewrite(t.folder(4), "vidstab.json", b'{"step_count": 3, "lr_multiplier": 1.0}')
+    t2 = Trainee(tmp_path / "run")
+    t2.ckpt.register("vidstab", StepCounter(t2))
+    state = t2.ckpt.load("latest")
+    assert state["step"] == 2 and "vidstab.json says step_count 3" in state["_checkpoint"]["skipped"][0][1]
 
 
 def test_several_unverifiable_folders_are_all_named_whichever_pointer(tmp_path):

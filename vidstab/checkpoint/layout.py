@@ -667,9 +667,12 @@ def candidates(root: str, output_dir: str, which: str, run_id: str | None = None
     try:
         theirs = read_manifest(path).get("run_id")
     except CheckpointError:
-        theirs = None  # the load says what is wrong with it
-    if not allow_other_run and theirs not in (None, run_id):
-        raise other_run_error(path, output_dir, theirs, run_id, f"named {which!r}")
+        theirs = "?"  # the load says what is wrong with it
+    if not allow_other_run and theirs not in ("?", run_id):
+        if theirs is None and os.path.dirname(os.path.normpath(path)) != os.path.normpath(root):
+            theirs = "unknown: it records no run id and lies outside this run's checkpoint folder"
+        if theirs is not None:
+            raise other_run_error(path, output_dir, theirs, run_id, f"named {which!r}")
     return [path]
 
 

@@ -510,7 +510,8 @@ class CheckpointManager:
         listed = "; ".join(f"{n}: {why}" for n, why in unverified)
         return (f"nothing to load for {which!r}: {sub} holds {len(unverified)} checkpoint folder(s) that cannot be "
                 f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten. Restore their "
-                f"manifests (or the files that disagree), or start over with --overwrite_output_dir and without --resume_from_checkpoint "
+                f"manifests (or the files that disagree), or start over with --overwrite_output_dir and without "
+                f"--resume_from_checkpoint "
                 f"(overwrite=True: the earlier run, these folders included, is moved to previous-runs/, not deleted)")
 
     # ------------------------------------------------------------------ load

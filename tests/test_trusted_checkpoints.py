@@ -283,3 +283,13 @@ def test_the_trainer_says_one_line_for_a_read_only_output_folder(tmp_path):
     (line,) = [ln for ln in done.stderr.splitlines() if "error:" in ln]
     assert "cannot be written" in line and "choose another --output_dir" in line, line
     assert os.listdir(out) == []
+
+
+def test_a_sharded_checkpoint_with_a_retyped_shard_is_refused_naming_the_tensor(tmp_path):
+    t = train_and_save(tmp_path / "run", [2], config=CheckpointConfig(keep=2, async_save=False, sharded=True))
+    folder = t.folder(2)
+    (shard,) = [p for p in folder.rglob("*.safetensors") if p.parent.name == "dcp"]
+    key = next(k for k in load_file(shard) if k.startswith("model.") and k.endswith("weight"))
+    _retype(folder, str(shard.relative_to(folder)), key, torch.float16)
+    t2 = Trainee(tmp_path / "run", config=CheckpointConfig(async_save=False, sharded=True))
+    expect_error(lambda: t2.ckpt.load("latest"), key, "is float16", "the receiver holds float32")

@@ -137,12 +137,18 @@ def test_folder_name_manifest_and_trainer_json_must_agree_or_the_folder_is_unver
     man["step"] = 40
     write_manifest(t.folder(4), man)
     root = Path(t.ckpt.root)
+    # ... and renamed to match: its trainer.json still says 2.
+    shutil.copytree(t.folder(2), root / "step_000040")
+    man = manifest(root / "step_000040")
+    man["step"] = 40
+    write_manifest(root / "step_000040", man)
     (root / "latest").unlink()
     state = Trainee(tmp_path / "run").ckpt.load("latest")
     assert state["step"] == 2
     why = dict(layout.unverifiable(str(root)))
-    assert "trainer.json says step 7" in why["step_000006"] and "saved at 6" in why["step_000006"]
+    assert "trainer.json says step 7, its manifest says step 6" in why["step_000006"]
     assert "folder name says step 4, its manifest says step 40" in why["step_000004"]
+    assert "trainer.json says step 2, its manifest says step 40" in why["step_000040"]
     (root / "latest").write_text("step_000006\n")
     state = Trainee(tmp_path / "run").ckpt.load("latest")  # the pointer names it: tried, skipped, said why
     assert state["step"] == 2 and "trainer.json says step 7" in state["_checkpoint"]["skipped"][0][1]

@@ -29,8 +29,8 @@ sequence; its *trajectory* is its chain of parents, so after a rollback the aban
 steps of the old trajectory) are never fallbacks and are the first to be rotated away.
 
 A checkpoint knows its run and its step. The manifest records the ``run_id`` of the run that wrote it
-(:func:`vidstab.run_dir.run_id`) and, in ``steps``, the step each state file carried when it was saved
-(``{"trainer.json": {"step": 12}, "vidstab.json": {"step_count": 12}}``). The folder name, the manifest's
+(:func:`vidstab.run_dir.run_id`) and, in ``steps``, the state files that carried the checkpoint's step when
+it was saved (``{"trainer.json": {"step": 12}, "vidstab.json": {"step_count": 12}}``). The folder name, the manifest's
 ``step`` and those files must agree, or the folder is *unverifiable* like one without a manifest: never
 loaded, rotated or replaced, and named when a resume finds nothing else. A checkpoint of another run (a
 copied folder, a pointer to one) is listed but is no checkpoint of this run: never a fallback, never rotated
@@ -273,13 +273,14 @@ def _cached(result: dict | CheckpointError) -> dict:
     return result
 
 
-def carried_steps(states: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """``{file: {key: step}}`` for the JSON states ``{file: state}`` that carry a step (:data:`STEP_KEYS`, an int
-    at top level): what a save records in the manifest's ``steps``."""
+def carried_steps(states: dict[str, Any], step: int) -> dict[str, dict[str, int]]:
+    """``{file: {key: step}}`` for the JSON states ``{file: state}`` that carry the checkpoint's ``step``
+    (:data:`STEP_KEYS` at top level; a state counting steps otherwise is not checked): what a save records in
+    the manifest's ``steps``."""
     out = {}
     for f, state in states.items():
-        keys = {k: state[k] for k in STEP_KEYS if isinstance(state, dict) and isinstance(state.get(k), int)
-                and not isinstance(state.get(k), bool)}
+        keys = {k: step for k in STEP_KEYS if isinstance(state, dict) and state.get(k) == step
+                and isinstance(state.get(k), int) and not isinstance(state.get(k), bool)}
         if keys:
             out[f] = keys
     return out
@@ -287,8 +288,9 @@ def carried_steps(states: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 def check_carried_steps(path: str, man: dict) -> None:
     """Raise :class:`CheckpointError` unless every file the manifest's ``steps`` names (verified against its
-    entry, at most the JSON cap) still carries the step recorded for it: a ``trainer.json`` or guard state
-    from another step (copied in, edited, manifest recomputed) makes the folder unverifiable."""
+    entry, at most the JSON cap) still carries the manifest's step, as it did when saved: a ``trainer.json`` or
+    guard state of another step (copied in, edited, manifest recomputed), or a manifest's step edited, makes
+    the folder unverifiable."""
     name = os.path.basename(os.path.normpath(path))
     cap = limits().json_bytes
     for f, keys in (man.get("steps") or {}).items():
@@ -304,10 +306,9 @@ def check_carried_steps(path: str, man: dict) -> None:
             raise CheckpointError(f"{name}: {f} cannot be read ({e})") from None
         for k, want in keys.items():
             got = state.get(k) if isinstance(state, dict) else None
-            if got != want:
-                raise CheckpointError(
-                    f"{name}: {f} says {k} {str(got)[:40]}, but it was saved at {want} and the manifest says step "
-                    f"{man['step']}: the files disagree (copied or edited?)")
+            if got != want or want != man["step"]:
+                raise CheckpointError(f"{name}: {f} says {k} {str(got)[:40]}, its manifest says step {man['step']}: "
+                                      "the files disagree (copied or edited?)")
 
 
 def manifest_entry(path: str | os.PathLike, file: str) -> dict | None:

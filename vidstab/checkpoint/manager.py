@@ -241,7 +241,7 @@ class CheckpointManager:
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
         job.backend = backend.name
         if self.is_main:
-            job.steps = self._carried_steps(trainer_state or {})
+            job.steps = self._carried_steps(trainer_state or {}, step)
         if check_staged:
             job.check_staged = [n for n, o in self._objects.items() if isinstance(o, torch.nn.Module)]
         for spec in [f for f in files if f.sharded is not None]:
@@ -261,14 +261,14 @@ class CheckpointManager:
         self._finish_pending(join_deleters=False)  # old checkpoints' bytes may still be freed meanwhile
         return job.path or os.path.join(self.root, name)
 
-    def _carried_steps(self, trainer_state: dict) -> dict:
-        """The step each JSON state file of this save carries (the manifest's ``steps``): ``trainer.json``'s
-        and that of each registered object whose state is JSON (e.g. the guard's ``step_count``)."""
+    def _carried_steps(self, trainer_state: dict, step: int) -> dict:
+        """The JSON state files of this save that carry its ``step`` (the manifest's ``steps``): ``trainer.json``
+        and each registered object whose state is JSON (e.g. the guard's ``step_count``)."""
         states = {"trainer.json": trainer_state}
         for n, o in self._objects.items():
             if not isinstance(o, torch.nn.Module) and not is_optimizer(o):
                 states[f"{file_stem(n)}.json"] = o.state_dict()
-        return layout.carried_steps(states)
+        return layout.carried_steps(states, step)
 
     def wait(self) -> str | None:
         """Block until the pending async save (if any) is durable on every rank; re-raise its error.

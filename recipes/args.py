@@ -28,6 +28,7 @@ RUN_CONTROL_FLAGS = {
     "dataloader_num_workers", "inject_fault", "audit", "max_retries", "validation_steps", "num_validation_videos",
     "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
     "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume", "no_html_report",
+    "allow_other_run_checkpoint",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
     ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")
     ckpt.add_argument("--overwrite_output_dir", action="store_true", help="Start over in an output_dir that holds a run (it is moved to previous-runs/).")
+    ckpt.add_argument("--allow_other_run_checkpoint", action="store_true", help="Let --resume_from_checkpoint load another run's checkpoint (e.g. fine-tuning from its weights); refused by default.")
     val = p.add_argument_group("validation")
     val.add_argument("--validation_steps", type=int, default=None, help="Sample validation clips every this many steps (always at the end).")
     val.add_argument("--num_validation_videos", type=int, default=2, help="Clips per validation (0: no validation).")

@@ -238,7 +238,8 @@ class Run:
         guard_config.log_every = args.logging_steps  # --logging_steps: tracker interval (events JSONL gets every step)
         self.checkpoints = CheckpointManager(
             acc, out, config=CheckpointConfig(keep=args.checkpoints_total_limit, async_save=not args.no_async_save, sharded=args.fsdp or None,
-                                          allow_world_size_change=args.fsdp),  # --fsdp: restore() re-derives it
+                                          allow_world_size_change=args.fsdp,  # --fsdp: restore() re-derives it
+                                          allow_other_run=args.allow_other_run_checkpoint),
             config_hash=vidstab.config_hash({k: v for k, v in vars(args).items() if k not in RUN_CONTROL_FLAGS}),
         )
         self.guard = vidstab.attach(

@@ -14,6 +14,16 @@ Two ways to mix two runs in one ``output_dir`` are refused (docs/ARCHITECTURE.md
   the old run's ``vidstab/`` folder and checkpoints are moved, not deleted, into
   ``OUTPUT_DIR/previous-runs/<UTC time>/``, so no log or checkpoint of two runs is ever mixed.
 
+A folder that cannot be written (a read-only mount, an immutable folder) is refused with one line
+(:class:`RunDirNotWritable`) before anything in it changes.
+
+**Run identity.** The first claim of a folder gives the run an id (:func:`run_id`), kept in
+``OUTPUT_DIR/.vidstab-run.json`` (next to the lock; it does not make a fresh folder look like an earlier run) and
+recorded in every checkpoint's manifest, so a checkpoint of another run (a copied folder, a link) is told
+apart from the run's own (see :mod:`vidstab.checkpoint.layout`). Starting over (``overwrite=True``) gives a new
+id (the earlier run's id file goes to ``previous-runs/`` with it); a folder whose id file is missing adopts the id its checkpoints carry when they all carry the same one
+(checkpoints moved to new storage), else gets a new one.
+
 Every rank calls :func:`claim_run_dir` together; the main process decides and every rank raises the same
 error, so no rank is left waiting in a collective.
 """
@@ -25,6 +35,8 @@ import fcntl
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import socket
 import sys
@@ -32,14 +44,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .atomic import write_json_atomic
 from .elastic import check_world_size
 
-__all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirLock", "claim_run_dir", "LOCK_FILE", "PREVIOUS_RUNS"]
+__all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirNotWritable", "RunDirLock", "claim_run_dir", "run_id",
+           "RUN_ID_FILE", "RUN_ID_RE", "LOCK_FILE", "PREVIOUS_RUNS"]
 
 logger = logging.getLogger("vidstab.run_dir")
 
 LOCK_FILE = ".vidstab.lock"
 PREVIOUS_RUNS = "previous-runs"
+RUN_ID_FILE = ".vidstab-run.json"
+"""The run's identity (``{"run_id", "created"}``), relative to the output folder."""
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What a run id looks like (a manifest's ``run_id`` that does not is a damaged manifest)."""
 _HELD: dict[str, "RunDirLock"] = {}  # realpath -> lock: the fd must stay open for the life of the process
 
 
@@ -53,6 +71,10 @@ class RunDirInUse(RunDirError):
 
 class RunDirNotEmpty(RunDirError):
     """The output folder holds an earlier run and this launch neither resumes it nor asks to start over."""
+
+
+class RunDirNotWritable(RunDirError):
+    """The output folder cannot be written (read-only mount, immutable folder, no permission)."""
 
 
 @dataclass
@@ -69,6 +91,8 @@ class RunDirLock:
     """Where ``overwrite=True`` moved the earlier run, else None."""
     holder: dict = field(default_factory=dict)
     """This process's holder record, as written into the lock file."""
+    run_id: str | None = None
+    """The run's identity (:func:`run_id`; main process only)."""
 
     def release(self) -> None:
         """Release the lock (also done by the OS when the process ends)."""
@@ -126,6 +150,7 @@ def claim_run_dir(accelerator: Any, output_dir: str | os.PathLike, *, resume: An
     Raises:
         RunDirInUse: another live trainer holds the folder (the message names its host and pid).
         RunDirNotEmpty: an earlier run is there and the launch neither resumes nor overwrites it.
+        RunDirNotWritable: the folder cannot be written (nothing in it was changed).
         vidstab.elastic.LaunchMismatch: the launcher started more processes than the Accelerator joined.
     """
     if accelerator is not None:
@@ -139,12 +164,12 @@ def claim_run_dir(accelerator: Any, output_dir: str | os.PathLike, *, resume: An
             lock = _claim_on_main(output_dir, resume, overwrite, checkpoint_subdir)
         except RunDirError as e:
             error = e
-    code = {None: 0, RunDirInUse: 1, RunDirNotEmpty: 2}[type(error) if error else None]
+    code = {None: 0, RunDirInUse: 1, RunDirNotEmpty: 2, RunDirNotWritable: 3}[type(error) if error else None]
     code = _broadcast_code(accelerator, code)
     if error is not None:
         raise error
     if code:
-        cls = RunDirInUse if code == 1 else RunDirNotEmpty
+        cls = {1: RunDirInUse, 2: RunDirNotEmpty}.get(code, RunDirNotWritable)
         raise cls(f"output_dir {output_dir} refused by the main process (its message says why)")
     return lock
 
@@ -153,9 +178,12 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
     real = os.path.realpath(output_dir)
     if real in _HELD:  # this process already holds it (e.g. the loop claims once per launch and again per stage)
         return _HELD[real]
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _not_writable(output_dir, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -187,6 +215,11 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
                     f"--output_dir.")
             lock.moved_to = _move_aside(output_dir, earlier)
             logger.warning("overwrite: the earlier run in %s was moved to %s", output_dir, lock.moved_to)
+        lock.run_id = run_id(output_dir, new=lock.moved_to is not None, checkpoint_subdir=checkpoint_subdir)
+    except OSError as e:
+        lock.fd = None
+        os.close(fd)
+        raise _not_writable(output_dir, e) from None
     except BaseException:
         lock.fd = None
         os.close(fd)
@@ -200,6 +233,52 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
     return lock
 
 
+def _not_writable(output_dir: str, e: OSError) -> RunDirNotWritable:
+    where = f": {e.filename}" if e.filename else ""
+    return RunDirNotWritable(
+        f"output_dir {output_dir} cannot be written ({e.strerror or e}{where}); a read-only mount or an immutable "
+        f"folder? Nothing in it was changed. Make it writable, or choose another --output_dir.")
+
+
+def run_id(output_dir: str | os.PathLike, *, new: bool = False, create: bool = True,
+           checkpoint_subdir: str | None = None) -> str | None:
+    """The id of the run in ``output_dir`` (from :data:`RUN_ID_FILE`). Missing or unreadable (and ``create``):
+    the single run id that the checkpoints under ``checkpoint_subdir`` (default: ``CheckpointConfig().subdir``)
+    carry is adopted, else a new one is made; ``new``: always a new one (starting over). The file is written
+    atomically; raises OSError when it cannot be. Without ``create``: None when there is none."""
+    path = os.path.join(os.fspath(output_dir), RUN_ID_FILE)
+    found = None if new else _read_run_id(path)
+    if found or not create:
+        return found
+    rid = None if new else _adopted_run_id(os.fspath(output_dir), checkpoint_subdir)
+    if rid:
+        logger.warning("run identity file %s is missing; adopted the run id %s that the checkpoints in %s carry",
+                       path, rid, output_dir)
+    rid = rid or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+    write_json_atomic(path, {"run_id": rid, "created": time.time()})
+    return rid
+
+
+def _read_run_id(path: str) -> str | None:
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 4096:
+            return None
+        with open(path, "rb") as f:
+            rid = json.loads(f.read(4097).decode("utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        logger.warning("run identity file %s is unreadable", path)
+        return None
+    return rid if isinstance(rid, str) and RUN_ID_RE.fullmatch(rid) else None
+
+
+def _adopted_run_id(output_dir: str, checkpoint_subdir: str | None) -> str | None:
+    from .checkpoint import CheckpointConfig, layout  # the checkpoint package imports this module: import late
+
+    root = os.path.join(output_dir, checkpoint_subdir or CheckpointConfig().subdir)
+    ids = {i.manifest.get("run_id") for i in layout.list_checkpoints(root)} - {None}
+    return ids.pop() if len(ids) == 1 else None
+
+
 def _move_aside(output_dir: str, entries: list[str]) -> str:
     dest = os.path.join(output_dir, PREVIOUS_RUNS, time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     n, base = 1, dest
@@ -211,6 +290,8 @@ def _move_aside(output_dir: str, entries: list[str]) -> str:
         if any(sub.startswith(other.rstrip("/") + "/") for other in entries if other != sub):
             continue  # inside another entry (the checkpoints under vidstab/): it moves with it
         shutil.move(os.path.join(output_dir, sub), os.path.join(dest, sub))
+    if os.path.isfile(os.path.join(output_dir, RUN_ID_FILE)):  # the earlier run's identity goes with it
+        shutil.copy2(os.path.join(output_dir, RUN_ID_FILE), os.path.join(dest, RUN_ID_FILE))
     return dest
 
 

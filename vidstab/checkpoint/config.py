@@ -44,6 +44,15 @@ class CheckpointConfig:
     """Load a checkpoint written by another number of processes (default: refuse with a message). Only for a
     loop that re-derives per-rank data positions, RNG and the LR schedule for the new world size itself;
     ranks the checkpoint has no RNG state for keep their own."""
+    allow_other_run: bool = False
+    """Load a checkpoint of another run (another run id in its manifest, e.g. a folder copied from another
+    run, or one named by its path) or one reached through a symbolic link (default: refuse, naming both runs).
+    For starting a new run from another run's weights on purpose (fine-tuning); its saves are this run's.
+    recipes/train.py: ``--allow_other_run_checkpoint``."""
+    cast_dtypes: bool = False
+    """Load a floating-point tensor whose dtype differs from what its receiver (model parameter, optimizer
+    state, EMA, ...) holds, casting it and logging each cast (e.g. a precision change between runs). Default:
+    refuse the checkpoint, naming the tensor. Shapes, and integer or bool dtypes, are never cast."""
     rank_timeout_s: float = 1800.0
     """How long the writer waits for a rank that is alive but has not finished writing (its collectives'
     timeout) before giving up on a checkpoint. A rank that dies is noticed within seconds regardless."""

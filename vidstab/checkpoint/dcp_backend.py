@@ -184,13 +184,19 @@ def _reader(path: str, index: dict[str, dict]):
 
 def _check_coverage(ckpt: str, folder: str, reader, targets: dict[str, dict]) -> None:
     """Refuse to load when a tensor this rank holds (its local shard of a DTensor) is not entirely covered
-    by the shards in ``folder``: DCP would leave the uncovered part as it is, silently."""
+    by the shards in ``folder``: DCP would leave the uncovered part as it is, silently; or when the shards
+    hold it in another dtype (types are checked like shapes, see :mod:`.dtypes`; never cast here)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    chunks = {fqn: md.chunks for fqn, md in reader.read_metadata().state_dict_metadata.items() if hasattr(md, "chunks")}
+    metadata = reader.read_metadata().state_dict_metadata
+    chunks = {fqn: md.chunks for fqn, md in metadata.items() if hasattr(md, "chunks")}
     for n, sd in targets.items():
         for k, v in sd.items():
             fqn = f"{n}.{k}"
+            saved = getattr(getattr(metadata.get(fqn), "properties", None), "dtype", None)
+            if saved is not None and saved != v.dtype:
+                raise CheckpointError(f"{ckpt}: {fqn} is {str(saved).removeprefix('torch.')} in {folder}, the receiver "
+                                      f"holds {str(v.dtype).removeprefix('torch.')} (sharded checkpoints are not cast)")
             if hasattr(v, "device_mesh"):
                 shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
             else:
@@ -405,8 +411,9 @@ class ShardedBackend(FullStateBackend):
             else:
                 stem = file_stem(n)
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
-                out["objects"][n] = sio.unflatten(structure, tensors)
-        out.update(self.decode_common(raw))
+                state = sio.unflatten(structure, tensors)
+                out["objects"][n] = self.check_types(ckpt, n, obj, state) if tensors else state
+        out.update(self.decode_common(raw, ckpt))
         out["ckpt"] = ckpt
         return out
 

@@ -24,6 +24,7 @@ import torch
 
 from .. import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
+from .dtypes import check_like, log_casts, optimizer_expectation
 from .frozen import FROZEN_KEY, FingerprintCache, check_frozen, frozen_keys, read_header_metadata
 from .layout import file_stem
 from .writer import FileSpec
@@ -149,12 +150,25 @@ class FullStateBackend:
                     out.setdefault("frozen", {})[n] = frozen
             else:
                 tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
-                out["objects"][n] = sio.unflatten(sio.loads(raw[f"{stem}.json"], f"{stem}.json"), tensors)
-        out.update(self.decode_common(raw))
+                state = sio.unflatten(sio.loads(raw[f"{stem}.json"], f"{stem}.json"), tensors)
+                out["objects"][n] = self.check_types(ckpt, n, obj, state) if tensors else state
+        out.update(self.decode_common(raw, ckpt))
         return out
 
-    def decode_common(self, raw: dict[str, bytes]) -> dict:
-        """``scaler``, ``trainer`` and this rank's ``rng`` from the verified bytes ``raw``."""
+    def check_types(self, ckpt: str, name: str, obj: Any, state: Any) -> Any:
+        """``state`` checked against what ``obj`` holds (dtypes and shapes, :mod:`.dtypes`), with the casts
+        ``cast_dtypes`` allows applied and logged."""
+        from .dcp_backend import is_optimizer  # dcp_backend imports this module: import late
+
+        current = optimizer_expectation(obj, state) if is_optimizer(obj) else obj.state_dict()
+        casts: list[str] = []
+        state = check_like(ckpt, name, state, current, self.config.cast_dtypes, casts)
+        log_casts(ckpt, name, casts)
+        return state
+
+    def decode_common(self, raw: dict[str, bytes], ckpt: str = "checkpoint") -> dict:
+        """``scaler``, ``trainer`` and this rank's ``rng`` (checked against this process's RNG states' dtypes and
+        shapes) from the verified bytes ``raw``."""
         from safetensors.torch import load as st_load
 
         out: dict[str, Any] = {}
@@ -163,12 +177,16 @@ class FullStateBackend:
         rj = f"rng-rank{self.rank}.json"
         out["rng"] = (sio.unflatten(sio.loads(raw[rj], rj), st_load(raw[f"rng-rank{self.rank}.safetensors"]))
                       if rj in raw else None)
+        if out["rng"] is not None:  # never cast: an RNG state of another dtype is another generator's
+            out["rng"] = check_like(ckpt, f"rng-rank{self.rank}", out["rng"], rng_state())
         return out
 
     def check_model_keys(self, ckpt: str, name: str, model: torch.nn.Module, sd: dict,
                          frozen: set[str] = frozenset()) -> None:
-        """Refuse a state dict whose keys or shapes differ from ``model``'s (less its ``frozen`` parameters,
-        which the checkpoint fingerprints instead of holding), naming the parameter."""
+        """Refuse a state dict whose keys, shapes or dtypes differ from ``model``'s (less its ``frozen``
+        parameters, which the checkpoint fingerprints instead of holding), naming the parameter; with
+        ``cast_dtypes``, a floating tensor of another floating dtype is loaded (``load_state_dict`` casts it)
+        and logged."""
         ref = {k: v for k, v in self.accelerator.unwrap_model(model).state_dict().items() if k not in frozen}
         missing, extra = set(ref) - set(sd), set(sd) - set(ref)
         if missing or extra:
@@ -177,6 +195,9 @@ class FullStateBackend:
         for k, v in sd.items():
             if tuple(v.shape) != tuple(ref[k].shape):
                 raise CheckpointError(f"{ckpt}: {name}.{k} has shape {tuple(v.shape)}, model has {tuple(ref[k].shape)}")
+        casts: list[str] = []
+        check_like(ckpt, name, sd, ref, self.config.cast_dtypes, casts)  # load_state_dict casts what is allowed
+        log_casts(ckpt, name, casts)
 
     def apply(self, payload: dict, objects: dict[str, Any]) -> None:
         """Load a decoded payload into the registered objects, the scaler and this rank's RNG."""

@@ -27,10 +27,22 @@ checkpoint on disk had) and its ``parent`` (the checkpoint the saved state desce
 or the one loaded on resume or rollback). The newest checkpoint is the one ``latest`` names, else the highest
 sequence; its *trajectory* is its chain of parents, so after a rollback the abandoned checkpoints (newer
 steps of the old trajectory) are never fallbacks and are the first to be rotated away.
+
+A checkpoint knows its run and its step. The manifest records the ``run_id`` of the run that wrote it
+(:func:`vidstab.run_dir.run_id`) and, in ``steps``, the state files that carried the checkpoint's step when
+it was saved (``{"trainer.json": {"step": 12}, "vidstab.json": {"step_count": 12}}``). The folder name, the manifest's
+``step`` and those files must agree, or the folder is *unverifiable* like one without a manifest: never
+loaded, rotated or replaced, and named when a resume finds nothing else. A checkpoint of another run (a
+copied folder, a pointer to one) is listed but is no checkpoint of this run: never a fallback, never rotated
+away; reached through a pointer or named, it is refused naming both runs unless
+``CheckpointConfig.allow_other_run``. A folder reached through a symbolic link is refused likewise: folders
+are followed only inside the run's checkpoint folder. Checkpoints written before run ids were recorded
+count as the run's own (one warning when loaded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -38,18 +50,21 @@ import re
 import secrets
 import shutil
 import stat
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir
-from ..limits import loads_bounded
+from ..limits import env_name, limits, loads_bounded
+from ..run_dir import RUN_ID_RE
 from .config import CheckpointError, CheckpointInfo
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",
            "read_manifest", "verify_file", "verify_checkpoint_files", "read_pointer", "pointer_tmp",
            "replace_pointer", "list_checkpoints", "candidates", "trajectory", "newest", "rotation_order",
            "remove_stale", "check_file_name", "manifest_entry", "unverifiable", "UNVERIFIED_PREFIX",
-           "set_aside_name"]
+           "OTHER_RUN_PREFIX", "set_aside_name", "parse_once", "check_carried_steps", "STEP_KEYS", "carried_steps",
+           "own_checkpoints", "other_run_error"]
 
 logger = logging.getLogger("vidstab.checkpoint")
 
@@ -71,6 +86,9 @@ MAX_POINTER_BYTES = 4096
 _STEMS = {"lr_scheduler": "scheduler"}
 RESERVED = {"manifest", "trainer", "scaler"}
 PICKLE_SUFFIXES = (".pt", ".bin", ".pkl", ".pickle", ".metadata")
+STEP_KEYS = ("step", "step_count")
+"""Top-level keys of a JSON state file that carry the step it was saved at (``trainer.json``'s ``step``, the
+guard's ``step_count``): recorded in the manifest's ``steps`` and checked against the file."""
 
 
 def step_name(step: int) -> str:
@@ -181,7 +199,38 @@ def _check_manifest(name: str, man: Any) -> dict:
     for key, kind in (("healthy", bool), ("world_size", int), ("sequence", int), ("time", (int, float))):
         if key in man and man[key] is not None and (not isinstance(man[key], kind) or (kind is int and isinstance(man[key], bool))):
             raise CheckpointError(f"{name}: unreadable manifest ({key!r} is {man[key]!r})")
+    rid = man.get("run_id")
+    if rid is not None and not (isinstance(rid, str) and RUN_ID_RE.fullmatch(rid)):
+        raise CheckpointError(f"{name}: unreadable manifest ('run_id' is {str(rid)[:80]!r})")
+    steps = man.get("steps")
+    if steps is not None and not (isinstance(steps, dict) and all(
+            isinstance(f, str) and isinstance(keys, dict) and all(
+                k in STEP_KEYS and isinstance(v, int) and not isinstance(v, bool) for k, v in keys.items())
+            for f, keys in steps.items())):
+        raise CheckpointError(f"{name}: unreadable manifest ('steps' is {str(steps)[:80]!r})")
+    m = STEP_RE.match(name)
+    if m and int(m.group(1)) != step:
+        raise CheckpointError(f"{name}: the folder name says step {int(m.group(1))}, its manifest says step {step} "
+                              "(renamed, copied or edited?)")
     return man
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def parse_once() -> Iterator[None]:
+    """Within this block, on this thread, each manifest file is parsed (and checked) once, however often it is
+    read (one resume lists, orders, checks and loads the same manifests): a file is known by its device,
+    inode, size and modification time, so a manifest replaced meanwhile is read again."""
+    if getattr(_scope, "cache", None) is not None:
+        yield
+        return
+    _scope.cache = {}
+    try:
+        yield
+    finally:
+        _scope.cache = None
 
 
 def read_manifest(path: str) -> dict:
@@ -189,8 +238,15 @@ def read_manifest(path: str) -> dict:
     file, too large, not UTF-8 JSON of the expected shape, of another schema, or lists a pickled file or a
     name outside the folder."""
     name = os.path.basename(os.path.normpath(path))
+    cache, key = getattr(_scope, "cache", None), None
     try:
         fd, size = _open_regular(path, MANIFEST)
+        if cache is not None:
+            st = os.fstat(fd)
+            key = (name, st.st_dev, st.st_ino, size, st.st_mtime_ns)
+            if key in cache:
+                os.close(fd)
+                return _cached(cache[key])
         if size > MAX_MANIFEST_BYTES:
             os.close(fd)
             raise ValueError(f"{size} bytes, far more than any manifest")
@@ -200,8 +256,59 @@ def read_manifest(path: str) -> dict:
     except _NotRegular as e:
         raise CheckpointError(f"{name}: unreadable manifest (manifest.json is {e})") from None
     except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
-    return _check_manifest(name, man)
+        result: dict | CheckpointError = CheckpointError(f"{name}: unreadable manifest ({e})")
+    else:
+        try:
+            result = _check_manifest(name, man)
+        except CheckpointError as e:
+            result = e
+    if key is not None:
+        cache[key] = result
+    return _cached(result)
+
+
+def _cached(result: dict | CheckpointError) -> dict:
+    if isinstance(result, CheckpointError):
+        raise CheckpointError(str(result))
+    return result
+
+
+def carried_steps(states: dict[str, Any], step: int) -> dict[str, dict[str, int]]:
+    """``{file: {key: step}}`` for the JSON states ``{file: state}`` that carry the checkpoint's ``step``
+    (:data:`STEP_KEYS` at top level; a state counting steps otherwise is not checked): what a save records in
+    the manifest's ``steps``."""
+    out = {}
+    for f, state in states.items():
+        keys = {k: step for k in STEP_KEYS if isinstance(state, dict) and state.get(k) == step
+                and isinstance(state.get(k), int) and not isinstance(state.get(k), bool)}
+        if keys:
+            out[f] = keys
+    return out
+
+
+def check_carried_steps(path: str, man: dict) -> None:
+    """Raise :class:`CheckpointError` unless every file the manifest's ``steps`` names (verified against its
+    entry, at most the JSON cap) still carries the manifest's step, as it did when saved: a ``trainer.json`` or
+    guard state of another step (copied in, edited, manifest recomputed), or a manifest's step edited, makes
+    the folder unverifiable."""
+    name = os.path.basename(os.path.normpath(path))
+    cap = limits().json_bytes
+    for f, keys in (man.get("steps") or {}).items():
+        meta = man["files"].get(f)
+        if meta is None:
+            raise CheckpointError(f"{name}: its manifest records the step of {f}, which it does not list")
+        if meta["bytes"] > cap:
+            raise CheckpointError(f"{name}: {f} is {meta['bytes']} bytes, more than the {cap} allowed for a JSON "
+                                  f"state file ({env_name('json_bytes')}); refused unread")
+        try:
+            state = loads_bounded(verify_file(name, path, f, meta, keep=True), f)
+        except ValueError as e:
+            raise CheckpointError(f"{name}: {f} cannot be read ({e})") from None
+        for k, want in keys.items():
+            got = state.get(k) if isinstance(state, dict) else None
+            if got != want or want != man["step"]:
+                raise CheckpointError(f"{name}: {f} says {k} {str(got)[:40]}, its manifest says step {man['step']}: "
+                                      "the files disagree (copied or edited?)")
 
 
 def manifest_entry(path: str | os.PathLike, file: str) -> dict | None:
@@ -361,6 +468,7 @@ def _step_folders(root: str):
             if not stat.S_ISDIR(os.lstat(p).st_mode):
                 continue
             man: dict | CheckpointError = read_manifest(p)
+            check_carried_steps(p, man)
         except OSError:
             continue
         except CheckpointError as e:
@@ -384,6 +492,8 @@ UNVERIFIED_PREFIX = "unverified-"
 """A ``step_*`` folder without a readable manifest that a save of the same step had to replace is renamed to
 ``unverified-step_*`` (never deleted): it is not a checkpoint (no listing or rotation sees it), and its files
 are kept for whoever can restore its manifest."""
+OTHER_RUN_PREFIX = "other-run-"
+"""Likewise ``other-run-step_*``: another run's checkpoint in the place of a step this run saves again."""
 
 
 def unverifiable(root: str) -> list[tuple[str, str]]:
@@ -393,9 +503,9 @@ def unverifiable(root: str) -> list[tuple[str, str]]:
     return sorted(out, key=lambda nw: (int(STEP_RE.match(nw[0]).group(1)), _suffix(nw[0])))
 
 
-def set_aside_name(root: str, name: str) -> str:
-    """A free name ``unverified-{name}`` (``-2``, ``-3``, ...) under ``root`` to move the folder ``name`` to."""
-    base = f"{UNVERIFIED_PREFIX}{name}"
+def set_aside_name(root: str, name: str, prefix: str = UNVERIFIED_PREFIX) -> str:
+    """A free name ``{prefix}{name}`` (``-2``, ``-3``, ...) under ``root`` to move the folder ``name`` to."""
+    base = f"{prefix}{name}"
     n, target = 1, base
     while os.path.lexists(os.path.join(root, target)):
         n += 1
@@ -454,10 +564,17 @@ def trajectory(infos: list[CheckpointInfo], tip: CheckpointInfo) -> list[Checkpo
     return chain + sorted(rest, key=_order_key, reverse=True)
 
 
-def rotation_order(root: str) -> list[CheckpointInfo]:
-    """Every listed checkpoint, most worth keeping first: the trajectory of the newest checkpoint, then the
-    others (abandoned trajectories) by save order. Rotation keeps the first ``keep`` and the pointers'."""
-    infos = list_checkpoints(root)
+def own_checkpoints(infos: list[CheckpointInfo], run_id: str | None) -> list[CheckpointInfo]:
+    """The checkpoints of the run ``run_id`` among ``infos`` (those without a run id count as its own; all of
+    them when ``run_id`` is None)."""
+    return infos if run_id is None else [i for i in infos if i.manifest.get("run_id") in (None, run_id)]
+
+
+def rotation_order(root: str, run_id: str | None = None) -> list[CheckpointInfo]:
+    """Every listed checkpoint of the run ``run_id``, most worth keeping first: the trajectory of the newest
+    checkpoint, then the others (abandoned trajectories) by save order. Rotation keeps the first ``keep`` and
+    the pointers'; another run's checkpoints are not listed here, so never deleted and never counted."""
+    infos = own_checkpoints(list_checkpoints(root), run_id)
     tip = newest(infos, root)
     on = trajectory(infos, tip) if tip else []
     ids = {id(i) for i in on}
@@ -476,23 +593,57 @@ def _no_such_checkpoint(root: str, output_dir: str, which: str, tried: str, info
         f"{names[-1] if names else step_name(100)!r} or a path{hint}")
 
 
-def candidates(root: str, output_dir: str, which: str) -> list[str]:
+def other_run_error(path: str, output_dir: str, theirs: str, ours: str | None, how: str) -> CheckpointError:
+    """The refusal of another run's checkpoint ``path`` (run ``theirs``; this run: ``ours``), reached ``how``."""
+    return CheckpointError(
+        f"{rel(path, output_dir)} ({how}) is a checkpoint of another run (run {theirs}); this run is {ours}. Refused: "
+        "resuming it would continue another run's weights, data position and logs as this run's. Remove or move "
+        "it if it was copied in by mistake; to start from another run's weights on purpose (e.g. fine-tuning), "
+        "name it with --resume_from_checkpoint PATH --allow_other_run_checkpoint "
+        "(CheckpointConfig(allow_other_run=True))")
+
+
+def _refuse_link(root: str, output_dir: str, path: str, how: str) -> None:
+    """Refuse a folder of the run's checkpoint folder that is a symbolic link: followed, it leads anywhere."""
+    if os.path.dirname(os.path.normpath(path)) == os.path.normpath(root) and os.path.islink(path):
+        raise CheckpointError(
+            f"{rel(path, output_dir)} ({how}) is a symbolic link to {os.readlink(path)}: checkpoint folders are "
+            f"followed only inside {rel(root, output_dir)}, never through a link. Refused; to start from another "
+            "folder's checkpoint on purpose, name its real path with --resume_from_checkpoint PATH "
+            "--allow_other_run_checkpoint (CheckpointConfig(allow_other_run=True))")
+
+
+def candidates(root: str, output_dir: str, which: str, run_id: str | None = None,
+               allow_other_run: bool = False) -> list[str]:
     """Folders to try, in order, for ``load(which)``: the newest checkpoint (``"latest"``: what the pointer
     names, else the last saved; ``"last_good"``: likewise, healthy ones only) or the named folder, then the
     checkpoints on its trajectory (see :func:`trajectory`), newest first. A name or path that does not
-    exist raises :class:`CheckpointError` ("no such checkpoint", listing what exists)."""
+    exist raises :class:`CheckpointError` ("no such checkpoint", listing what exists).
+
+    ``run_id``: this run's; another run's checkpoints are never candidates, and one that the pointer or
+    ``which`` names is refused (naming both runs), as is a folder reached through a symbolic link in ``root``,
+    unless ``allow_other_run``."""
     infos = list_checkpoints(root)
+    mine = infos if allow_other_run else own_checkpoints(infos, run_id)
+    by_name = {i.name: i for i in infos}
     if which in POINTERS:
         out = []
         named = read_pointer(root, which)
-        if named and named not in {i.name for i in infos} and os.path.isdir(os.path.join(root, named)):
-            # The pointer names a folder whose manifest is damaged: try it first, so the load says why it
-            # was skipped instead of passing over it in silence.
-            out.append(os.path.join(root, named))
-        first = newest(infos, root, which)
+        if named and os.path.lexists(os.path.join(root, named)):
+            how = f"what {which!r} names"
+            if not allow_other_run:
+                _refuse_link(root, output_dir, os.path.join(root, named), how)
+                theirs = by_name[named].manifest.get("run_id") if named in by_name else None
+                if theirs not in (None, run_id):
+                    raise other_run_error(by_name[named].path, output_dir, theirs, run_id, how)
+            if named not in by_name and os.path.isdir(os.path.join(root, named)):
+                # The pointer names a folder whose manifest is damaged: try it first, so the load says why it
+                # was skipped instead of passing over it in silence.
+                out.append(os.path.join(root, named))
+        first = newest(mine, root, which)
         if first is None:
             return out
-        pool = trajectory(infos, first)
+        pool = trajectory(mine, first)
         if which == "last_good":
             pool = [first] + [i for i in pool[1:] if i.healthy]
         return out + [i.path for i in pool]
@@ -506,9 +657,23 @@ def candidates(root: str, output_dir: str, which: str) -> list[str]:
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise _no_such_checkpoint(root, output_dir, which, path, infos)
+    if not allow_other_run:
+        _refuse_link(root, output_dir, path, f"named {which!r}")
     for i in infos:
         if os.path.normpath(i.path) == os.path.normpath(path):
-            return [i.path for i in trajectory(infos, i)]
+            theirs = i.manifest.get("run_id")
+            if not allow_other_run and theirs not in (None, run_id):
+                raise other_run_error(i.path, output_dir, theirs, run_id, f"named {which!r}")
+            return [i.path for i in trajectory(mine if any(j is i for j in mine) else infos, i)]
+    try:
+        theirs = read_manifest(path).get("run_id")
+    except CheckpointError:
+        theirs = "?"  # the load says what is wrong with it
+    if not allow_other_run and theirs not in ("?", run_id):
+        if theirs is None and os.path.dirname(os.path.normpath(path)) != os.path.normpath(root):
+            theirs = "unknown: it records no run id and lies outside this run's checkpoint folder"
+        if theirs is not None:
+            raise other_run_error(path, output_dir, theirs, run_id, f"named {which!r}")
     return [path]
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import run_dir
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
 from ..deepspeed_support import is_deepspeed
@@ -106,6 +107,11 @@ class CheckpointManager:
         self.group = _checkpoint_group(self.world_size, self.config.rank_timeout_s)
         """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
         background thread while training uses the default group, and a dead peer errors within seconds."""
+        self.run_id = self._agree_run_id()
+        """The run's identity (:func:`vidstab.run_dir.run_id`, rank 0's), recorded in every manifest; another
+        run's checkpoints are refused (``CheckpointConfig.allow_other_run``). None: the run folder holds none
+        and cannot be given one (checkpoints are then not told apart by run)."""
+        self._warned_unidentified = False
         self._objects: dict[str, Any] = {}
         self._deleters: list[threading.Thread] = []
         # One long-lived writer thread, started at the first async save: starting a thread per save made
@@ -127,6 +133,27 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
             if self.config.remove_stale:
                 layout.remove_stale(self.root)
+
+    def _agree_run_id(self) -> str | None:
+        """Rank 0 reads (or creates) the run id; every rank gets rank 0's (one broadcast at construction)."""
+        rid = None
+        if self.accelerator.is_main_process:
+            try:
+                rid = run_dir.run_id(self.output_dir, checkpoint_subdir=self.config.subdir)
+            except OSError as e:
+                rid = run_dir.run_id(self.output_dir, create=False)
+                if rid is None:
+                    logger.warning("cannot record a run id in %s (%s): this run's checkpoints will not be told "
+                                   "apart from another run's", self.output_dir, e)
+        if self.group is None:
+            return rid
+        import torch.distributed as dist
+
+        buf = torch.zeros(64, dtype=torch.uint8)
+        if rid:
+            buf[: len(rid)] = torch.frombuffer(bytearray(rid.encode("ascii")), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.group)
+        return bytes(buf.numpy()).rstrip(b"\0").decode("ascii") or None
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, obj: Any) -> None:
@@ -213,6 +240,8 @@ class CheckpointManager:
             logger.warning("could not create %s: %s", tmp_dir, e)
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
         job.backend = backend.name
+        if self.is_main:
+            job.steps = self._carried_steps(trainer_state or {}, step)
         if check_staged:
             job.check_staged = [n for n, o in self._objects.items() if isinstance(o, torch.nn.Module)]
         for spec in [f for f in files if f.sharded is not None]:
@@ -231,6 +260,15 @@ class CheckpointManager:
         self._job = job
         self._finish_pending(join_deleters=False)  # old checkpoints' bytes may still be freed meanwhile
         return job.path or os.path.join(self.root, name)
+
+    def _carried_steps(self, trainer_state: dict, step: int) -> dict:
+        """The JSON state files of this save that carry its ``step`` (the manifest's ``steps``): ``trainer.json``
+        and each registered object whose state is JSON (e.g. the guard's ``step_count``)."""
+        states = {"trainer.json": trainer_state}
+        for n, o in self._objects.items():
+            if not isinstance(o, torch.nn.Module) and not is_optimizer(o):
+                states[f"{file_stem(n)}.json"] = o.state_dict()
+        return layout.carried_steps(states, step)
 
     def wait(self) -> str | None:
         """Block until the pending async save (if any) is durable on every rank; re-raise its error.
@@ -370,11 +408,13 @@ class CheckpointManager:
         from .. import __version__
 
         sequence = 1 + max((int(i.manifest.get("sequence") or 0) for i in layout.list_checkpoints(self.root)), default=0)
+        steps = {f: keys for f, keys in (job.steps or {}).items() if f in digests}
         manifest = write_manifest(job, digests, backend=job.backend, config_hash=self.config_hash,
                                   vidstab_version=__version__, world_size=self.world_size,
-                                  objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head)
+                                  objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head,
+                                  **({"run_id": self.run_id} if self.run_id else {}), steps=steps)
         final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer,
-                        unmovable=self._unmovable)
+                        unmovable=self._unmovable, run_id=self.run_id)
         job.path = final
         self._head = {"name": job.name, "sequence": sequence}
         seconds = time.perf_counter() - job.t0
@@ -397,7 +437,7 @@ class CheckpointManager:
         layout.replace_pointer(self.root, pointer, target, self.config.fsync, sync_root=sync_root, tmp=tmp)
 
     def _rotate(self) -> None:
-        self._deleters += rotate(self.root, self.config.keep, self._incident_checkpoints())
+        self._deleters += rotate(self.root, self.config.keep, self._incident_checkpoints(), run_id=self.run_id)
 
     def _incident_checkpoints(self) -> set[str]:
         """Folder names (in this root) of the checkpoints the newest incident bundles replay on."""
@@ -438,7 +478,8 @@ class CheckpointManager:
         return layout.list_checkpoints(self.root)
 
     def _candidates(self, which: str) -> list[str]:
-        return layout.candidates(self.root, self.output_dir, which)
+        return layout.candidates(self.root, self.output_dir, which, run_id=self.run_id,
+                                 allow_other_run=self.config.allow_other_run)
 
     def latest_path_str(self) -> str | None:
         """``latest`` as a path relative to the output dir (e.g. ``vidstab/checkpoints/step_000100``), from
@@ -469,7 +510,8 @@ class CheckpointManager:
         listed = "; ".join(f"{n}: {why}" for n, why in unverified)
         return (f"nothing to load for {which!r}: {sub} holds {len(unverified)} checkpoint folder(s) that cannot be "
                 f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten. Restore their "
-                f"manifests, or start over with --overwrite_output_dir and without --resume_from_checkpoint "
+                f"manifests (or the files that disagree), or start over with --overwrite_output_dir and without "
+                f"--resume_from_checkpoint "
                 f"(overwrite=True: the earlier run, these folders included, is moved to previous-runs/, not deleted)")
 
     # ------------------------------------------------------------------ load
@@ -485,8 +527,17 @@ class CheckpointManager:
         checkpoint ("no such checkpoint", listing what exists), or the checkpoint was written by another
         number of processes (see the class doc). ``resume_event``: log a ``resume`` event (the loop
         resumes from it; :class:`vidstab.Recovery` passes False and logs its ``rollback``).
+
+        A checkpoint of another run (its manifest's run id), or a folder reached through a symbolic link, is
+        refused naming both runs unless ``CheckpointConfig.allow_other_run``; one whose folder name, manifest
+        and state files disagree on the step cannot be verified (skipped, named, never overwritten). Each
+        manifest is parsed once per call (:func:`~.layout.parse_once`).
         """
         self._finish_pending()
+        with layout.parse_once():
+            return self._load(which, resume_event)
+
+    def _load(self, which: str, resume_event: bool) -> dict | None:
         cands = self._candidates(which)
         if not cands and which in ("latest", "last_good"):
             unverified = layout.unverifiable(self.root)
@@ -513,6 +564,11 @@ class CheckpointManager:
             raise CheckpointError(f"rank 0 chose checkpoint #{chosen + 1} of its folder, this rank's folder {self.root} "
                                   f"has only {len(cands)} (node-local folders out of step?)")
         if chosen < 0:
+            if which in layout.POINTERS:  # every folder it could have been, not only those tried
+                named = [(os.path.basename(p), r.removeprefix(f"{os.path.basename(p)}: ")) for p, r in skipped]
+                seen = {n for n, _ in named}
+                named += [(n, why) for n, why in layout.unverifiable(self.root) if n not in seen]
+                raise CheckpointError(self._unverified_message(which, named))
             detail = "; ".join(f"{p}: {r}" for p, r in skipped) or f"no checkpoints under {self.root}"
             raise CheckpointError(f"no valid checkpoint to load for {which!r} ({detail})")
         path = cands[chosen]
@@ -549,11 +605,24 @@ class CheckpointManager:
         ts["_checkpoint"] = info
         self.last_loaded = info
         man = payload["manifest"]
+        self._say_whose(path, man)
         self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
         if resume_event:
             log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
                       requested=which, skipped=skipped)
         return ts
+
+    def _say_whose(self, path: str, man: dict) -> None:
+        """Warn (once per manager) when the loaded checkpoint is not known to be this run's."""
+        theirs = man.get("run_id")
+        if theirs is None and self.run_id and not self._warned_unidentified:
+            self._warned_unidentified = True
+            logger.warning("%s was written before vidstab recorded run ids in checkpoints: loaded as this run's "
+                           "(%s); its later checkpoints record it", rel(path, self.output_dir), self.run_id)
+        elif theirs is not None and theirs != self.run_id:
+            logger.warning("%s is a checkpoint of another run (%s), loaded into this run (%s) as asked "
+                           "(allow_other_run); this run's checkpoints record %s", rel(path, self.output_dir), theirs,
+                           self.run_id, self.run_id)
 
     def _check_world_size(self, cands: list[str]) -> None:
         """Refuse (every rank alike, from the same files) a checkpoint of another world size. The first

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..limits import env_name, limits
 from .config import CheckpointError
-from .layout import read_manifest, verify_file
+from .layout import check_carried_steps, read_manifest, verify_file
 
 __all__ = ["read_checkpoint"]
 
@@ -32,6 +32,7 @@ def read_checkpoint(path: str, rank: int, is_main: bool, needed: dict[str, str],
     """
     name = os.path.basename(os.path.normpath(path))
     man = read_manifest(path)
+    check_carried_steps(path, man)  # the folder name and manifest agree on the step (read_manifest); its files too
     files = man["files"]
     for f, n in needed.items():
         if f not in files:

@@ -32,7 +32,8 @@ from .. import statedict_io as sio
 from ..atomic import TMP_PREFIX, fsync_dir, fsync_paths, publish_folder
 from ..strict_json import dumps_strict
 from .config import CheckpointError
-from .layout import MANIFEST, SCHEMA, pointer_tmp, read_manifest, read_pointer, replace_pointer, rotation_order, set_aside_name
+from .layout import (MANIFEST, OTHER_RUN_PREFIX, SCHEMA, UNVERIFIED_PREFIX, check_carried_steps, pointer_tmp, read_manifest, read_pointer,
+                     replace_pointer, rotation_order, set_aside_name)
 
 __all__ = ["FileSpec", "SaveJob", "write_files", "write_manifest", "publish", "rotate"]
 
@@ -79,6 +80,8 @@ class SaveJob:
     """Models whose parameters the writer checks for finiteness on the staged copy (async sharded saves)."""
     staged_finite: bool = True
     """This rank's answer to that check (True when there was nothing to check)."""
+    steps: dict[str, dict[str, int]] | None = None
+    """The step each JSON state file carries (:func:`~.layout.carried_steps`), for the manifest's ``steps``."""
 
 
 def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:
@@ -119,7 +122,7 @@ def write_manifest(job: SaveJob, digests: dict[str, dict], **fields) -> dict:
 
 
 def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: bool,
-            replace=replace_pointer, unmovable=None) -> str:
+            replace=replace_pointer, unmovable=None, run_id: str | None = None) -> str:
     """Make the folder durable, rename it to its ``step_*`` name and move the pointers; returns its path.
 
     ``unsynced``: files written but not yet fsync'd. They are fsync'd in one concurrent batch together with
@@ -129,14 +132,15 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
     A folder of the same step that cannot be moved aside (a damaged checkpoint on a read-only mount, an
     immutable file) does not fail the save: it is published as ``step_N-2`` (``-3``, ...), ``job.name``
     becomes that name, and ``unmovable(job, error, new_name)`` is called (the manager says what to clean
-    up) before the pointers move."""
+    up) before the pointers move. A same-step folder that cannot be verified, or is another run's than
+    ``run_id``'s, is moved aside (never replaced): see :func:`_keep_unverifiable`."""
     pointers: dict[str, str] = {}  # pointer -> its new content, written to a temp file
     try:
         for ptr in ("latest", "last_good") if healthy else ("latest",):
             pointers[ptr] = pointer_tmp(root, ptr, job.name, fsync=False)
         if fsync:
             fsync_paths(unsynced + [os.path.join(job.tmp_dir, MANIFEST), *pointers.values(), job.tmp_dir])
-        _keep_unverifiable(root, job.name)
+        _keep_unverifiable(root, job.name, run_id)
         # Same step saved again (e.g. after a rollback): the old folder is moved aside and deleted.
         try:
             final = str(publish_folder(job.tmp_dir, os.path.join(root, job.name), exists="replace", fsync=False))
@@ -167,35 +171,41 @@ def publish(job: SaveJob, root: str, healthy: bool, unsynced: list[str], fsync: 
     return final
 
 
-def _keep_unverifiable(root: str, name: str) -> None:
-    """A same-step folder whose manifest cannot be read is not vidstab's to delete (it may be the only copy of
-    a run whose manifests were lost): rename it to ``unverified-{name}`` and say so."""
+def _keep_unverifiable(root: str, name: str, run_id: str | None = None) -> None:
+    """A same-step folder whose manifest cannot be read (or whose files disagree on the step) is not vidstab's
+    to delete (it may be the only copy of a run whose manifests were lost): rename it to ``unverified-{name}``
+    and say so; another run's checkpoint likewise goes to ``other-run-{name}``."""
     path = os.path.join(root, name)
     if not os.path.isdir(path) or os.path.islink(path):
         return
+    prefix = UNVERIFIED_PREFIX
     try:
-        read_manifest(path)
-        return
+        man = read_manifest(path)
+        check_carried_steps(path, man)
+        theirs = man.get("run_id")
+        if run_id is None or theirs in (None, run_id):
+            return
+        why, prefix = f"a checkpoint of another run, {theirs}", OTHER_RUN_PREFIX
     except CheckpointError as e:
         why = str(e)
-    target = set_aside_name(root, name)
+    target = set_aside_name(root, name, prefix)
     try:
         os.rename(path, os.path.join(root, target))
     except OSError:
         return  # publish then goes next to it (step_N-2), as for any folder that cannot be moved
-    logger.warning("checkpoint folder %s cannot be verified (%s); moved to %s instead of being replaced",
-                   path, why, target)
+    logger.warning("checkpoint folder %s is not this run's to replace (%s); moved to %s instead", path, why, target)
 
 
 _unremovable: set[str] = set()
 
 
-def rotate(root: str, keep: int, protected: set[str] = frozenset()) -> list[threading.Thread]:
+def rotate(root: str, keep: int, protected: set[str] = frozenset(), run_id: str | None = None) -> list[threading.Thread]:
     """Delete all but the ``keep`` checkpoints most worth keeping (:func:`~.layout.rotation_order`: the
     newest checkpoint's trajectory by step, then abandoned ones), the ``protected`` folder names and those
     ``latest``/``last_good`` name; returns the threads freeing the bytes. One that cannot be removed is
-    left, with a warning (once)."""
-    order = rotation_order(root)
+    left, with a warning (once). Only the run ``run_id``'s checkpoints are counted or deleted: another run's
+    and unverifiable folders are left as they are."""
+    order = rotation_order(root, run_id)
     kept = {i.name for i in order[:keep]} | set(protected)
     for ptr in ("last_good", "latest"):
         name = read_pointer(root, ptr)

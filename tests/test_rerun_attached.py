@@ -1,0 +1,159 @@
+"""The in-job rerun and the quarantine in the attached form (the README's lines plus
+``loader = guard.track_samples(loader)``), with a diffusers ``UNet2DModel`` and no replay function: the rerun runs
+the recorded inputs forward and the recorded output gradient backward. A NaN sample of the data set is ``data``,
+named by its index and quarantined, and not seen in epoch 2 nor after a resume; one activation corrupted once
+(``flaky_activation``) is ``transient``. On 1 process, and on 2 (DDP, one launch plus one for the resume and the
+same drill under hand-applied FSDP2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_guard_distributed import launch
+
+from vidstab.quarantine import QuarantineList
+
+BAD = 5  # tests/scripts/rerun_attached.py: the data set's NaN sample
+
+
+def _drill():
+    """tests/scripts/rerun_attached.py as a module (the 1-process drills run in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rerun_attached", Path(__file__).parent / "scripts" / "rerun_attached.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _events(out: Path, rank: int, kind: str) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def _seen(out: Path, phase: str, world: int) -> tuple[dict[int, list[int]], list[bool]]:
+    by_epoch: dict[int, list[int]] = {}
+    matches: list[bool] = []
+    for rank in range(world):
+        got = json.loads((out / f"seen-rank{rank}-{phase}.json").read_text())
+        for epoch, ids in got["seen"].items():
+            by_epoch.setdefault(int(epoch), []).extend(ids)
+        matches += got["ids_match"]
+    return by_epoch, matches
+
+
+def _check_drill(out: Path, phase: str, world: int, flaky_step: int, peer: bool) -> None:
+    """The NaN sample: data, named by its index, quarantined, gone from epoch 2; the flaky step: transient."""
+    seen, matches = _seen(out, phase, world)
+    assert all(matches) and len(matches) == 16  # the guard took each batch's own ids
+    assert seen[0].count(BAD) == 1 and BAD not in seen[1]
+    assert all(len(ids) == 16 for ids in seen.values())  # every rank kept its share (a substitute filled the slot)
+    reruns = [_events(out, r, "rerun") for r in range(world)]
+    bad_rank = next(r for r in range(world) if any(e["samples"] for e in reruns[r]))
+    data, flaky = reruns[0]
+    assert data["verdict"] == "data" and data["ranks"] == [bad_rank] and data["reproduced"][str(bad_rank)]
+    assert data["peer"] == ({str(bad_rank): True} if peer else {})
+    assert reruns[bad_rank][0]["samples"] == [str(BAD)]
+    assert (flaky["step"], flaky["verdict"], flaky["ranks"]) == (flaky_step, "transient", [world - 1])
+    assert all(e["verdict"] in ("data", "transient") for r in reruns for e in r)  # nothing not_rerun
+    assert QuarantineList(out).ids() == {str(BAD)}
+    skips = [e["step"] for e in _events(out, 0, "skip")]
+    assert skips == [data["step"], flaky_step]
+
+
+def test_one_process_the_attached_form_reruns_quarantines_and_skips_the_sample_after_a_resume(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    rerun_attached = _drill()
+    rerun_attached.run(Accelerator(gradient_accumulation_steps=2), str(tmp_path), "first", flaky_step=6)
+    _check_drill(tmp_path, "first", 1, flaky_step=6, peer=False)
+    incident = json.loads(next((tmp_path / "vidstab" / "incidents").glob("*/incident.json")).read_text())
+    assert incident["bad_sample_ids"] == [str(BAD)] and incident["rerun"]["verdict"] == "data"
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    rerun_attached.run(Accelerator(gradient_accumulation_steps=2), str(tmp_path), "resume", flaky_step=-1)
+    seen, matches = _seen(tmp_path, "resume", 1)
+    assert list(seen) == [2] and BAD not in seen[2] and len(seen[2]) == 16 and all(matches)
+
+
+def test_the_rerun_from_the_recorded_output_gradient_gives_the_steps_own_gradient(tmp_path):
+    """Forward with the recorded inputs, backward with the recorded output gradient (accumulation 2): the
+    gradient the step took, to rounding."""
+    from accelerate import Accelerator
+
+    import vidstab
+    drill = _drill()
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = drill.tiny_unet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    for k in range(2):
+        with acc.accumulate(model):
+            x = torch.stack([drill.Images()[i]["images"] for i in (2 * k, 2 * k + 1)])
+            noise = torch.randn_like(x)
+            pred = model(x + noise, torch.tensor([10, 500]), return_dict=False)[0]
+            acc.backward(torch.nn.functional.mse_loss(pred, noise))
+    step_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
+    batches = [dict(m.batch) for m in guard.recorder.micro_batches]
+    replay_fn, batches, first = guard.rerun._recorded_replay(batches)
+    row = guard.rerun._rerun_own(batches, replay_fn, first)
+    assert math.isclose(row[4], step_sq, rel_tol=1e-5)  # GRAD_SQ
+    assert math.isclose(row[1], row[5], rel_tol=1e-6)  # the rerun's loss equals the first run's (LOSS_SUM, FIRST_SUM)
+    guard.close()
+
+
+def test_where_it_cannot_rerun_the_attached_form_is_told_what_to_pass_once(tmp_path, caplog):
+    """A model the guard records nothing for (not a diffusers one): not_rerun names set_replay_fn and the model's
+    forward arguments, printed once; under DeepSpeed the reason is the engine (nothing to pass)."""
+    from accelerate import Accelerator
+
+    import vidstab
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    verdicts = []
+    for step in range(3):
+        x = torch.randn(2, 4)
+        x[0, 0] = float("nan") if step else x[0, 0]
+        if step == 2:
+            guard.rerun.deepspeed = True  # the engine's own refusal, without building one
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        verdicts.append(guard.last_result.rerun)
+    guard.close()
+    assert verdicts[0] is None and verdicts[1].verdict == verdicts[2].verdict == "not_rerun"
+    assert "guard.set_replay_fn(fn) with loss = fn(inputs)" in verdicts[1].message and "(input)" in verdicts[1].message
+    assert "DeepSpeed" in verdicts[2].message and "set_replay_fn" not in verdicts[2].message
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rerun_attached")
+    launch("rerun_attached.py", "--run", f"{out / 'ddp'}:first", "--flaky_step", "2", timeout=600)
+    launch("rerun_attached.py", "--run", f"{out / 'ddp'}:resume", "--run", f"{out / 'fsdp'}:fsdp", "--flaky_step", "2",
+           timeout=600)
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_a_nan_sample_is_data_with_its_peer_quarantined_and_gone_after_a_resume(two_process_runs):
+    out = two_process_runs / "ddp"
+    _check_drill(out, "first", 2, flaky_step=2, peer=True)
+    seen, matches = _seen(out, "resume", 2)
+    assert list(seen) == [2] and BAD not in seen[2] and len(seen[2]) == 16 and all(matches)
+
+
+@pytest.mark.slow
+def test_fsdp2_every_rank_reruns_together_data_and_transient(two_process_runs):
+    _check_drill(two_process_runs / "fsdp", "fsdp", 2, flaky_step=2, peer=False)

@@ -46,15 +46,16 @@ def _seen(out: Path, phase: str, world: int) -> tuple[dict[int, list[int]], list
     return by_epoch, matches
 
 
-def _check_drill(out: Path, phase: str, world: int, flaky_step: int, peer: bool) -> None:
-    """The NaN sample: data, named by its index, quarantined, gone from epoch 2; the flaky step: transient."""
+def _check_drill(out: Path, phase: str, world: int, flaky_step: int, peer: bool, sick_step: int | None = None) -> None:
+    """The NaN sample: data, named by its index, quarantined, gone from epoch 2; the flaky step: transient; the
+    sick step (DDP): suspect hardware on the last rank, its host named."""
     seen, matches = _seen(out, phase, world)
     assert all(matches) and len(matches) == 16  # the guard took each batch's own ids
     assert seen[0].count(BAD) == 1 and BAD not in seen[1]
     assert all(len(ids) == 16 for ids in seen.values())  # every rank kept its share (a substitute filled the slot)
     reruns = [_events(out, r, "rerun") for r in range(world)]
     bad_rank = next(r for r in range(world) if any(e["samples"] for e in reruns[r]))
-    data, flaky = reruns[0]
+    data, flaky, *sick = reruns[0]
     assert data["verdict"] == "data" and data["ranks"] == [bad_rank] and data["reproduced"][str(bad_rank)]
     assert data["peer"] == ({str(bad_rank): True} if peer else {})
     assert reruns[bad_rank][0]["samples"] == [str(BAD)]
@@ -62,7 +63,14 @@ def _check_drill(out: Path, phase: str, world: int, flaky_step: int, peer: bool)
     assert all(e["verdict"] in ("data", "transient") for r in reruns for e in r)  # nothing not_rerun
     assert QuarantineList(out).ids() == {str(BAD)}
     skips = [e["step"] for e in _events(out, 0, "skip")]
-    assert skips == [data["step"], flaky_step]
+    assert skips == [data["step"], flaky_step] + ([sick_step] if sick_step is not None else [])
+    if sick_step is not None:
+        assert [(e["step"], e["verdict"], e["ranks"], e["peer"]) for e in sick] == [
+            (sick_step, "suspect_hardware", [world - 1], {str(world - 1): False})]
+        warn = [e for e in _events(out, world - 1, "warn") if e["detector"] == "suspect_hardware"]
+        assert len(warn) == 1 and warn[0]["host"] in warn[0]["message"]
+    else:
+        assert not sick
 
 
 def test_one_process_the_attached_form_reruns_quarantines_and_skips_the_sample_after_a_resume(tmp_path):
@@ -82,30 +90,59 @@ def test_one_process_the_attached_form_reruns_quarantines_and_skips_the_sample_a
     assert list(seen) == [2] and BAD not in seen[2] and len(seen[2]) == 16 and all(matches)
 
 
-def test_the_rerun_from_the_recorded_output_gradient_gives_the_steps_own_gradient(tmp_path):
-    """Forward with the recorded inputs, backward with the recorded output gradient (accumulation 2): the
-    gradient the step took, to rounding."""
+def _unet_micro_batch(k: int) -> dict:
+    images = torch.stack([_drill().Images()[i]["images"] for i in (2 * k, 2 * k + 1)])
+    return {"sample": images + torch.randn_like(images), "timestep": torch.tensor([10, 500])}
+
+
+def _lora_transformer():
+    """The tiny CogVideoX transformer, frozen, with a LoRA adapter (as train_cogvideox_lora.py builds it)."""
+    from peft import LoraConfig
+    from tiny_cogvideox import TARGET_MODULES, tiny_transformer
+
+    model = tiny_transformer()
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=TARGET_MODULES))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)  # away from B = 0, as training moves it
+    return model
+
+
+def _lora_micro_batch(k: int) -> dict:
+    g = torch.Generator().manual_seed(k)
+    return {"hidden_states": torch.randn(2, 3, 4, 2, 2, generator=g), "encoder_hidden_states": torch.randn(2, 8, 16, generator=g),
+            "timestep": torch.tensor([10, 500])}
+
+
+@pytest.mark.parametrize("kind", ["unet", "lora"])
+def test_the_rerun_from_the_recorded_output_gradient_gives_the_steps_own_gradient(tmp_path, kind):
+    """Forward with the recorded inputs, backward with the recorded output gradient (accumulation 2), on the
+    UNet and on a LoRA-wrapped transformer: the gradient the step took, and the loss value the first run had."""
     from accelerate import Accelerator
 
     import vidstab
-    drill = _drill()
+
+    if kind == "lora":
+        pytest.importorskip("peft")
     acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
-    model = drill.tiny_unet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = _drill().tiny_unet() if kind == "unet" else _lora_transformer()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model, opt = acc.prepare(model, opt)
     guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
     for k in range(2):
         with acc.accumulate(model):
-            x = torch.stack([drill.Images()[i]["images"] for i in (2 * k, 2 * k + 1)])
-            noise = torch.randn_like(x)
-            pred = model(x + noise, torch.tensor([10, 500]), return_dict=False)[0]
-            acc.backward(torch.nn.functional.mse_loss(pred, noise))
-    step_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters())
+            inputs = (_unet_micro_batch if kind == "unet" else _lora_micro_batch)(k)
+            pred = model(**inputs, return_dict=False)[0]
+            acc.backward(torch.nn.functional.mse_loss(pred, torch.randn_like(pred)))
+    step_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
     batches = [dict(m.batch) for m in guard.recorder.micro_batches]
     replay_fn, batches, first = guard.rerun._recorded_replay(batches)
     row = guard.rerun._rerun_own(batches, replay_fn, first)
-    assert math.isclose(row[4], step_sq, rel_tol=1e-5)  # GRAD_SQ
-    assert math.isclose(row[1], row[5], rel_tol=1e-6)  # the rerun's loss equals the first run's (LOSS_SUM, FIRST_SUM)
+    assert step_sq > 0 and math.isclose(row[4], step_sq, rel_tol=1e-5)  # GRAD_SQ
+    assert math.isclose(row[1], row[5], rel_tol=1e-6)  # the rerun's loss is the first run's (LOSS_SUM, FIRST_SUM)
     guard.close()
 
 
@@ -122,34 +159,37 @@ def test_where_it_cannot_rerun_the_attached_form_is_told_what_to_pass_once(tmp_p
     model, opt = acc.prepare(model, opt)
     guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
     verdicts = []
-    for step in range(3):
+    caplog.set_level("WARNING", logger="vidstab.rerun")
+    for step in range(4):
         x = torch.randn(2, 4)
         x[0, 0] = float("nan") if step else x[0, 0]
-        if step == 2:
+        if step == 3:
             guard.rerun.deepspeed = True  # the engine's own refusal, without building one
         acc.backward(model(x).pow(2).mean())
         opt.step()
         opt.zero_grad()
         verdicts.append(guard.last_result.rerun)
     guard.close()
-    assert verdicts[0] is None and verdicts[1].verdict == verdicts[2].verdict == "not_rerun"
+    assert verdicts[0] is None and {v.verdict for v in verdicts[1:]} == {"not_rerun"}
     assert "guard.set_replay_fn(fn) with loss = fn(inputs)" in verdicts[1].message and "(input)" in verdicts[1].message
-    assert "DeepSpeed" in verdicts[2].message and "set_replay_fn" not in verdicts[2].message
+    assert "DeepSpeed" in verdicts[3].message and "set_replay_fn" not in verdicts[3].message
+    said = [r.getMessage() for r in caplog.records if "not re-run" in r.getMessage()]
+    assert len(said) == 2 and "set_replay_fn" in said[0] and "DeepSpeed" in said[1]  # each reason once
 
 
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("rerun_attached")
-    launch("rerun_attached.py", "--run", f"{out / 'ddp'}:first", "--flaky_step", "2", timeout=600)
+    launch("rerun_attached.py", "--run", f"{out / 'ddp'}:first", "--flaky_step", "2", "--sick_step", "3", timeout=600)
     launch("rerun_attached.py", "--run", f"{out / 'ddp'}:resume", "--run", f"{out / 'fsdp'}:fsdp", "--flaky_step", "2",
            timeout=600)
     return out
 
 
 @pytest.mark.slow
-def test_ddp_a_nan_sample_is_data_with_its_peer_quarantined_and_gone_after_a_resume(two_process_runs):
+def test_ddp_data_transient_and_suspect_hardware_and_the_sample_gone_after_a_resume(two_process_runs):
     out = two_process_runs / "ddp"
-    _check_drill(out, "first", 2, flaky_step=2, peer=True)
+    _check_drill(out, "first", 2, flaky_step=2, peer=True, sick_step=3)
     seen, matches = _seen(out, "resume", 2)
     assert list(seen) == [2] and BAD not in seen[2] and len(seen[2]) == 16 and all(matches)
 

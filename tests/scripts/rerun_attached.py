@@ -1,7 +1,8 @@
 """Launched by tests/test_rerun_attached.py (1 or 2 CPU processes): the README's attached form with a diffusers
 ``UNet2DModel`` built from its config, over a data set with one NaN sample, plus the line
-``loader = guard.track_samples(loader)``. No replay function, no sample ids in the loop. The drill's own fault:
-one activation corrupted once (``flaky_activation``) at ``--flaky_step`` on the last rank.
+``loader = guard.track_samples(loader)``. No replay function, no sample ids in the loop. The drill's own faults,
+on the last rank: one activation corrupted once (``flaky_activation``) at ``--flaky_step``; a layer whose output is
++inf for the whole of ``--sick_step`` (``inf_module``: a faulty device, which a peer does not reproduce).
 
 ``--run OUT:first`` trains 2 epochs in OUT and saves with ``accelerator.save_state``; ``--run OUT:resume`` (a new
 process) loads it and trains one more epoch; ``--run OUT:fsdp`` trains 2 epochs with the model sharded by hand with
@@ -21,7 +22,7 @@ from accelerate import Accelerator
 from diffusers import UNet2DModel
 
 import vidstab
-from vidstab.faults import add_flaky_activation
+from vidstab.faults import add_flaky_activation, add_module_fault
 
 BAD = 5
 N = 16
@@ -49,14 +50,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="append", required=True, help="OUT:first|resume|fsdp")
     ap.add_argument("--flaky_step", type=int, default=-1)
+    ap.add_argument("--sick_step", type=int, default=-1)
     args = ap.parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=2)
     for spec in args.run:
         out, phase = spec.rsplit(":", 1)
-        run(accelerator, out, phase, args.flaky_step)
+        run(accelerator, out, phase, args.flaky_step, args.sick_step if phase == "first" else -1)
 
 
-def run(accelerator: Accelerator, out: str, phase: str, flaky_step: int) -> None:
+def run(accelerator: Accelerator, out: str, phase: str, flaky_step: int, sick_step: int = -1) -> None:
     model = tiny_unet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(Images(), batch_size=2, shuffle=True)
@@ -80,6 +82,7 @@ def run(accelerator: Accelerator, out: str, phase: str, flaky_step: int) -> None
         first_epoch = 2
     seen: dict[int, list[int]] = {}
     ids_match = []
+    sick = None
     for epoch in range(first_epoch, first_epoch + (1 if phase == "resume" else 2)):
         for batch in loader:
             seen.setdefault(epoch, []).extend(int(i) for i in batch["index"])
@@ -87,6 +90,8 @@ def run(accelerator: Accelerator, out: str, phase: str, flaky_step: int) -> None
             last_rank = accelerator.process_index == accelerator.num_processes - 1
             first_micro_step = len(ids_match) % 2 == 1
             flaky = add_flaky_activation(model) if guard.global_step == flaky_step and last_rank and first_micro_step else None
+            if guard.global_step == sick_step and last_rank and first_micro_step:
+                sick = add_module_fault(accelerator.unwrap_model(model), "conv_in")
             with accelerator.accumulate(model):
                 noise = torch.randn_like(batch["images"])
                 timesteps = torch.randint(0, 1000, (batch["images"].shape[0],))
@@ -100,6 +105,8 @@ def run(accelerator: Accelerator, out: str, phase: str, flaky_step: int) -> None
                 optimizer.zero_grad()
             if flaky is not None:
                 flaky.remove()
+            if sick is not None and accelerator.sync_gradients:  # the step is over (its rerun included)
+                sick = sick.remove()
     if phase == "first":
         accelerator.save_state(str(Path(out, "checkpoint")))
     Path(out, f"seen-rank{accelerator.process_index}-{phase}.json").write_text(

@@ -146,6 +146,33 @@ def test_the_rerun_from_the_recorded_output_gradient_gives_the_steps_own_gradien
     guard.close()
 
 
+def test_the_explicit_form_with_a_diffusers_model_reruns_without_a_replay_function_too(tmp_path):
+    """guard.backward with the user's own batch (not the model's inputs): the rerun runs the model's recorded
+    inputs; a NaN sample is data, named by the user's ids; a clean step after it is not re-run."""
+    from accelerate import Accelerator
+
+    import vidstab
+
+    acc = Accelerator(cpu=True)
+    model = _drill().tiny_unet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    verdicts = []
+    for step in range(2):
+        batch = {"latents": torch.randn(2, 3, 8, 8), "ids": [f"clip{step}-{i}" for i in range(2)]}
+        if step == 0:
+            batch["latents"][1, 0, 0, 0] = float("nan")
+        noise = torch.randn_like(batch["latents"])
+        pred = model(batch["latents"] + noise, torch.tensor([10, 500]), return_dict=False)[0]
+        guard.backward(torch.nn.functional.mse_loss(pred, noise), batch={"latents": batch["latents"]},
+                       sample_ids=batch["ids"])
+        verdicts.append(guard.step(1.0).rerun)
+    guard.close()
+    assert verdicts[0].verdict == "data" and verdicts[0].samples == ["clip0-1"] and verdicts[1] is None
+    assert QuarantineList(tmp_path).ids() == {"clip0-1"}
+
+
 def test_where_it_cannot_rerun_the_attached_form_is_told_what_to_pass_once(tmp_path, caplog):
     """A model the guard records nothing for (not a diffusers one): not_rerun names set_replay_fn and the model's
     forward arguments, printed once; under DeepSpeed the reason is the engine (nothing to pass)."""

@@ -17,7 +17,7 @@ replay function: :meth:`OutputGradients.rerun_batch` gives a micro-step's inputs
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,17 +89,20 @@ def _per_sample(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class OutputGradients:
     """The gradient at the model's output of each micro-step of the current optimizer step (references, no
-    copies), through a forward hook on the model and a tensor hook on its output. ``accelerator``'s
-    ``sync_gradients`` marks a window's last micro-step: the next forward starts a new window."""
+    copies), through a forward hook on the model and a tensor hook on its output; with it the micro-step's
+    output and its inputs (``name_inputs((args, kwargs))``: the tensors by ``forward`` parameter name), what
+    the in-job rerun runs. ``accelerator``'s ``sync_gradients`` marks a window's last micro-step: the next
+    forward starts a new window."""
 
-    def __init__(self, model: torch.nn.Module, accelerator: Any) -> None:
-        self.accelerator = accelerator
+    def __init__(self, model: torch.nn.Module, accelerator: Any,
+                 name_inputs: Callable[[tuple[tuple, dict]], dict[str, torch.Tensor]]) -> None:
+        self.accelerator, self.name_inputs = accelerator, name_inputs
         self.grads: list[torch.Tensor] = []
-        self.outputs: list[torch.Tensor] = []  # each micro-step's output (the rerun compares with it)
+        self.steps: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []  # each micro-step's output and inputs
         self._window_done = False
-        self.handle = model.register_forward_hook(self._on_output)
+        self.handle = model.register_forward_hook(self._on_output, with_kwargs=True)
 
-    def _on_output(self, module: Any, args: Any, output: Any) -> None:
+    def _on_output(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         tensor = first_tensor(output)
@@ -107,30 +110,30 @@ class OutputGradients:
             return
         if self._window_done:
             self.grads.clear()
-            self.outputs.clear()
+            self.steps.clear()
             self._window_done = False
-        output = tensor.detach()
-        tensor.register_hook(lambda grad: self._on_grad(grad, output))
+        seen = (tensor.detach(), self.name_inputs((args, kwargs)))
+        tensor.register_hook(lambda grad: self._on_grad(grad, seen))
 
-    def _on_grad(self, grad: torch.Tensor, output: torch.Tensor) -> None:
+    def _on_grad(self, grad: torch.Tensor, seen: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
         self.grads.append(grad.detach())
-        self.outputs.append(output)
+        self.steps.append(seen)
         self._window_done = bool(self.accelerator.gradient_state.sync_gradients)
 
     def grad(self, micro_step: int) -> torch.Tensor | None:
         """The gradient at the output of micro-step ``micro_step`` of the step (None if none was seen)."""
         return self.grads[micro_step] if 0 <= micro_step < len(self.grads) else None
 
-    def rerun_batch(self, micro_step: int, inputs: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor] | None:
+    def rerun_batch(self, micro_step: int) -> tuple[dict, torch.Tensor] | None:
         """What re-running micro-step ``micro_step`` on the same weights takes without the user's loss: its
-        ``inputs`` plus the output gradient (:func:`output_grad_loss`), and the first run's value of that loss
-        (0-d) to compare the rerun's with. A sample whose first output was non-finite gets a zero gradient: its
+        inputs plus the output gradient (:func:`output_grad_loss`), and the first run's value of that loss (0-d)
+        to compare the rerun's with. A sample whose first output was non-finite gets a zero gradient: its
         recorded one came from the non-finite output, so only the rerun's forward tells whether it recurs (a
         non-finite output times zero is still non-finite). None when nothing usable was recorded."""
         grad = self.grad(micro_step)
-        output = self.outputs[micro_step] if micro_step < len(self.outputs) else None
-        if grad is None or output is None or grad.shape != output.shape:
+        if grad is None or micro_step >= len(self.steps) or grad.shape != self.steps[micro_step][0].shape:
             return None
+        output, inputs = self.steps[micro_step]
         shape = grad.shape
         out, grad = (output.reshape(1), grad.reshape(1)) if output.dim() == 0 else (output, grad)
         first_bad = _per_sample(~torch.isfinite(out.reshape(out.shape[0], -1)).all(dim=1), out)
@@ -141,4 +144,4 @@ class OutputGradients:
     def remove(self) -> None:
         self.handle.remove()
         self.grads.clear()
-        self.outputs.clear()
+        self.steps.clear()

@@ -6,8 +6,9 @@ bundle is written from). :class:`StepRerun` then, on every rank together (the ve
 gathered numbers everywhere, so the ranks stay in lockstep):
 
 1. re-runs each of the rank's micro-batches forward and backward through the replay function
-   (``guard.set_replay_fn``; in the attached form with a diffusers model, none needed: the recorded inputs
-   forward and the recorded output gradient backward, :mod:`vidstab.replay_record`) on the unchanged weights, and averages the gradients over the ranks as the step
+   (``guard.set_replay_fn``; for a diffusers model given to ``vidstab.attach``, none needed: the model's
+   recorded inputs forward and its recorded output gradient backward, :mod:`vidstab.replay_record`) on the
+   unchanged weights, and averages the gradients over the ranks as the step
    did (DDP: one all-reduce of the gradients; FSDP2: the sharded module's own reduce-scatter);
 2. gathers one small row per rank (non-finite losses, finite loss sum and count, exceptions, local gradient
    sum of squares) and compares it with the first run's, from the step's gathered table: each rank's loss,
@@ -200,12 +201,13 @@ class StepRerun:
         return self.model if self.sharded else self.accelerator.unwrap_model(self.model)
 
     def _recorded_replay(self, batches: list[dict]) -> tuple[Callable | None, list[dict], list[float] | None]:
-        """The replay of the attached form: ``(loss function, batches with their output gradient, the first run's
-        loss per batch)`` from :attr:`recorded`; no function when a micro-step's record is missing."""
+        """The replay without a replay function: ``(loss function, each micro-step's model inputs with its output
+        gradient, the first run's loss per micro-step)`` from :attr:`recorded`; no function when a micro-step's
+        record is missing."""
         if self.recorded is None:
             return None, batches, None
-        runs = [self.recorded.rerun_batch(i, b) for i, b in enumerate(batches)]
-        if any(r is None for r in runs):
+        runs = [self.recorded.rerun_batch(i) for i in range(len(batches))]
+        if any(r is None for r in runs) or len(self.recorded.steps) != len(batches):
             return None, batches, None
         model = self._unwrapped()
         return (lambda batch: output_grad_loss(model, batch)), [b for b, _ in runs], [float(f) for _, f in runs]

@@ -438,7 +438,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 
         rep.model_spec = model_spec_of(accelerator.unwrap_model(model))
         if rep.model_spec is not None:
-            rep.output_gradients = OutputGradients(model, accelerator)
+            rep.output_gradients = OutputGradients(model, accelerator, guard.patches.named_inputs)
     guard.rerun.attached(rep.output_gradients, guard.patches.forward_names)  # re-runs with no replay function
     if rollback_every:
         from ..auto_rollback import AutoRollback

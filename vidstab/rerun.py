@@ -138,14 +138,15 @@ class StepRerun:
         self._said: set[str] = set()  # reasons already printed
 
     def attached(self, recorded: OutputGradients | None, input_names: Sequence[str]) -> None:
-        """The attached form (``vidstab.attach``): re-run from ``recorded`` (the model's inputs and output
-        gradient) when there is no replay function; without a record, say what to pass in that form."""
+        """A guard built by ``vidstab.attach``: re-run from ``recorded`` (the model's inputs and output gradient)
+        when there is no replay function; without a record, say what to pass in either form."""
         self.recorded = recorded
         if recorded is None:
-            self.no_replay = ("no replay function, and no output gradient recorded to re-run without one (the guard "
-                              "records it for a diffusers model attached without model_spec=): guard.set_replay_fn(fn) "
-                              f"with loss = fn(inputs), inputs the model's forward arguments by name "
-                              f"({', '.join(input_names) or 'as forward takes them'}), enables it")
+            self.no_replay = ("no replay function, and no output gradient recorded to re-run without one (recorded "
+                              "for a diffusers model attached without model_spec=): guard.set_replay_fn(fn) with loss = "
+                              "fn(batch) enables it, batch being the model's forward arguments by name "
+                              f"({', '.join(input_names) or 'as forward takes them'}) in the attached form, what "
+                              "guard.backward(batch=...) got in the explicit one")
 
     # ------------------------------------------------------------------ the guard's one call
     def check(self, s: StepStats, incidents: Sequence[Path], refs: Sequence[tuple],

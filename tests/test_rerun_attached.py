@@ -2,8 +2,10 @@
 ``loader = guard.track_samples(loader)``), with a diffusers ``UNet2DModel`` and no replay function: the rerun runs
 the recorded inputs forward and the recorded output gradient backward. A NaN sample of the data set is ``data``,
 named by its index and quarantined, and not seen in epoch 2 nor after a resume; one activation corrupted once
-(``flaky_activation``) is ``transient``. On 1 process, and on 2 (DDP, one launch plus one for the resume and the
-same drill under hand-applied FSDP2)."""
+(``flaky_activation``) is ``transient``; under DDP a layer broken on one rank only is ``suspect_hardware``. On 1
+process (in this process), and on 2: one launch for DDP, one for its resume and the drill under hand-applied FSDP2.
+The explicit form with a diffusers model needs no replay function either; elsewhere ``not_rerun`` says what to
+pass."""
 
 from __future__ import annotations
 

@@ -226,3 +226,33 @@ def test_ddp_data_transient_and_suspect_hardware_and_the_sample_gone_after_a_res
 @pytest.mark.slow
 def test_fsdp2_every_rank_reruns_together_data_and_transient(two_process_runs):
     _check_drill(two_process_runs / "fsdp", "fsdp", 2, flaky_step=2, peer=False)
+
+
+def test_track_samples_names_each_batch_with_loader_workers_and_refuses_an_iterable_data_set(tmp_path):
+    """The ids come from the batch sampler in the main process, so workers prefetching ahead do not shift them; a
+    quarantined index is served by its substitute under the substitute's id; an iterable data set is refused."""
+    from accelerate import Accelerator
+
+    import vidstab
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [{"x": torch.full((2,), float(i)), "index": i} for i in range(12)]
+    loader = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True, num_workers=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
+    QuarantineList(tmp_path).add([4], "named bad", source="user")
+    loader = guard.track_samples(loader)
+    for epoch in range(2):
+        for batch in loader:
+            assert guard.patches.sample_ids == [str(int(i)) for i in batch["index"]]
+            assert 4 not in batch["index"].tolist()
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    with pytest.raises(ValueError, match="not map-style"):
+        guard.track_samples(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    guard.close()

@@ -79,6 +79,9 @@ def test_the_guard_skips_before_deepspeed_updates_and_the_run_equals_one_without
     for r in (r0, r1):
         assert r["restored"] and r["equal_to_reference"] and r["lr_equal"] and r["finite"]
         assert r["skipped_total"] == 3
+    # The in-job rerun cannot go through the engine's own forward and backward: said, in either form.
+    reruns = events_of(guard_runs / config.replace(":", "-"), 0, "rerun")
+    assert reruns and all(e["verdict"] == "not_rerun" and "DeepSpeed" in e["message"] for e in reruns), reruns
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 from .atomic import atomic_folder, write_atomic
 from .limits import TooLarge, env_name, limits, read_json_file
 from .localize import tensor_stats
+from .replay_record import OUTPUT_GRAD_KEY
 from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
@@ -352,7 +353,8 @@ def write_incident(
             tensors[str(k)] = v.detach().to("cpu", copy=True).contiguous()
         else:
             skipped.append(str(k))
-    report = sample_report(tensors, [str(s) for s in sample_ids])
+    # The output gradient (vidstab.replay_record) is evidence about the step, not a sample's input.
+    report = sample_report({k: v for k, v in tensors.items() if k != OUTPUT_GRAD_KEY}, [str(s) for s in sample_ids])
 
     meta: dict[str, Any] = {
         "schema": SCHEMA_VERSION,

@@ -81,7 +81,8 @@ class GuardConfig:
     rerun_suspect_steps: bool = True
     """Re-run a step skipped for a non-finite value, a spike or an exception on the same weights, on every rank,
     and say whether it is the data, the numerics, a transient fault or one rank's hardware (vidstab/rerun.py);
-    needs ``guard.set_replay_fn``. Costs a forward+backward per micro-batch, only on such steps."""
+    needs ``guard.set_replay_fn``, or in the attached form a diffusers model (its recorded inputs and output
+    gradient). Costs a forward+backward per micro-batch, only on such steps."""
     rerun_peer_check: bool = True
     """With the rerun, under DDP, a peer rank also runs a reproduced rank's micro-batches (suspect hardware)."""
     health_window: int = 50

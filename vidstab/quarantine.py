@@ -178,15 +178,21 @@ class QuarantinedDataset(torch.utils.data.Dataset):
             self._signature, self._ids = sig, self.quarantine.ids() if sig is not None else set()
         return self._ids
 
-    def __getitem__(self, index: int) -> Any:
+    def resolve(self, index: int) -> int:
+        """The index served for ``index``: itself, or the next one whose sample is not quarantined."""
         bad = self.quarantined()
         if not bad or str(self._sample_id(index)) not in bad:
-            return self.dataset[index]
+            return index
         n = len(self.dataset)
         for k in range(1, n):
             j = (index + k) % n
             if str(self._sample_id(j)) not in bad:
-                self.substituted += 1
-                return self.dataset[j]
+                return j
         raise RuntimeError(f"every sample of the data set is quarantined ({self.quarantine.path}); "
                            f"release them with: vidstab quarantine {self.quarantine.run_dir} --clear")
+
+    def __getitem__(self, index: int) -> Any:
+        served = self.resolve(index)
+        if served != index:
+            self.substituted += 1
+        return self.dataset[served]

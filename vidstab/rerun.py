@@ -6,7 +6,9 @@ bundle is written from). :class:`StepRerun` then, on every rank together (the ve
 gathered numbers everywhere, so the ranks stay in lockstep):
 
 1. re-runs each of the rank's micro-batches forward and backward through the replay function
-   (``guard.set_replay_fn``) on the unchanged weights, and averages the gradients over the ranks as the step
+   (``guard.set_replay_fn``; for a diffusers model given to ``vidstab.attach``, none needed: the model's
+   recorded inputs forward and its recorded output gradient backward, :mod:`vidstab.replay_record`) on the
+   unchanged weights, and averages the gradients over the ranks as the step
    did (DDP: one all-reduce of the gradients; FSDP2: the sharded module's own reduce-scatter);
 2. gathers one small row per rank (non-finite losses, finite loss sum and count, exceptions, local gradient
    sum of squares) and compares it with the first run's, from the step's gathered table: each rank's loss,
@@ -30,7 +32,8 @@ Under FSDP (one rank cannot run the sharded model alone) every rank re-runs its 
 so the verdict is reproduced (data / numerics) or transient; there is no peer check, so no
 ``suspect_hardware`` (replay the bundle on another node for that). Under DeepSpeed the engine applied the
 step inside ``backward``, so the weights changed and nothing is re-run (``not_rerun``). Without a replay
-function (the unmodified loop with no ``set_replay_fn``) nothing is re-run either. The cost, only on such a
+function nor a recorded output gradient (a model that is not a diffusers one, attached with no
+``set_replay_fn``) nothing is re-run either; ``not_rerun`` says what to pass, once per run. The cost, only on such a
 step: one forward+backward per micro-batch on every rank, one gradient all-reduce, two small gathers, and per
 reproduced rank one broadcast of its micro-batches and one forward+backward on the peer (``seconds`` in the
 event; ``benchmarks/RESULTS.md``).
@@ -53,6 +56,7 @@ import torch
 from .capture import sample_report, update_incident
 from .detectors import StepStats, Verdict
 from .quarantine import QuarantineList
+from .replay_record import OUTPUT_GRAD_KEY, OutputGradients, output_grad_loss
 
 __all__ = ["RERUN_DETECTORS", "RerunVerdict", "StepRerun", "SUSPECT_HOSTS_FILE"]
 
@@ -63,9 +67,11 @@ RERUN_DETECTORS = frozenset({"nonfinite", "grad_spike", "loss_spike", "exception
 SUSPECT_HOSTS_FILE = os.path.join("vidstab", "suspect_hosts.txt")
 RTOL = 1e-3  # a deterministic rerun matches to the bit; leave room for non-deterministic kernels
 
-# One rank's rerun row: non-finite micro-step losses, finite loss sum, finite count, exceptions, local grad sum of squares.
-BAD, LOSS_SUM, LOSS_COUNT, EXCEPTIONS, GRAD_SQ = range(5)
-ROW = 5
+# One rank's rerun row: non-finite micro-step losses, finite loss sum, finite count, exceptions, local grad sum of
+# squares, and the first run's loss sum over the same micro-steps where the replay's loss is not the step's own.
+BAD, LOSS_SUM, LOSS_COUNT, EXCEPTIONS, GRAD_SQ, FIRST_SUM = range(6)
+ROW = 6
+NO_REPLAY_FN = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
 
 
 @dataclass
@@ -123,9 +129,24 @@ class StepRerun:
         self.sharded, self.deepspeed = sharded, deepspeed
         self.peer_check, self.quarantine = peer_check, quarantine
         self.transient_by_rank: dict[int, int] = {}
+        self.recorded: OutputGradients | None = None
+        """The attached form's record of each micro-step's output gradient: re-runs without a replay function."""
+        self.no_replay = NO_REPLAY_FN
+        """Why a step without a replay function is not re-run, and what to pass (in the user's form)."""
         self.reruns = 0
         """Steps re-run in this process."""
         self._said: set[str] = set()  # reasons already printed
+
+    def attached(self, recorded: OutputGradients | None, input_names: Sequence[str]) -> None:
+        """A guard built by ``vidstab.attach``: re-run from ``recorded`` (the model's inputs and output gradient)
+        when there is no replay function; without a record, say what to pass in either form."""
+        self.recorded = recorded
+        if recorded is None:
+            self.no_replay = ("no replay function, and no output gradient recorded to re-run without one (recorded "
+                              "for a diffusers model attached without model_spec=): guard.set_replay_fn(fn) with loss = "
+                              "fn(batch) enables it, batch being the model's forward arguments by name "
+                              f"({', '.join(input_names) or 'as forward takes them'}) in the attached form, what "
+                              "guard.backward(batch=...) got in the explicit one")
 
     # ------------------------------------------------------------------ the guard's one call
     def check(self, s: StepStats, incidents: Sequence[Path], refs: Sequence[tuple],
@@ -138,25 +159,28 @@ class StepRerun:
         triggers = sorted({f.detector for f in s.findings if f.verdict >= Verdict.SKIP} & RERUN_DETECTORS)
         if not triggers:
             return None
-        why = None
+        why, batches, first = None, [], None
         if self.deepspeed:
             why = "under DeepSpeed a rerun would have to go through the engine's own forward and backward: not re-run"
-        elif replay_fn is None:
-            why = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
         elif not refs or any(b is None for b, _, _ in refs):
-            why = "the micro-batches were not kept (GuardConfig.capture_incidents is False)"
+            why = ("the micro-batches were not kept (GuardConfig.capture_incidents is False): "
+                   "config=GuardConfig(capture_incidents=True) enables it")
+        else:
+            batches = [to_batch(b) if type(b) is tuple else dict(b) for b, _, _ in refs]
+            if replay_fn is None:  # the attached form: the recorded inputs and output gradient, if recorded
+                replay_fn, batches, first = self._recorded_replay(batches)
+                why = self.no_replay if replay_fn is None else None
         if why is not None:
             verdict = RerunVerdict(s.step, "not_rerun", f"step {s.step} not re-run: {why}")
             self._publish(verdict, incidents)
             return verdict
         started = time.perf_counter()
-        batches = [to_batch(b) if type(b) is tuple else dict(b) for b, _, _ in refs]
         ids = [self._id_list(i, _batch_size(b)) for b, (_, i, _) in zip(batches, refs)]
-        own = self._rerun_own(batches, replay_fn)
+        own = self._rerun_own(batches, replay_fn, first)
         table = self._gather(own)
         verdict = self._classify(s, table, triggers)
         if verdict.verdict != "transient" and self.peer_check and self.world > 1 and not self.sharded:
-            self._peer(verdict, batches, replay_fn)
+            self._peer(verdict, batches, replay_fn, divide=first is None)
         if verdict.verdict in ("data", "numerics"):
             self._name_data(verdict, s, batches, ids)
         verdict.seconds = round(time.perf_counter() - started, 6)
@@ -177,11 +201,26 @@ class StepRerun:
         # sharded module itself, run by every rank together.
         return self.model if self.sharded else self.accelerator.unwrap_model(self.model)
 
-    def _run(self, batches: Sequence[Mapping[str, Any]], replay_fn: Callable, divide: int) -> list[float]:
+    def _recorded_replay(self, batches: list[dict]) -> tuple[Callable | None, list[dict], list[float] | None]:
+        """The replay without a replay function: ``(loss function, each micro-step's model inputs with its output
+        gradient, the first run's loss per micro-step)`` from :attr:`recorded`; no function when a micro-step's
+        record is missing."""
+        if self.recorded is None:
+            return None, batches, None
+        runs = [self.recorded.rerun_batch(i) for i in range(len(batches))]
+        if any(r is None for r in runs) or len(self.recorded.steps) != len(batches):
+            return None, batches, None
+        model = self._unwrapped()
+        return (lambda batch: output_grad_loss(model, batch)), [b for b, _ in runs], [float(f) for _, f in runs]
+
+    def _run(self, batches: Sequence[Mapping[str, Any]], replay_fn: Callable, divide: int,
+             first: Sequence[float] | None = None) -> list[float]:
         """Forward + backward of ``batches`` (losses divided by ``divide``, as the step's accumulation did);
-        the row of what it saw. Gradients stay in ``.grad`` (the caller reads and clears them)."""
+        the row of what it saw (``first``: the first run's losses, when the replay's loss is not the step's).
+        Gradients stay in ``.grad`` (the caller reads and clears them)."""
         row = [0.0] * ROW
-        for batch in batches:
+        row[FIRST_SUM] = math.nan if first is None else 0.0
+        for k, batch in enumerate(batches):
             try:
                 with torch.enable_grad(), self.accelerator.autocast():  # the step's own precision
                     loss = _loss_of(replay_fn(batch))
@@ -194,6 +233,8 @@ class StepRerun:
             if math.isfinite(value):
                 row[LOSS_SUM] += value
                 row[LOSS_COUNT] += 1
+                if first is not None:
+                    row[FIRST_SUM] += first[k]
             else:
                 row[BAD] += 1
         return row
@@ -211,13 +252,14 @@ class StepRerun:
             total += float(g.detach().float().pow(2).sum())
         return total
 
-    def _rerun_own(self, batches: list[dict], replay_fn: Callable) -> list[float]:
+    def _rerun_own(self, batches: list[dict], replay_fn: Callable, first: list[float] | None) -> list[float]:
         """This rank's micro-batches on the unchanged weights; the gradients averaged over the ranks as the step
-        did; the row, with the *global* gradient's sum of squares (the sharded part of it under FSDP)."""
+        did; the row, with the *global* gradient's sum of squares (the sharded part of it under FSDP). A recorded
+        output gradient (``first`` given) already holds the accumulation's division."""
         params = self._params()
         for p in params:
             p.grad = None
-        row = self._run(batches, replay_fn, divide=len(batches))
+        row = self._run(batches, replay_fn, divide=len(batches) if first is None else 1, first=first)
         if self.world > 1 and not self.sharded:  # DDP averaged the gradients: do the same, once
             import torch.distributed as dist
 
@@ -258,7 +300,8 @@ class StepRerun:
                 reproduced[str(r)] = again
             else:
                 mean = row[LOSS_SUM] / row[LOSS_COUNT] if row[LOSS_COUNT] else math.nan
-                same = _close(mean, s.rank_loss[r]) and not again
+                was = s.rank_loss[r] if math.isnan(row[FIRST_SUM]) else row[FIRST_SUM] / max(row[LOSS_COUNT], 1)
+                same = _close(mean, was) and not again
                 if not same:
                     changed_loss.append(r)
                 reproduced[str(r)] = same
@@ -288,7 +331,7 @@ class StepRerun:
                             transient_by_rank={str(k): v for k, v in sorted(self.transient_by_rank.items())})
 
     # ------------------------------------------------------------------ the peer check (DDP)
-    def _peer(self, verdict: RerunVerdict, batches: list[dict], replay_fn: Callable) -> None:
+    def _peer(self, verdict: RerunVerdict, batches: list[dict], replay_fn: Callable, divide: bool = True) -> None:
         """For each rank whose trouble reproduced, its peer runs the same micro-batches on its own replica."""
         for r in verdict.ranks:
             peer = (r + 1) % self.world
@@ -298,7 +341,7 @@ class StepRerun:
                 params = self._params()
                 for p in params:
                     p.grad = None
-                row = self._run(sent, replay_fn, divide=len(sent))
+                row = self._run(sent, replay_fn, divide=len(sent) if divide else 1)
                 row[GRAD_SQ] = self._grad_sq()
                 for p in params:
                     p.grad = None
@@ -322,7 +365,7 @@ class StepRerun:
             return
         named: dict[str, list[str]] = {}
         for batch, batch_ids in zip(batches, ids):
-            tensors = {k: v.detach().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            tensors = {k: v.detach().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor) and k != OUTPUT_GRAD_KEY}
             report = sample_report(tensors, batch_ids)
             for sid in report["bad_sample_ids"]:
                 named.setdefault(sid, report["bad_reasons"].get(sid, []))

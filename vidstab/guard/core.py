@@ -267,6 +267,14 @@ class Guard:
         """Ask every rank to stop at the next optimizer step (safe from a signal handler: sets a flag)."""
         self._stop_requested = True
 
+    def track_samples(self, loader: Any) -> Any:
+        """``loader = guard.track_samples(loader)`` (the attached form's one line for data): the loop's batches name
+        their samples in incident bundles and the rerun, and quarantined samples are skipped in later epochs and
+        after a resume (:mod:`vidstab.guard.loader`)."""
+        from .loader import TrackedLoader
+
+        return TrackedLoader(loader, self)
+
     def set_replay_fn(self, fn: Callable[[dict], torch.Tensor] | None) -> None:
         """``fn(batch) -> loss`` used to replay a bad micro-batch for non-finite localisation."""
         self.reporter.replay_fn = fn
@@ -430,7 +438,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 
         rep.model_spec = model_spec_of(accelerator.unwrap_model(model))
         if rep.model_spec is not None:
-            rep.output_gradients = OutputGradients(model, accelerator)
+            rep.output_gradients = OutputGradients(model, accelerator, guard.patches.named_inputs)
+    guard.rerun.attached(rep.output_gradients, guard.patches.forward_names)  # re-runs with no replay function
     if rollback_every:
         from ..auto_rollback import AutoRollback
 

@@ -31,6 +31,7 @@ class UserLoopPatches:
         self.handles: list[Any] = []
         self.model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the latest forward with grad
         self.user_norm: tuple[torch.Tensor | None, float] | None = None  # from the user's clip_grad_norm_
+        self.sample_ids: list[str] | None = None  # the current batch's, from guard.track_samples(loader)
         forward = getattr(guard.accelerator.unwrap_model(guard.model), "forward", None)
         try:
             self.forward_names = [n for n, p in inspect.signature(forward).parameters.items()
@@ -97,7 +98,7 @@ class UserLoopPatches:
         else:  # per-sample scalars (timesteps, sigmas: [B] up to 1000) are not data: they would hide the latents' scale
             data = [t for t in named.values() if t.dim() >= 2]
         last = g.accelerator.sync_gradients
-        g.record_backward(loss, data, named, backward_kwargs=kwargs)
+        g.record_backward(loss, data, named, self.sample_ids, backward_kwargs=kwargs)
         ds = g.deepspeed
         if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
             g.guarded_step(ds.pre_step_norm(), ds.max_grad_norm, step_scheduler=False)

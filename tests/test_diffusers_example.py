@@ -114,12 +114,11 @@ def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_o
     abandoned trajectory (``RecoveryConfig(own_checkpoints=...)``)."""
     images, config = _data(tmp_path, n=8)
     out = tmp_path / "run"
-    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. Steps 4-8 get an LR x10^4 every time they are
-    # taken (four copies of each fault, one fires per visit): refused steps leave the checkpoints saved among them
-    # unhealthy (a NaN batch would not: skipped bad data says nothing of the weights), the fifth skip in a row asks
-    # for a rollback, the fault recurs after every rollback, the retry budget runs out and the run aborts.
-    faults = [x for _ in range(4) for step in range(4, 9) for x in ("--inject_fault", f"lr_spike@{step}=1e4")]
-    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
+    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. From step 4 on the scheduler's own base LRs are
+    # x10^4, written again after every rollback (``lr_base``: a bug in the schedule's code): refused steps leave the
+    # checkpoints saved among them unhealthy (a NaN batch would not: skipped bad data says nothing of the weights),
+    # the skips escalate to a rollback, the fault recurs after every one, the retry budget runs out and the run aborts.
+    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", "--inject_fault", "lr_base@4=1e4", nproc=1)
     assert first.returncode != 0 and "vidstab: run aborted" in first.stderr, first.stderr[-3000:]
     rollbacks = events(out, "rollback")
     assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks

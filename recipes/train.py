@@ -6,7 +6,7 @@
     accelerate launch recipes/train.py --resume_from_checkpoint latest
     accelerate launch recipes/train.py --inject_fault nan_batch@20:1  # drill: watch vidstab skip and capture it
     accelerate launch --multi_gpu --rdzv_backend c10d --max_restarts 3 recipes/train.py --resume_from_checkpoint latest
-                                       # survives hung and dead ranks: README, "Launching a run that survives faults"
+                                       # survives hung and dead ranks: docs/faults.md
 
 Data flow of one optimizer step (``train_step`` below): for each of ``gradient_accumulation_steps``
 micro-batches: latents -> timesteps + noise (drawn on the device, seeded per step, micro-step and rank) -> DiT -> fp32 per-sample

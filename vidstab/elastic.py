@@ -183,5 +183,5 @@ def shared_store_warning(environ: Mapping[str, str] | None = None) -> str | None
     if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return ("restarts are enabled but workers share the launcher's store, so a restarted group may read the previous "
                 "attempt's addresses (pytorch/pytorch#135712); launch with --rdzv_backend c10d and "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README: 'Launching a run that survives faults')")
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/faults.md)")
     return None

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .elastic import check_world_size
+from .elastic import LaunchInfo, check_world_size
 
 __all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirLock", "claim_run_dir", "LOCK_FILE", "PREVIOUS_RUNS"]
 
@@ -184,7 +184,7 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
                     f"the same command again would start over on top of it and mix two runs. Resume it with "
                     f"--resume_from_checkpoint latest (resume='latest'), or start over with --overwrite_output_dir "
                     f"(overwrite=True: the earlier run is moved to {PREVIOUS_RUNS}/, not deleted), or choose another "
-                    f"--output_dir.")
+                    f"--output_dir.{_restart_advice()}")
             lock.moved_to = _move_aside(output_dir, earlier)
             logger.warning("overwrite: the earlier run in %s was moved to %s", output_dir, lock.moved_to)
     except BaseException:
@@ -198,6 +198,16 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
     os.fsync(fd)
     _HELD[os.path.realpath(output_dir)] = lock
     return lock
+
+
+def _restart_advice() -> str:
+    """On a torch-elastic restart, what the launch line lacks: the restart runs the same command again."""
+    launch = LaunchInfo.from_env()
+    if not launch.is_restart:
+        return ""
+    return (f" This is torch-elastic restart {launch.restart_count} of {launch.max_restarts}: it runs the launch's command "
+            f"again, so a launch under --max_restarts must pass --resume_from_checkpoint latest (resume='latest') for "
+            f"every restart to resume; a first launch with it starts from scratch (docs/faults.md).")
 
 
 def _move_aside(output_dir: str, entries: list[str]) -> str:

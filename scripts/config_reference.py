@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -151,7 +152,24 @@ def yaml_value(value: object) -> str:
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{}" if not value else str(value)
+    if isinstance(value, str) and "/" in value:
+        return f'"{value}"'  # a path: as YAML quotes it
     return str(value)
+
+
+def markdown(text: str) -> str:
+    """A docstring as table text: RST literals as Markdown code, a run-folder path (``vidstab/incidents``, not a
+    file of this repository) under ``OUTPUT_DIR/``, and no ``|`` that would end the cell."""
+    text = re.sub(r"``(.+?)``", r"`\1`", text)
+    text = re.sub(r":\w+:`~?([\w.]+)`", r"`\1`", text)
+
+    def run_folder(m: re.Match) -> str:
+        path = m.group(1)
+        known = (REPO / path).exists() or (REPO / (path + ".py")).exists()
+        return f"`{path}" if known else f"`OUTPUT_DIR/{path}"
+
+    text = re.sub(r"`(vidstab/[\w/.\-]*)", run_folder, text)
+    return text.replace("|", "\\|")
 
 
 def turn(cls: type, name: str) -> str | None:
@@ -230,8 +248,9 @@ def render() -> str:
             value = default(f)
             if dataclasses.is_dataclass(value):
                 continue
-            meaning = (docs.get(f.name) or "").replace("|", "\\|")
-            lines.append(f"| `{prefix}{f.name}` | `{yaml_value(value)}` | {meaning} | {(turn(cls, f.name) or '').replace('|', '/')} |")
+            meaning = markdown(docs.get(f.name) or "")
+            shown = f"`{yaml_value(value)}`".replace("|", "\\|")
+            lines.append(f"| `{prefix}{f.name}` | {shown} | {meaning} | {markdown(turn(cls, f.name) or '')} |")
         lines.append("")
     return "\n".join(lines)
 

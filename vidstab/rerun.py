@@ -142,7 +142,7 @@ class StepRerun:
         if self.deepspeed:
             why = "under DeepSpeed a rerun would have to go through the engine's own forward and backward: not re-run"
         elif replay_fn is None:
-            why = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
+            why = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it (docs/runbook.md)"
         elif not refs or any(b is None for b, _, _ in refs):
             why = "the micro-batches were not kept (GuardConfig.capture_incidents is False)"
         if why is not None:

@@ -118,6 +118,15 @@ def test_the_api_page_lists_every_public_name():
     assert not missing, f"docs/api.md lacks a '::: module.NAME' entry for: {missing}"
 
 
+def test_the_faults_page_lists_every_drill_fault():
+    from vidstab.faults import FAULT_KINDS
+
+    page = (DOCS / "faults.md").read_text(encoding="utf-8")
+    table = page[page.index("## Fault drills"):]
+    missing = [k for k in FAULT_KINDS if not re.search(rf"^\| `{k}[`=\[]", table, flags=re.M)]
+    assert not missing, f"docs/faults.md's table 'Fault drills' lacks: {missing}"
+
+
 def test_the_readme_names_the_versions_installed_here():
     for line in doc_snippet("tested-versions").splitlines():
         name, version = line.split()

@@ -153,3 +153,15 @@ def test_the_runbook_commands_run_on_an_incident_run(nan_batch_rank1_run, tmp_pa
             assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     left = [json.loads(x)["sample_id"] for x in (out / "vidstab" / "quarantine.jsonl").read_text().splitlines()]
     assert quarantined[0] not in left
+
+
+def test_every_launch_line_under_max_restarts_resumes():
+    """A torch-elastic restart runs the launch's command again: without ``--resume_from_checkpoint latest`` a user's
+    script is refused by ``claim_run_dir`` on every restart (docs/faults.md)."""
+    from doc_snippets import all_snippets
+
+    lines = [(s.path, line) for s in all_snippets() if s.lang == "bash" for line in s.code.splitlines()
+             if "--max_restarts" in line and not line.lstrip().startswith("#")]
+    assert lines, "no launch line with --max_restarts in the docs"
+    bad = [(path, line) for path, line in lines if "--resume_from_checkpoint latest" not in line]
+    assert not bad, f"launch lines under --max_restarts without --resume_from_checkpoint latest: {bad}"

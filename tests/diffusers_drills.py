@@ -43,6 +43,9 @@ def launch(script: Path, out: Path, args: list[str], faults: tuple[str, ...] = (
         port = ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
                 "--max_restarts", str(max_restarts)]
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # torchrun's --rdzv-id (the launch takes it from the environment): another job's agent that reaches the
+        # same port (a shared machine) then never joins this job's rendezvous
+        env["PET_RDZV_ID"] = f"vidstab-drill-{os.getpid()}-{out.name}"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", *port]
     if nproc > 1:

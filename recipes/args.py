@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_resilience_flags(p: argparse.ArgumentParser) -> None:
-    """Hang watchdog and in-job restart (vidstab.watchdog, vidstab.elastic); see README "Launching a run that survives faults"."""
+    """Hang watchdog and in-job restart (vidstab.watchdog, vidstab.elastic); see docs/faults.md."""
     res = p.add_argument_group("resilience")
     res.add_argument("--watchdog_timeout", type=float, default=300.0, metavar="SECONDS",
                      help="A rank that makes no progress for max(SECONDS, multiple x its slowest step) dumps its stacks and "

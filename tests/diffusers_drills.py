@@ -30,12 +30,22 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def launch(script: Path, out: Path, args: list[str], faults: tuple[str, ...] = (), nproc: int = 2) -> subprocess.CompletedProcess:
+def launch(script: Path, out: Path, args: list[str], faults: tuple[str, ...] = (), nproc: int = 2,
+           max_restarts: int = 0) -> subprocess.CompletedProcess:
     """``script ARGS`` as a user launches it (``accelerate launch``, ``nproc`` CPU processes), unchanged, through
-    the drill harness: it injects ``faults`` and, without torchvision, the shim's transforms."""
+    the drill harness: it injects ``faults`` and, without torchvision, the shim's transforms. ``max_restarts``: the
+    launch of docs/faults.md (torch elastic restarts, a fresh rendezvous store per round)."""
     env = _env()
+    port = ["--main_process_port", "0"]
+    if max_restarts:
+        from trainer_utils import free_port
+
+        port = ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+                "--max_restarts", str(max_restarts)]
+        # the environment of docs/faults.md's launch: a fresh store per round, this job's own rendezvous
+        env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PET_STANDALONE="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", *port]
     if nproc > 1:
         env["ACCELERATE_USE_CPU"] = "1"
         cmd.insert(3, "--multi_gpu")

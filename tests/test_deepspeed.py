@@ -161,8 +161,9 @@ def test_cpu_deepspeed_runs_get_gloo_and_skip_the_shm_op_build(monkeypatch):
 
 def doc_commands() -> list[str]:
     """The ``accelerate launch --use_deepspeed`` commands docs/deepspeed.md shows."""
-    text = (REPO / "docs" / "deepspeed.md").read_text(encoding="utf-8")
-    return [line.strip() for line in text.splitlines() if line.strip().startswith("accelerate launch --use_deepspeed")]
+    from doc_snippets import doc_snippet
+
+    return [line.strip() for line in doc_snippet("deepspeed-launch").splitlines() if line.strip()]
 
 
 def launch_trainer(command: str, output_dir: Path, *flags: str, timeout: int = 300,

@@ -217,6 +217,21 @@ def test_consecutive_skips_escalate_to_rollback():
     assert verdicts[8] == Verdict.SKIP  # the count restarts after a rollback
 
 
+def test_skip_rate_escalates_alternating_skips_that_never_make_a_run():
+    """A skipped and an applied step in turn (a bug rewriting the scheduler's base LRs) never reaches five skips in
+    a row; more than 30% of 50 steps skipped asks for a rollback, and the window starts afresh after it."""
+    dets = build_detectors(GuardConfig())
+    seq = noisy(10)
+    for i in range(60):
+        step = 10 + i
+        seq.append(stats(step, grad_norm=math.nan, nonfinite_loss_ranks=[0]) if i % 2 == 0 else noisy(1, start=step, seed=i)[0])
+    out = [(st, v, n) for st, v, n in run(dets, seq)]
+    # the 16th skip (0.3 x 50 = 15 are allowed) comes at the 31st step of the alternation; after the rollback the
+    # count starts afresh, so the 30 steps left do not reach it again
+    assert [(st, n) for st, v, n in out if v == Verdict.ROLLBACK] == [(40, {"nonfinite", "skip_rate"})]
+    assert all(v == Verdict.SKIP for st, v, _ in out if st > 40 and st % 2 == 0)
+
+
 def test_repeated_spikes_escalate_to_rollback():
     dets = build_detectors(GuardConfig())
     seq = noisy(30)

@@ -46,14 +46,14 @@ def _data(tmp_path: Path, n: int = 16) -> tuple[Path, Path]:
 
 
 def _run(script: Path, out: Path, images: Path, config: Path, *extra: str, faults: tuple[str, ...] = (),
-         nproc: int = 2) -> subprocess.CompletedProcess:
+         nproc: int = 2, max_restarts: int = 0) -> subprocess.CompletedProcess:
     return launch(script, out, ["--train_data_dir", str(images), "--model_config_name_or_path", str(config),
                                 "--output_dir", str(out), "--resolution", "16", "--center_crop", "--train_batch_size", "2",
                                 "--eval_batch_size", "1", "--lr_warmup_steps", "2", "--learning_rate", "1e-3",
                                 "--checkpointing_steps", "2", "--checkpoints_total_limit", "2",
                                 "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100", "--save_model_epochs", "100",
                                 "--dataloader_num_workers", "0", "--cache_dir", str(out.parent / "hf_cache"), *extra],
-                  faults, nproc)
+                  faults, nproc, max_restarts)
 
 
 def test_the_patches_are_the_diffs_between_upstream_and_the_guarded_copies():
@@ -108,18 +108,33 @@ def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
     assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
 
 
+def test_under_max_restarts_a_killed_rank_is_restarted_and_the_scripts_own_resume_goes_on(tmp_path):
+    """The launch line of docs/faults.md for a user's script: ``--max_restarts`` with ``--resume_from_checkpoint
+    latest`` (a first launch has no checkpoint and starts from scratch; each restart resumes). Rank 1 SIGKILLs
+    itself at step 7; torch elastic restarts both ranks, which resume from the script's own checkpoint-6."""
+    images, config = _data(tmp_path)
+    out = tmp_path / "run"
+    run = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest", faults=KILL,
+               max_restarts=1)
+    assert run.returncode == 0, run.stderr[-4000:]
+    said = run.stdout + run.stderr
+    assert "Checkpoint 'latest' does not exist. Starting a new training run." in said  # the first launch
+    assert "Resuming from checkpoint checkpoint-6" in said  # the restart
+    assert events(out, "resume")[-1]["step"] == 6
+    assert events(out, "metrics")[-1]["step"] == 11 and own_checkpoints(out) == [10, 12]
+
+
 def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_own_resume_latest(tmp_path):
     """The explicit form (vidstab's own checkpoints, Recovery in the loop, which sets global_step back): after a
     rollback the two checkpoint systems agree, the script's own `latest` never picks a checkpoint-N of the
     abandoned trajectory (``RecoveryConfig(own_checkpoints=...)``)."""
     images, config = _data(tmp_path, n=8)
     out = tmp_path / "run"
-    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. Steps 4-8 get an LR x10^4 every time they are
-    # taken (four copies of each fault, one fires per visit): refused steps leave the checkpoints saved among them
-    # unhealthy (a NaN batch would not: skipped bad data says nothing of the weights), the fifth skip in a row asks
-    # for a rollback, the fault recurs after every rollback, the retry budget runs out and the run aborts.
-    faults = [x for _ in range(4) for step in range(4, 9) for x in ("--inject_fault", f"lr_spike@{step}=1e4")]
-    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", *faults, nproc=1)
+    # 8 images / batch 2 = 4 steps per epoch, 3 epochs = 12 steps. From step 4 on the scheduler's own base LRs are
+    # x10^4, written again after every rollback (``lr_base``: a bug in the schedule's code): refused steps leave the
+    # checkpoints saved among them unhealthy (a NaN batch would not: skipped bad data says nothing of the weights),
+    # the skips escalate to a rollback, the fault recurs after every one, the retry budget runs out and the run aborts.
+    first = _run(EXPLICIT, out, images, config, "--num_epochs", "3", "--inject_fault", "lr_base@4=1e4", nproc=1)
     assert first.returncode != 0 and "vidstab: run aborted" in first.stderr, first.stderr[-3000:]
     rollbacks = events(out, "rollback")
     assert len(rollbacks) == 3 and all(r["to_step"] <= 4 for r in rollbacks), rollbacks

@@ -52,7 +52,11 @@ def test_every_code_block_is_marked_and_every_name_is_run_by_a_test():
     tests_text = "\n".join(t for t in readers if "doc_snippet" in t)
     problems = []
     for s in all_snippets():
-        if s.lang in ("", "text"):
+        if s.lang == "":
+            problems.append(f"{s.path}:{s.line}: a block without a language tag: `text` for output, file trees and "
+                            f"outlines; bash, python, yaml ... with <!-- snippet: NAME --> for what users copy")
+            continue
+        if s.lang == "text":
             continue  # output, file trees and outlines: nothing to copy and run
         if s.lang != "python" and s.name is None:
             problems.append(f"{s.path}:{s.line}: a {s.lang} block without <!-- snippet: NAME -->")
@@ -80,10 +84,10 @@ def test_the_test_commands_are_exactly_what_ci_runs():
 
 def test_install_commands_name_extras_that_exist():
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    for block in (doc_snippet("install-readme"), doc_snippet("install-extras")):
+    for block in (doc_snippet("install-readme"), doc_snippet("install-extras"), doc_snippet("install-deepspeed")):
         for line in _commands(block):
             assert line.startswith("pip install "), line
-            asked = re.findall(r"vidstab\[([\w,]+)\]", line)
+            asked = re.findall(r"(?:vidstab|\"\.)\[([\w,]+)\]", line)
             assert all(set(a.split(",")) <= extras for a in asked), (line, extras)
     main_job = _commands(doc_snippet("main-job"))
     install = main_job[0].split(" && ")

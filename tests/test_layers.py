@@ -76,4 +76,4 @@ def test_reference_package_without_its_extra_names_the_extra():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "needs the [reference] extra" in proc.stdout and "missing: einops" in proc.stdout, proc.stdout + proc.stderr
-    assert "pip install 'vidstab[reference]'" in proc.stdout
+    assert 'pip install -e ".[reference]" in your vidstab clone' in proc.stdout

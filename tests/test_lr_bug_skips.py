@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from accelerate import Accelerator
 
@@ -75,3 +76,34 @@ def test_without_a_scheduler_a_skip_brings_an_lr_above_the_constant_schedule_bac
     guard, recovery, _, lrs = _loop(tmp_path, bug_steps={6, 7, 8}, steps=15, scheduler=False)
     assert sorted({e["step"] for e in _events(tmp_path, "skip")}) == [6, 7, 8]
     assert lrs[8] == 1e-3 and not _events(tmp_path, "rollback")
+
+
+def test_a_bug_on_every_other_step_escalates_by_skip_rate_then_stops(tmp_path):
+    """A bug that writes the LR on every other step only: refused and applied steps in turn, so no run of
+    ``consecutive_skips`` builds up. More than 30% of the last 50 steps skipped rolls back (in place, the attached
+    form), the bug comes back, and past the retry budget the run stops with the message."""
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=tmp_path, rollback_every=5)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(vidstab.RunAborted, match="still failing after 3 rollback.*skip_rate: 16 of the last 50"):
+        for step in range(400):
+            if step >= 20 and step % 2 == 0:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * 1e4  # the user's bug, on every other step
+            x = torch.randn(4, 8, generator=g)
+            loss = (model(x) - x).pow(2).mean()
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    guard.close()
+    skips = sorted({e["step"] for e in _events(tmp_path, "skip")})
+    assert skips[:3] == [20, 22, 24] and not set(range(21, 50, 2)) & set(skips)  # never two in a row
+    rollbacks = _events(tmp_path, "rollback")
+    assert len(rollbacks) >= 3 and all(r["reason"].startswith("skip_rate:") for r in rollbacks)

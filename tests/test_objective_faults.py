@@ -110,6 +110,29 @@ def test_lr_faults_survive_scheduler_steps_until_rollback():
     assert faults.adjust_lr(4, optimizer, scheduler) is None
 
 
+def test_lr_base_fault_multiplies_the_schedules_base_lrs_for_good_even_after_a_reload():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    before = scheduler.state_dict(), optimizer.state_dict()  # a checkpoint taken before the fault's step
+    faults = FaultInjector(["lr_base@2=10"], rank=0)
+    lrs = []
+    for step in range(5):
+        if step == 4:  # a rollback reloads the scheduler: the bug is in the code, it writes the base LRs again
+            scheduler.load_state_dict(before[0])
+            optimizer.load_state_dict(before[1])
+            faults.on_rollback()
+        faults.adjust_lr(step, optimizer, scheduler)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.1, 0.1, 1.0, 1.0, 1.0])  # x10 once at step 2, not compounded; again after the reload
+    assert scheduler.base_lrs == pytest.approx([1.0])
+    assert FaultInjector(["lr_base@9=10"], rank=0).adjust_lr(3, optimizer, scheduler) is None  # not before its step
+    with pytest.raises(ValueError, match="numeric"):
+        Fault.parse("lr_base@3=x")
+
+
 def test_module_fault_makes_that_module_nonfinite_and_unhooks():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     faults = FaultInjector(["inf_module@0=1"], rank=0)

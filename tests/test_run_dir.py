@@ -67,6 +67,19 @@ def test_the_same_command_twice_is_refused_unless_it_resumes_or_overwrites(tmp_p
     assert vidstab.claim_run_dir is claim_run_dir
 
 
+def test_a_torch_elastic_restart_without_resume_is_refused_saying_what_the_launch_line_lacks(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with claim_run_dir(None, out):
+        (out / "vidstab").mkdir()
+        (out / "vidstab" / "events-rank0.jsonl").write_text('{"kind": "start"}\n')
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(RunDirNotEmpty, match="torch-elastic restart 1 of 3.*must pass --resume_from_checkpoint latest"):
+        claim_run_dir(None, out)
+    with claim_run_dir(None, out, resume="latest") as lock:  # the documented launch line: the restart resumes
+        assert lock.moved_to is None
+
+
 def test_a_launch_whose_processes_did_not_join_is_refused_naming_the_launch(tmp_path):
     """torchrun with 2 processes on a machine without a GPU and without ACCELERATE_USE_CPU=1: each process gets
     an Accelerator of one process (measured). Both are refused before anything is written, with a message

@@ -124,6 +124,21 @@ def test_lr_spike_rolls_back_with_halved_lr_and_finishes_finite(tmp_path):
     assert all(torch.isfinite(t).all() for t in _weights(out, 40).values())
 
 
+def test_a_schedule_bug_for_good_rolls_back_then_stops_with_a_message(tmp_path):
+    """``lr_base``: the scheduler's own base LRs x100 from step 6 on, written again after every rollback. The guard
+    refuses the steps, escalates to rollbacks (skips in a row or the share of skipped steps, ``skip_rate``) and, past
+    the retry budget, stops with the message and the command that shows the evidence."""
+    out = tmp_path / "run"
+    proc = run_trainer(out, "--max_train_steps", "20", "--checkpointing_steps", "3", "--max_retries", "2",
+                       "--inject_fault", "lr_base@6=100", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "vidstab: run aborted" in said, said[-3000:]
+    assert f"vidstab events {out} --kind skip" in said
+    rollbacks = events(out, kind="rollback")
+    assert len(rollbacks) == 2 and all(r["to_step"] <= 6 for r in rollbacks), rollbacks
+    assert [e["action"] for e in events(out, kind="recovery")][-1] == "abort"
+
+
 def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):
     out = tmp_path / "run"
     # Spikes only warn here, so the run is left to diverge and we can see whether the growth detector

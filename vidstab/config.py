@@ -31,6 +31,7 @@ from .detectors import (
     NonFiniteParamsConfig,
     ParamGrowthConfig,
     RepeatedSpikesConfig,
+    SkipRateConfig,
     StragglerConfig,
     TrendConfig,
     UpdateRatioConfig,
@@ -133,6 +134,8 @@ class GuardConfig:
     """A run of skipped steps (default: rollback)."""
     repeated_spikes: RepeatedSpikesConfig = field(default_factory=RepeatedSpikesConfig)
     """Spikes clustered in a window (default: rollback)."""
+    skip_rate: SkipRateConfig = field(default_factory=SkipRateConfig)
+    """More than a share of recent steps skipped, consecutive or not (default: rollback)."""
     custom: dict[str, Any] = field(default_factory=dict)
     """Configs of detectors added with :func:`vidstab.register_detector`, by name. In YAML/dicts they sit
     at the top level like the built-in ones (``my_rule: {action: skip}``); a registered detector without

@@ -93,7 +93,8 @@ def check_supported(engine: Any) -> None:
         raise DeepSpeedUnsupported(
             f"vidstab under DeepSpeed reads engine internals (the pre-step gradient norm, the overflow path, the "
             f"ZeRO partitions) that are tested with deepspeed {', '.join(TESTED_VERSIONS)} only; this is "
-            f"deepspeed {deepspeed.__version__}. Install the tested version: pip install 'vidstab[deepspeed]'")
+            f"deepspeed {deepspeed.__version__}. Install the tested version: pip install -e \".[deepspeed]\" in your "
+            f"vidstab clone (the distribution vidstab-train; PyPI's 'vidstab' is another package)")
     why = None
     if type(engine).__name__ == "PipelineEngine" or hasattr(engine, "train_batch") and hasattr(engine, "num_stages"):
         why = ("DeepSpeed's pipeline engine is not supported: its train_batch() runs forward, backward and step "

@@ -13,6 +13,9 @@ chosen optimizer step, the failures the seeds describe:
                 optimizer/scheduler state is reloaded (a rollback clears it, as it would a bad schedule)
 ``lr_ramp``     the learning rate is multiplied by 1.3 (``=FACTOR``) at every step from that step on, until a
                 rollback: a slowly diverging schedule, the exponential grad-norm growth of docs/PRACTICES.md A2
+``lr_base``     the scheduler's own base LRs are multiplied by 100 (``=FACTOR``) from that step on, for good:
+                re-applied whenever a reload (a rollback) or a hold puts them back, as a bug in the schedule's
+                code would (the held schedule restores the LR for one step, the bug writes it again)
 ``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
                 stays in the model from that step on (as a real overflowing layer would), and incident
@@ -56,6 +59,8 @@ from .lr import scale_lrs
 
 FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
                "flaky_activation", "hang", "kill", "kill_in_save", "slow")
+# A fault on the scheduler itself, kept apart from the kinds above (vidstab/faults.py's LR block).
+FAULT_KINDS += ("lr_base",)
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -95,6 +100,8 @@ class Fault:
                 raise ValueError(f"--inject_fault {spec!r}: {kind} takes a numeric factor, got {arg!r}") from None
             if kind == "slow" and not factor >= 1.0:
                 raise ValueError(f"--inject_fault {spec!r}: slow takes a factor >= 1 (how many times slower), got {arg!r}")
+        if kind == "lr_base" and arg is not None and not _is_number(arg):
+            raise ValueError(f"--inject_fault {spec!r}: lr_base takes a numeric factor, got {arg!r}")
         if kind in ("hang", "kill", "kill_in_save") and arg is not None:
             raise ValueError(f"--inject_fault {spec!r}: {kind} takes no =ARG; write {kind}@STEP[:RANK]")
         if kind == "inf_module" and not arg:
@@ -112,6 +119,8 @@ class FaultInjector:
         self.faults = [Fault.parse(s) for s in (specs or [])]
         self.rank = rank
         self._ramp = 1.0  # per-step LR factor of an active lr_ramp
+        self._lr_base: tuple[int, float] | None = None  # (step, factor) of a fired lr_base fault
+        self._lr_base_written: list[float] | None = None  # the scheduler's base LRs as the fault last left them
         self._slow = 1.0  # compute-time factor of an active slow fault
         self._fastest = float("inf")  # fastest compute seen, the base of the slow fault's pause
         if restart_count > 0:  # the job was restarted: the drill has been done, do not repeat it forever
@@ -166,11 +175,24 @@ class FaultInjector:
         if ramp is not None:
             self._ramp = float(ramp.arg) if ramp.arg else 1.3
         factor *= self._ramp
+        factor *= self._lr_base_factor(step, lr_scheduler)
         if factor == 1.0:
             return None
         # as_scheduled=False: like a bug writing the LR, the scheduler's last LR still says what it set.
         scale_lrs(optimizer, factor, lr_scheduler, as_scheduled=False)
+        self._lr_base_written = _base_lrs(lr_scheduler) if self._lr_base is not None else None
         return factor
+
+    def _lr_base_factor(self, step: int, lr_scheduler: object | None) -> float:
+        """The ``lr_base`` factor to apply now: at its step, and again whenever the scheduler's base LRs are no
+        longer what the fault last wrote (a reload by a rollback, a resume, or the guard's back-off)."""
+        fault = self._take("lr_base", step)
+        if fault is not None:
+            self._lr_base = (fault.step, float(fault.arg) if fault.arg else 100.0)
+            return self._lr_base[1]
+        if self._lr_base is None or step < self._lr_base[0] or _base_lrs(lr_scheduler) == self._lr_base_written:
+            return 1.0
+        return self._lr_base[1]
 
     def maybe_hang(self, step: int) -> None:
         """The ``hang`` fault: block this thread forever (only the watchdog or a signal ends the process)."""
@@ -231,6 +253,20 @@ class FaultInjector:
         inner = {k: v for k, v in spec.items() if k in ("class", "config", "factory", "kwargs")}
         outer = {k: v for k, v in spec.items() if k not in inner}
         return {"factory": "vidstab.faults:model_with_module_fault", "kwargs": {"model": inner, "module": names[0]}, **outer}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _base_lrs(lr_scheduler: object | None) -> list[float] | None:
+    from .lr import torch_scheduler
+
+    return list(getattr(torch_scheduler(lr_scheduler), "base_lrs", None) or []) or None
 
 
 def validate_faults(specs: list[str] | None, world_size: int, max_steps: int, flag: str = "--inject_fault") -> None:

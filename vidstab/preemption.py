@@ -9,8 +9,8 @@ per-step reduction); the loop then saves a checkpoint and exits 0.
 A second SIGINT restores the default behaviour and re-raises it, so Ctrl-C twice still kills a run
 that is stuck.
 
-Schedulers signal the *launcher*, not the trainer. Measured with torch 2.13 / accelerate 1.15 (README,
-"Launching a run that survives faults"): torch elastic (``torchrun``, ``accelerate launch`` with 2 or more
+Schedulers signal the *launcher*, not the trainer. Measured with torch 2.13 / accelerate 1.15
+(docs/faults.md): torch elastic (``torchrun``, ``accelerate launch`` with 2 or more
 processes) forwards SIGTERM to every worker and SIGKILLs them 30 s later; a 1-process ``accelerate launch``
 dies at once and leaves the trainer running as an orphan that no one signals. With ``watch_parent=True`` a
 daemon thread notices that the parent process is gone (``os.getppid()`` changed: the orphan was re-parented)

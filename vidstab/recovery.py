@@ -528,7 +528,7 @@ class Recovery:
             how = (f"No incident bundle was written for steps {first_step}-{last_step} (the findings that skipped them "
                    f"capture none: a learning rate or a divergence is not in one batch). The evidence is in the event log:\n"
                    f"  vidstab events {self.run_dir} --kind skip --kind rollback --kind recovery")
-        return f"vidstab: run aborted: {what}. {how}"
+        return f"vidstab: run aborted: {what}. {how}\nWhat to do next: docs/runbook.md, 'The run stopped'."
 
     def _persist(self) -> None:
         if not self.accelerator.is_main_process:

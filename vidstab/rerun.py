@@ -25,8 +25,8 @@ The verdict (``RerunVerdict``, in the ``rerun`` event, the step's incident bundl
   per rank; :class:`vidstab.recovery.Recovery` never lowers the LR nor spends the retry budget for it.
 * ``suspect_hardware``: reproduced on the original rank and not by the peer on the same batch and weights:
   a ``warn`` event (``detector="suspect_hardware"``) from that rank names it and its host, and the host is
-  appended to ``vidstab/suspect_hosts.txt`` so the next elastic restart can leave it out (README, "Launching
-  a run that survives faults").
+  appended to ``vidstab/suspect_hosts.txt`` so the next elastic restart can leave it out (docs/runbook.md, "Rerun
+  verdicts").
 
 Under FSDP (one rank cannot run the sharded model alone) every rank re-runs its own micro-batches together,
 so the verdict is reproduced (data / numerics) or transient; there is no peer check, so no
@@ -71,7 +71,7 @@ RTOL = 1e-3  # a deterministic rerun matches to the bit; leave room for non-dete
 # squares, and the first run's loss sum over the same micro-steps where the replay's loss is not the step's own.
 BAD, LOSS_SUM, LOSS_COUNT, EXCEPTIONS, GRAD_SQ, FIRST_SUM = range(6)
 ROW = 6
-NO_REPLAY_FN = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it"
+NO_REPLAY_FN = "no replay function: guard.set_replay_fn(fn) with loss = fn(batch) enables it (docs/runbook.md)"
 
 
 @dataclass
@@ -146,7 +146,7 @@ class StepRerun:
                               "for a diffusers model attached without model_spec=): guard.set_replay_fn(fn) with loss = "
                               "fn(batch) enables it, batch being the model's forward arguments by name "
                               f"({', '.join(input_names) or 'as forward takes them'}) in the attached form, what "
-                              "guard.backward(batch=...) got in the explicit one")
+                              "guard.backward(batch=...) got in the explicit one (docs/runbook.md)")
 
     # ------------------------------------------------------------------ the guard's one call
     def check(self, s: StepStats, incidents: Sequence[Path], refs: Sequence[tuple],
@@ -394,7 +394,7 @@ class StepRerun:
             host = socket.gethostname()
             message = (f"suspect hardware: rank {self.rank} on host {host} reproduced step {verdict.step}'s trouble on "
                        "the same micro-batches and weights where its peer did not. Leave the host out at the next "
-                       f"restart (its name is in {SUSPECT_HOSTS_FILE}): README, 'Launching a run that survives faults'")
+                       f"restart (its name is in {SUSPECT_HOSTS_FILE}): docs/runbook.md, 'Rerun verdicts'")
             self.events.log("warn", verdict.step, detector="suspect_hardware", message=message,
                             figures={"rank": self.rank}, bad_ranks=[self.rank], host=host)
             path = self.run_dir / SUSPECT_HOSTS_FILE

@@ -173,7 +173,8 @@ class ResumeCheck:
             steps = sorted(set(original) & set(replayed))
             message = (f"the {p['what']} from step {p['step']} does not replay what the original run did: "
                        + "; ".join(f"{w} changed ({e})" for w, e in changes))
-            logger.warning("vidstab: rank %d: %s", self.rank, message)
+            logger.warning("vidstab: rank %d: %s (what to do: docs/runbook.md, 'Resume-fidelity warning')",
+                           self.rank, message)
             log_event(self.run_dir, self.rank, "warn", p["step"], detector="resume_fidelity", message=message,
                       figures={"steps_compared": len(steps)}, bad_ranks=[self.rank], changed=[w for w, _ in changes],
                       resumed_at=p["step"], what=p["what"])

@@ -210,7 +210,7 @@ class Watchdog:
                   f"slowest {'checkpoint' if phase == CHECKPOINT_PHASE else 'step'} "
                   f"{self.slowest_checkpoint_s if phase == CHECKPOINT_PHASE else self.slowest_step_s:.2f} s) or the "
                   f"first-step allowance {self.config.first_step_s:g} s); exiting with {self.config.exit_code} so the "
-                  f"launcher restarts the job.\n")
+                  f"launcher restarts the job (docs/runbook.md, 'A rank hung').\n")
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with open(stacks, "w", encoding="utf-8") as f:

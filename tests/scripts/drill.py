@@ -13,6 +13,8 @@ guard's ``global_step``: restored by the script's own resume), on rank ``RANK`` 
   loop would; the schedule itself is untouched;
 - ``kill@STEP[:RANK]``: the process SIGKILLs itself when it fetches the step's first micro-batch.
 
+No fault fires again in a torch-elastic restart of the job (``TORCHELASTIC_RESTART_COUNT > 0``), as vidstab's own.
+
 Every random number generator is seeded with 0 first (the script seeds none). Without torchvision installed, the script's image transforms come from tests/shims/torchvision.
 The batches go through Accelerate's ``DataLoaderShard`` (also after ``skip_first_batches``), so the hooks
 sit on that class and on ``Accelerator.prepare``; nothing in the script is edited.
@@ -45,6 +47,10 @@ class Drill:
                 raise SystemExit(f"drill.py: bad --fault {spec!r}")
             self.faults.append({"kind": m["kind"], "step": int(m["step"]), "rank": None if m["rank"] is None else int(m["rank"]),
                                 "count": None if m["count"] is None else int(m["count"]), "arg": m["arg"], "fired": False})
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:  # a restart: the drill was done
+            for f in self.faults:
+                f["fired"] = True
+                f["count"] = 0 if f["kind"] == "lr" else f["count"]
         self.prepared: list = []
         self.last_step = None
 

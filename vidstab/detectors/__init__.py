@@ -2,7 +2,7 @@
 
 :func:`detector_order` fixes the order in which they run on every rank: step detectors first (the
 built-in ones, then those a user registered with :func:`register_detector`), escalation detectors last
-(``trend``, ``consecutive_skips``, ``repeated_spikes``, then registered escalations) because they read the
+(``trend``, ``consecutive_skips``, ``repeated_spikes``, ``skip_rate``, then registered escalations) because they read the
 verdict the others reached. How the guard runs them (one instance per shape bucket, ``observe`` then
 ``update``) is :mod:`vidstab.detectors.running`.
 """
@@ -26,6 +26,7 @@ from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
+from .skip_rate import SkipRateConfig, SkipRateDetector
 from .straggler import StragglerConfig, StragglerDetector
 from .trend import TrendConfig, TrendDetector
 from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
@@ -53,6 +54,7 @@ ESCALATION_DETECTORS: dict[str, tuple[type[DetectorConfig], type[Detector]]] = {
     "trend": (TrendConfig, TrendDetector),
     "consecutive_skips": (ConsecutiveSkipsConfig, ConsecutiveSkipsDetector),
     "repeated_spikes": (RepeatedSpikesConfig, RepeatedSpikesDetector),
+    "skip_rate": (SkipRateConfig, SkipRateDetector),
 }
 #: Every built-in detector (fields of :class:`vidstab.GuardConfig`), in evaluation order.
 DETECTORS: dict[str, tuple[type[DetectorConfig], type[Detector]]] = {**STEP_DETECTORS, **ESCALATION_DETECTORS}
@@ -109,5 +111,5 @@ __all__ = [
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
     "LossScaleConfig", "LossSpikeConfig", "LRBoundConfig", "LRJumpConfig", "UpdateRatioConfig", "InputRangeConfig",
     "InputScaleConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig", "RepeatedSpikesConfig",
-    "StragglerConfig", "TrendConfig",
+    "SkipRateConfig", "StragglerConfig", "TrendConfig",
 ]

@@ -20,7 +20,7 @@ TRIAGE: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "exception")),
 )
 #: Escalation detectors: they describe the run of findings, never its cause.
-ESCALATIONS = frozenset({"consecutive_skips", "repeated_spikes", "trend"})
+ESCALATIONS = frozenset({"consecutive_skips", "repeated_spikes", "skip_rate", "trend"})
 
 
 def family(detector: str) -> str | None:

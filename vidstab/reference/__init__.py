@@ -9,6 +9,7 @@ import importlib.util
 _MISSING = [name for name in ("diffusers", "einops", "datasets", "av") if importlib.util.find_spec(name) is None]
 if _MISSING:
     raise ImportError(f"vidstab.reference needs the [reference] extra, which is not installed (missing: "
-                      f"{', '.join(_MISSING)}): pip install 'vidstab[reference]'")
+                      f"{', '.join(_MISSING)}): pip install -e \".[reference]\" in your vidstab clone (the distribution "
+                      f"vidstab-train; PyPI's 'vidstab' is another package)")
 
 from vidstab.reference.model import VideoDiT  # noqa: E402,F401

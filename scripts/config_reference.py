@@ -113,6 +113,8 @@ TURN: dict[str, str] = {
     "CheckpointConfig.rank_timeout_s": "higher on slow file systems; lower to give up sooner on a stuck rank",
     "CheckpointConfig.sharded": "true/false to force sharded DCP or full-state files; null: sharded under FSDP2",
     "CheckpointConfig.on_replica_mismatch": "`refuse` to stop instead of repairing replicated state from rank 0",
+    "CheckpointConfig.allow_other_run": "true only to start from another run's checkpoint on purpose (e.g. fine-tuning from its weights)",
+    "CheckpointConfig.cast_dtypes": "true to load a checkpoint saved in another floating dtype (each cast is logged)",
     "CheckpointConfig.checksum": "`sha256` for checkpoints that cross trust boundaries (about 4x slower)",
 }
 

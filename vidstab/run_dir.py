@@ -233,8 +233,60 @@ def _claim_on_main(output_dir: str, resume: Any, overwrite: bool, checkpoint_sub
     return lock
 
 
-from .atomic import write_json_atomic
-from .elastic import LaunchInfo, check_world_size
+def _not_writable(output_dir: str, e: OSError) -> RunDirNotWritable:
+    where = f": {e.filename}" if e.filename else ""
+    return RunDirNotWritable(
+        f"output_dir {output_dir} cannot be written ({e.strerror or e}{where}); a read-only mount or an immutable "
+        f"folder? Nothing in it was changed. Make it writable, or choose another --output_dir.")
+
+
+def run_id(output_dir: str | os.PathLike, *, new: bool = False, create: bool = True,
+           checkpoint_subdir: str | None = None) -> str | None:
+    """The id of the run in ``output_dir`` (from :data:`RUN_ID_FILE`). Missing or unreadable (and ``create``):
+    the single run id that the checkpoints under ``checkpoint_subdir`` (default: ``CheckpointConfig().subdir``)
+    carry is adopted, else a new one is made; ``new``: always a new one (starting over). The file is written
+    atomically; raises OSError when it cannot be. Without ``create``: None when there is none."""
+    path = os.path.join(os.fspath(output_dir), RUN_ID_FILE)
+    found = None if new else _read_run_id(path)
+    if found or not create:
+        return found
+    rid = None if new else _adopted_run_id(os.fspath(output_dir), checkpoint_subdir)
+    if rid:
+        logger.warning("run identity file %s is missing; adopted the run id %s that the checkpoints in %s carry",
+                       path, rid, output_dir)
+    rid = rid or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+    write_json_atomic(path, {"run_id": rid, "created": time.time()})
+    return rid
+
+
+def _read_run_id(path: str) -> str | None:
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 4096:
+            return None
+        with open(path, "rb") as f:
+            rid = json.loads(f.read(4097).decode("utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        logger.warning("run identity file %s is unreadable", path)
+        return None
+    return rid if isinstance(rid, str) and RUN_ID_RE.fullmatch(rid) else None
+
+
+def _adopted_run_id(output_dir: str, checkpoint_subdir: str | None) -> str | None:
+    from .checkpoint import CheckpointConfig, layout  # the checkpoint package imports this module: import late
+
+    root = os.path.join(output_dir, checkpoint_subdir or CheckpointConfig().subdir)
+    ids = {i.manifest.get("run_id") for i in layout.list_checkpoints(root)} - {None}
+    return ids.pop() if len(ids) == 1 else None
+
+
+def _restart_advice() -> str:
+    """On a torch-elastic restart, what the launch line lacks: the restart runs the same command again."""
+    launch = LaunchInfo.from_env()
+    if not launch.is_restart:
+        return ""
+    return (f" This is torch-elastic restart {launch.restart_count} of {launch.max_restarts}: it runs the launch's command "
+            f"again, so a launch under --max_restarts must pass --resume_from_checkpoint latest (resume='latest') for "
+            f"every restart to resume; a first launch with it starts from scratch (docs/faults.md).")
 
 
 def _move_aside(output_dir: str, entries: list[str]) -> str:

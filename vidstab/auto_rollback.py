@@ -8,20 +8,36 @@ position, the random number generators and the data keep going. The steps since 
 and their data skipped (PaLM), so the loop needs no code of its own for it: its ``global_step``, epoch
 loop, own ``checkpoint-N`` saving and ``--resume_from_checkpoint`` stay as they are.
 
-The retry budget, the LR back-off and the abort with the replay command are :class:`vidstab.Recovery`'s.
+The retry budget, the LR back-off and the abort with the replay command are :class:`vidstab.Recovery`'s. An
+abort ends the script: the main process prints the one message (with the replay command), every rank exits
+with :data:`ABORT_EXIT_CODE` (:class:`RunAbortedExit`, a :class:`~vidstab.RunAborted` that is also a
+``SystemExit``: no traceback on any rank, and a loop that catches ``RunAborted`` still can).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from .checkpoint import CheckpointConfig, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
 from .lr import torch_scheduler
-from .recovery import Recovery, RecoveryConfig
+from .recovery import Recovery, RecoveryConfig, RunAborted
 
 logger = logging.getLogger(__name__)
+
+ABORT_EXIT_CODE = 3
+"""The exit code of a run the automatic rollback gave up on (as the reference trainer's ``recipes/train.py``)."""
+
+
+class RunAbortedExit(RunAborted, SystemExit):
+    """The attached form's abort: ends the script with :data:`ABORT_EXIT_CODE` and no traceback (``SystemExit``);
+    ``except vidstab.RunAborted`` still catches it. ``str()`` is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = ABORT_EXIT_CODE
 
 ROLLBACK_SUBDIR = "vidstab/rollback"
 """Where the rollback checkpoints live, under the run folder (apart from ``checkpoint-N`` folders)."""
@@ -85,7 +101,10 @@ class AutoRollback:
         bases = list(getattr(scheduler, "base_lrs", None) or [])
         rng = rng_state()
         # Loads in place, backs the LR off for a divergence, or raises RunAborted once the budget is spent.
-        state = self.recovery.after_step(result, trajectory)
+        try:
+            state = self.recovery.after_step(result, trajectory)
+        except RunAborted as e:
+            raise self._abort(str(e), step) from None
         guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
         if state is not None:
             self.steps_lost += trajectory - int(state["_checkpoint"]["step"])
@@ -99,6 +118,16 @@ class AutoRollback:
                 group["lr"] = lrs[i] * factor
         if scheduler is not None and hasattr(scheduler, "_last_lr"):
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+    def _abort(self, message: str, step: int) -> RunAbortedExit:
+        """The end of a run recovery gave up on: the last rollback checkpoint finished, ``stop`` logged with the
+        exit code, the message printed once (main process)."""
+        self.close()
+        self.guard.events.log("stop", step, reason="aborted", exit_code=ABORT_EXIT_CODE)
+        self.guard.events.flush()
+        if self.guard.accelerator.is_main_process:
+            print(message, file=sys.stderr, flush=True)
+        return RunAbortedExit(message)
 
     def close(self) -> None:
         """Let this rank's writer finish the last rollback checkpoint (its exchange with the other ranks is a

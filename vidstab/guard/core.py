@@ -141,6 +141,11 @@ class Guard:
         self.reporter.checkpoint_fn = fn
 
     @property
+    def own_state_hooks(self) -> list[Callable]:
+        """The guard's own save/load-state hooks on the accelerator (the script's are the others)."""
+        return [self._save_state_hook, self._load_state_hook]
+
+    @property
     def events(self):
         """This rank's event log (:class:`vidstab.events.EventLog`)."""
         return self.reporter.events
@@ -435,6 +440,9 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
         from ..auto_rollback import AutoRollback
 
         guard.auto_rollback = AutoRollback(guard, rollback_every)
+    from ..script_state import hold_emas
+
+    hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
     return guard
 
 

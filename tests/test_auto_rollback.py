@@ -15,7 +15,7 @@ import vidstab
 from vidstab.events import iter_event_file
 
 
-def _loop(out, bad_lr_steps, steps=40, rollback_every=4):
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
     """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
@@ -24,7 +24,7 @@ def _loop(out, bad_lr_steps, steps=40, rollback_every=4):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     loader = torch.utils.data.DataLoader([{"x": torch.randn(4)} for _ in range(2 * steps)], batch_size=2)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-    guard = vidstab.attach(acc, model, opt, sched, run_dir=out, rollback_every=rollback_every)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=out, rollback_every=rollback_every, **attach_kwargs)
     seen = []
     global_step = 0
     for batch in loader:
@@ -89,3 +89,23 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     assert by_step[16]["lr"] == pytest.approx(0.5 * 1e-2)  # on schedule, with the back-off of the divergence
     assert all(torch.isfinite(p).all() for p in model.parameters())
     guard.close()
+
+
+def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp_path, capsys):
+    from accelerate.state import AcceleratorState, GradientState
+
+    with pytest.raises(vidstab.RunAborted) as aborted:  # the LR backed off to x0.125, then the abort
+        _loop(tmp_path, bad_lr_steps=set(range(10, 100)))
+    assert aborted.value.code == 3  # also a SystemExit: uncaught, the script ends with exit code 3, no traceback
+    for reset, multiplier in ((False, 0.125), (True, 1.0)):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc, model, opt, sched, guard, seen = _loop(tmp_path, set(), steps=2,
+                                                    recovery=vidstab.RecoveryConfig(reset=reset))
+        assert guard.lr_multiplier == multiplier
+        guard.close()
+    advice = [e["message"] for e in _kinds(tmp_path, "recovery") if e["action"] == "carried_over"]
+    assert advice and "attach(..., recovery=RecoveryConfig(reset=True))" in advice[0]
+    assert [e for e in _kinds(tmp_path, "recovery") if e["action"] == "reset"]
+    with pytest.raises(ValueError, match="pass rollback_every=N with it"):
+        vidstab.attach(acc, model, opt, sched, run_dir=tmp_path, recovery=vidstab.RecoveryConfig())

@@ -3,6 +3,7 @@ processes, as a user's unmodified loop (tests/scripts/deepspeed_contract.py):
 
 - the weights' norm and every verdict read only the real elements of each rank's partitions, whatever the
   padding holds (DeepSpeed leaves it uninitialised; the script writes NaN and 1e30 into it);
+- the README's guarded loop, as the README shows it, runs on the engine (its own ``save_state`` on every rank);
 - a persistent LR fault is refused, rolled back in place to vidstab's rollback checkpoints (the state equal,
   bitwise, to the checkpoint's), and once the retry budget is spent the script ends with one message on the
   main process and exit code 3 on every rank, no traceback.
@@ -25,7 +26,7 @@ from trainer_utils import free_port  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHES = {"a": "padding:3,lr_fault:2", "b": "padding:2,lr_fault:3"}  # an lr_fault job ends its launch
+LAUNCHES = {"a": "padding:3,readme:2,lr_fault:2", "b": "padding:2,readme:3,lr_fault:3"}  # lr_fault ends a launch
 
 
 def launch(jobs: str, out: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -99,3 +100,13 @@ def test_rollback_every_under_deepspeed_rolls_back_in_place_then_ends_the_script
         rolled = [d for d in lines if d["rollback"]]
         assert len(rolled) == len(rollbacks)  # the request after them is the abort: the step never returned
         assert all(d["digest"] == saved for d in rolled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_the_readme_loop_runs_as_shown_under_deepspeed(runs, stage):
+    out = folder(runs, f"readme:{stage}")
+    for rank in (0, 1):
+        assert json.loads((out / f"readme-rank{rank}.json").read_text()) == {"global_step": 6, "finite": True}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert [e["detector"] for e in events(out) if e["kind"] == "skip"] == ["nonfinite"]  # the NaN sample

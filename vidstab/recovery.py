@@ -85,6 +85,10 @@ class RecoveryConfig:
     step (diffusers' examples: ``r"checkpoint-(\\d+)"``). On a rollback the main process deletes those newer
     than the rollback target: they hold the abandoned trajectory, and the script's own
     ``--resume_from_checkpoint latest`` (newest ``checkpoint-N``) must never pick one. None: leave them."""
+    reset: bool = False
+    """Forget the state carried over in ``recovery.json`` from an earlier launch (open incident, LR multiplier) at
+    the start of this one; the history is kept. The attached form's way to ``Recovery(..., reset=True)``:
+    ``attach(..., recovery=RecoveryConfig(reset=True))``. Not part of the run's configuration."""
 
     def __post_init__(self) -> None:
         bad = [c for c in self.lr_backoff_causes if c not in CAUSES]
@@ -146,6 +150,7 @@ class Recovery:
         self.ckpt = ckpt
         self.guard = guard
         self.config = config or RecoveryConfig()
+        reset = reset or self.config.reset
         self.run_dir = os.path.abspath(run_dir or ckpt.output_dir)
         self.rank = accelerator.process_index
         self.config_hash = config_hash if config_hash is not None else getattr(ckpt, "config_hash", None)
@@ -219,7 +224,8 @@ class Recovery:
                 parts.append(f"an open incident (last failure at step {incident['last_failure'] - 1}, "
                              f"{incident['retries']} of {self.config.max_retries} rollbacks used)")
         self.carried_over = (f"carried over from {STATE_FILE}: " + "; ".join(parts) +
-                             ". To start fresh: Recovery(..., reset=True) (recipes/train.py: --reset_recovery)")
+                             ". To start fresh: attach(..., recovery=RecoveryConfig(reset=True)), Recovery(..., reset=True) or "
+                             "recipes/train.py --reset_recovery")
         self._announce("carried_over", self.carried_over, lr_multiplier=multiplier, incident=incident,
                        config_changed=bool(changed))
         if changed:
@@ -541,5 +547,6 @@ class Recovery:
 
 def _config_dict(config: RecoveryConfig) -> dict:
     d = asdict(config)
+    d.pop("reset", None)  # what this launch does with the carried-over state, not how the run recovers
     d["lr_backoff_causes"] = list(config.lr_backoff_causes)
     return d

@@ -10,6 +10,10 @@ all-gather, in float64), and what the guard decided.
 step (a persistent bug). Nothing catches anything: the script ends as vidstab ends it. Each rank appends one line
 per step to ``lr_fault-rank{R}.jsonl``: the loop's step count, whether the step asked for a rollback, and a digest of everything a step can change (fp32
 partitions, optimizer moments, module weights).
+
+``readme:STAGE``: the guarded side of the README's diff (``attach-diff``), as it stands there, with its own
+``accelerator.save_state`` every 4 steps and a NaN sample, on the DeepSpeed engine. Each rank writes
+``readme-rank{R}.json``: the step it finished at and whether the weights are finite.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", required=True, help="JOB:STAGE[,...] one engine after another, each in OUT/JOB-STAGE "
-                    "(JOB: padding or lr_fault; an lr_fault job ends the script)")
+                    "(JOB: padding, readme or lr_fault; an lr_fault job ends the script)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rollback_every", type=int, default=3)
     ap.add_argument("--fault_step", type=int, default=5)
@@ -76,7 +83,32 @@ def main() -> None:
         run_job(args, job, int(stage), Path(args.out, f"{job}-{stage}"))
 
 
+def readme(stage: int, out: Path) -> None:
+    """The README's guarded loop, copied from the README, on a DeepSpeed engine (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_readme_loop import _diff, _side
+
+    from vidstab.deepspeed_support import ZeroPartitions
+
+    accelerator, model, optimizer, lr_scheduler, dtype = build(stage, "no", 2, micro_batch=2, prepare=False)
+    latents = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    latents[10, 0] = float("nan")
+    data = [{"latents": latents[i], "ids": torch.tensor(i)} for i in range(len(latents))]
+    scope = {"os": os, "vidstab": vidstab, "accelerator": accelerator, "model": model, "optimizer": optimizer,
+             "lr_scheduler": lr_scheduler, "loader": torch.utils.data.DataLoader(data, batch_size=2),
+             "num_train_epochs": 3, "compute_loss": lambda model, batch: model(batch["latents"]).pow(2).mean(),
+             "args": argparse.Namespace(output_dir=str(out), resume_from_checkpoint=None, max_train_steps=6,
+                                        checkpointing_steps=2, max_grad_norm=1.0)}
+    exec(compile(_side(_diff("attach-diff"), "+"), "README.md:attach-diff", "exec"), scope)
+    engine = scope["model"]
+    finite = all(bool(torch.isfinite(t).all()) for t in ZeroPartitions(engine).real())
+    Path(out, f"readme-rank{accelerator.process_index}.json").write_text(
+        json.dumps({"global_step": scope["global_step"], "finite": finite}))
+
+
 def run_job(args: argparse.Namespace, job: str, stage: int, out: Path) -> None:
+    if job == "readme":
+        return readme(stage, out)
     accelerator, model, optimizer, lr_scheduler, dtype = build(stage, "no", 1, hidden=33)
     rank = accelerator.process_index
     vidstab.claim_run_dir(accelerator, out)

@@ -12,17 +12,18 @@ from vidstab.deepspeed_support import ZeroPartitions, accelerator_kwargs_handler
 
 
 def build(stage: int, precision: str, accum: int, lr: float = 1e-2, zero_extra: dict | None = None,
-          ds_scheduler: bool = False, hidden: int = 32):
+          ds_scheduler: bool = False, hidden: int = 32, micro_batch: int = 4, prepare: bool = True):
     """(accelerator, engine, optimizer, lr_scheduler, dtype): a 2-layer MLP (``hidden`` wide: odd for partitions
     with padding), AdamW, a decaying LambdaLR (or ``ds_scheduler``: DeepSpeed's WarmupLR from its config);
-    ``zero_extra``: more zero_optimization settings."""
+    ``zero_extra``: more zero_optimization settings. ``prepare=False``: the model, optimizer and scheduler as the
+    script's own ``accelerator.prepare`` takes them."""
     # Several engines, one after the other, in one launch: a fresh Accelerate state for each (the process group stays).
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=accum, gradient_clipping=1.0)
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["zero_optimization"].update(zero_extra or {})
     if ds_scheduler:
         plugin.deepspeed_config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
@@ -36,8 +37,11 @@ def build(stage: int, precision: str, accum: int, lr: float = 1e-2, zero_extra: 
         from accelerate.utils import DummyScheduler
 
         lr_scheduler = DummyScheduler(optimizer)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if not prepare:
+        return accelerator, model, optimizer, lr_scheduler, dtype
     engine, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    return accelerator, engine, optimizer, lr_scheduler, torch.bfloat16 if precision == "bf16" else torch.float32
+    return accelerator, engine, optimizer, lr_scheduler, dtype
 
 
 def batch(index: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

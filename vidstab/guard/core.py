@@ -406,7 +406,7 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, rollback_every: int | None = None, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | None = None, recovery: Any = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -420,9 +420,14 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
     to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+    ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
+    (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only).
 
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
+    if recovery is not None and not rollback_every:
+        raise ValueError("attach(..., recovery=RecoveryConfig(...)) configures the automatic rollback: pass "
+                         "rollback_every=N with it (the explicit form passes it to vidstab.Recovery)")
     existing = getattr(optimizer, ATTACHED_ATTR, None)
     if isinstance(existing, Guard) and existing.accelerator is accelerator and existing.model is model:
         return existing
@@ -439,7 +444,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     if rollback_every:
         from ..auto_rollback import AutoRollback
 
-        guard.auto_rollback = AutoRollback(guard, rollback_every)
+        guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery)
     from ..script_state import hold_emas
 
     hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
@@ -450,4 +455,5 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 _guard_signature = inspect.signature(Guard)
 attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
     *_guard_signature.parameters.values(),
-    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
+    inspect.Parameter("recovery", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="RecoveryConfig | None")])

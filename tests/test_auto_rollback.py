@@ -109,3 +109,16 @@ def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp
     assert [e for e in _kinds(tmp_path, "recovery") if e["action"] == "reset"]
     with pytest.raises(ValueError, match="pass rollback_every=N with it"):
         vidstab.attach(acc, model, opt, sched, run_dir=tmp_path, recovery=vidstab.RecoveryConfig())
+
+
+def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_path, capsys):
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=24)
+    guard.close()
+    err = capsys.readouterr().err.splitlines()
+    skips = [x for x in err if "update refused, step skipped (lr_bound:" in x]
+    # Steps 10-13 skipped, the fifth in a row (14) rolled back; the bad LR at 15 is refused again, and from then on the
+    # loop's step and the trajectory's differ by the 7 steps the rollback undid: both are named.
+    assert [x.split(":")[1].strip() for x in skips] == [*(f"step {s}" for s in range(10, 14)), "step 15 (trajectory step 8)"]
+    (rollback,) = [x for x in err if "rolled back in place to" in x]
+    assert rollback.startswith("vidstab: step 14: rolled back in place to vidstab/rollback/step_000008 (trajectory step 8)")
+    assert err[-1].startswith("vidstab: 24 optimizer steps guarded, 5 skipped, 1 rolled back in place; events: vidstab events")

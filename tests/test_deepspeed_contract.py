@@ -85,6 +85,10 @@ def test_rollback_every_under_deepspeed_rolls_back_in_place_then_ends_the_script
     assert log.count("vidstab: run aborted: still failing after 3 rollback(s)") == 1  # the main process, once
     assert "Error" not in log.split("vidstab: run aborted")[0]  # no rank's traceback before it
     assert "RunAborted" not in log
+    # The main process says each refused update and each rollback once (not once per rank).
+    refused = [x for x in log.splitlines() if x.startswith("vidstab: step") and "update refused" in x]
+    assert refused and len(refused) == len(set(refused))
+    assert len([x for x in log.splitlines() if x.startswith("vidstab: step") and "rolled back in place to" in x]) == 3
     ev = events(out)
     skips = [e["step"] for e in ev if e["kind"] == "skip"]
     assert skips[0] == 5  # refused from the first bad step on

@@ -116,12 +116,16 @@ class AutoRollback:
             if state is not None:  # what the script's own hooks saved beside that checkpoint (its EMA)
                 self.script_state.load(state["_checkpoint"]["path"])
         except RunAborted as e:
-            raise self._abort(str(e), step) from None
+            where = (f" [the script's step {result.step}; recovery counts the steps of the trajectory the in-place "
+                     f"rollbacks kept: {trajectory - 1}]" if self.steps_lost else "")
+            raise self._abort(f"{e}{where}", step) from None
         except OSError as e:
             raise self._abort(f"vidstab: run aborted: the rollback after step {step} could not be carried out: {e}",
                               step) from None
         guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
         if state is not None:
+            if guard.console is not None:  # the failing step as numbered before this rollback
+                guard.console.rolled_back(result.step, state)
             self.steps_lost += trajectory - int(state["_checkpoint"]["step"])
         set_rng_state(rng)
         # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule

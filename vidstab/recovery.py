@@ -440,11 +440,12 @@ class Recovery:
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed, incident_first_step=open_incident["first_step"],
                   transient=open_incident.get("transient", 0))
-        logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
-                       "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
-                       open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
-                       "" if backoff != 1.0 else " (not lowered for this cause)",
-                       "skipping" if self.config.skip_data else "replaying", reason_text)
+        if self.accelerator.is_main_process:  # one line per rollback, not one per rank
+            logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
+                           "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
+                           open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
+                           "" if backoff != 1.0 else " (not lowered for this cause)",
+                           "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
         out["skip_data"] = self.config.skip_data
         out["rewind_data"] = not self.config.skip_data

@@ -128,6 +128,8 @@ class Guard:
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.auto_rollback = None
         """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        self.console = None
+        """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
                         run=run_environment(accelerator))
 
@@ -380,6 +382,8 @@ class Guard:
         the event log."""
         if self.auto_rollback is not None:
             self.auto_rollback.close()
+        if self.console is not None:
+            self.console.summary()
         if not self.events.closed:
             self.events.log("stop", self.step_count, reason="closed")
         self.detach()
@@ -434,6 +438,9 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     if isinstance(existing, Guard):
         existing.detach()
     guard = Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    from ..console import StepConsole
+
+    guard.console = StepConsole(guard)
     rep = guard.reporter
     if rep.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
         from ..replay_record import OutputGradients, model_spec_of

@@ -129,7 +129,9 @@ class UserLoopPatches:
         """The guarded step of the user's loop, then the automatic rollback's turn (``rollback_every``): the one
         path of every engine (DeepSpeed's comes from ``backward``, the others' from ``optimizer.step()``)."""
         g = self.guard
-        g.guarded_step(norm, max_norm, step_scheduler=False)
+        result = g.guarded_step(norm, max_norm, step_scheduler=False)
+        if g.console is not None:
+            g.console.after_step(result)
         if g.auto_rollback is not None:
             g.auto_rollback.after_step()
 

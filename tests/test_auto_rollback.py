@@ -122,3 +122,11 @@ def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_
     (rollback,) = [x for x in err if "rolled back in place to" in x]
     assert rollback.startswith("vidstab: step 14: rolled back in place to vidstab/rollback/step_000008 (trajectory step 8)")
     assert err[-1].startswith("vidstab: 24 optimizer steps guarded, 5 skipped, 1 rolled back in place; events: vidstab events")
+
+
+def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(tmp_path, capsys):
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=16, rollback_every=None)
+    guard.close()
+    err = capsys.readouterr().err
+    assert "vidstab: step 14: a rollback is asked for (consecutive_skips: " in err
+    assert "attach(..., rollback_every=N) rolls back in place" in err

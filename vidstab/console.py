@@ -38,7 +38,12 @@ class StepConsole:
         """The lines of one judged step of the loop."""
         if result is None or result.micro:
             return
-        if result.skipped and result.rollback is None:
+        if result.rollback is not None and self.guard.auto_rollback is None:
+            self.skipped += 1
+            self.say(f"vidstab: {self.label(result.step)}: a rollback is asked for ({result.rollback}); this guard "
+                     f"keeps no rollback checkpoints, so the step was only skipped: attach(..., rollback_every=N) rolls "
+                     f"back in place")
+        elif result.skipped and result.rollback is None:
             self.skipped += 1
             worst = max(result.findings, key=lambda f: f.verdict, default=None)
             why = f"{worst.detector}: {worst.message}" if worst is not None else "skipped"

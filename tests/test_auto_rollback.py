@@ -15,7 +15,7 @@ import vidstab
 from vidstab.events import iter_event_file
 
 
-def _loop(out, bad_lr_steps, steps=40, rollback_every=4):
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
     """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
@@ -24,7 +24,7 @@ def _loop(out, bad_lr_steps, steps=40, rollback_every=4):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     loader = torch.utils.data.DataLoader([{"x": torch.randn(4)} for _ in range(2 * steps)], batch_size=2)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-    guard = vidstab.attach(acc, model, opt, sched, run_dir=out, rollback_every=rollback_every)
+    guard = vidstab.attach(acc, model, opt, sched, run_dir=out, rollback_every=rollback_every, **attach_kwargs)
     seen = []
     global_step = 0
     for batch in loader:
@@ -89,3 +89,44 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     assert by_step[16]["lr"] == pytest.approx(0.5 * 1e-2)  # on schedule, with the back-off of the divergence
     assert all(torch.isfinite(p).all() for p in model.parameters())
     guard.close()
+
+
+def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp_path, capsys):
+    from accelerate.state import AcceleratorState, GradientState
+
+    with pytest.raises(vidstab.RunAborted) as aborted:  # the LR backed off to x0.125, then the abort
+        _loop(tmp_path, bad_lr_steps=set(range(10, 100)))
+    assert aborted.value.code == 3  # also a SystemExit: uncaught, the script ends with exit code 3, no traceback
+    for reset, multiplier in ((False, 0.125), (True, 1.0)):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc, model, opt, sched, guard, seen = _loop(tmp_path, set(), steps=2,
+                                                    recovery=vidstab.RecoveryConfig(reset=reset))
+        assert guard.lr_multiplier == multiplier
+        guard.close()
+    advice = [e["message"] for e in _kinds(tmp_path, "recovery") if e["action"] == "carried_over"]
+    assert advice and "attach(..., recovery=RecoveryConfig(reset=True))" in advice[0]
+    assert [e for e in _kinds(tmp_path, "recovery") if e["action"] == "reset"]
+    with pytest.raises(ValueError, match="pass rollback_every=N with it"):
+        vidstab.attach(acc, model, opt, sched, run_dir=tmp_path, recovery=vidstab.RecoveryConfig())
+
+
+def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_path, capsys):
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=24)
+    guard.close()
+    err = capsys.readouterr().err.splitlines()
+    skips = [x for x in err if "update refused, step skipped (lr_bound:" in x]
+    # Steps 10-13 skipped, the fifth in a row (14) rolled back; the bad LR at 15 is refused again, and from then on the
+    # loop's step and the trajectory's differ by the 7 steps the rollback undid: both are named.
+    assert [x.split(":")[1].strip() for x in skips] == [*(f"step {s}" for s in range(10, 14)), "step 15 (trajectory step 8)"]
+    (rollback,) = [x for x in err if "rolled back in place to" in x]
+    assert rollback.startswith("vidstab: step 14: rolled back in place to vidstab/rollback/step_000008 (trajectory step 8)")
+    assert err[-1].startswith("vidstab: 24 optimizer steps guarded, 5 skipped, 1 rolled back in place; events: vidstab events")
+
+
+def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(tmp_path, capsys):
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=16, rollback_every=None)
+    guard.close()
+    err = capsys.readouterr().err
+    assert "vidstab: step 14: a rollback is asked for (consecutive_skips: " in err
+    assert "attach(..., rollback_every=N) rolls back in place" in err

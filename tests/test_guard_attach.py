@@ -203,10 +203,11 @@ def test_nothing_but_the_verdict_runs_between_the_read_and_the_optimizer_step(tm
 
 
 def test_attach_forwards_every_guard_option_register_hooks_included(tmp_path):
-    """``attach`` has Guard's own signature (declared once, on Guard) plus ``rollback_every`` (the in-place
-    rollback is attach's, tests/test_auto_rollback.py) and every option reaches the guard."""
+    """``attach`` has Guard's own signature (declared once, on Guard) plus ``rollback_every`` and its ``recovery``
+    (the in-place rollback is attach's, tests/test_auto_rollback.py) and every option reaches the guard."""
     attach_params = dict(inspect.signature(vidstab.attach).parameters)
     assert attach_params.pop("rollback_every").default is None
+    assert attach_params.pop("recovery").default is None
     assert attach_params == dict(inspect.signature(vidstab.Guard).parameters)
     acc, model, opt, sched, _ = build()
     checkpoint_fn = lambda: "checkpoint-7"  # noqa: E731

@@ -8,20 +8,38 @@ position, the random number generators and the data keep going. The steps since 
 and their data skipped (PaLM), so the loop needs no code of its own for it: its ``global_step``, epoch
 loop, own ``checkpoint-N`` saving and ``--resume_from_checkpoint`` stay as they are.
 
-The retry budget, the LR back-off and the abort with the replay command are :class:`vidstab.Recovery`'s.
+The retry budget, the LR back-off and the abort with the replay command are :class:`vidstab.Recovery`'s. An
+abort ends the script: the main process prints the one message (with the replay command), every rank exits
+with :data:`ABORT_EXIT_CODE` (:class:`RunAbortedExit`, a :class:`~vidstab.RunAborted` that is also a
+``SystemExit``: no traceback on any rank, and a loop that catches ``RunAborted`` still can).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from .checkpoint import CheckpointConfig, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
 from .lr import torch_scheduler
-from .recovery import Recovery, RecoveryConfig
+from .recovery import Recovery, RecoveryConfig, RunAborted
+from .script_state import ScriptState, nonfinite_state
+from .signals import is_dtensor, local_tensor
 
 logger = logging.getLogger(__name__)
+
+ABORT_EXIT_CODE = 3
+"""The exit code of a run the automatic rollback gave up on (as the reference trainer's ``recipes/train.py``)."""
+
+
+class RunAbortedExit(RunAborted, SystemExit):
+    """The attached form's abort: ends the script with :data:`ABORT_EXIT_CODE` and no traceback (``SystemExit``);
+    ``except vidstab.RunAborted`` still catches it. ``str()`` is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = ABORT_EXIT_CODE
 
 ROLLBACK_SUBDIR = "vidstab/rollback"
 """Where the rollback checkpoints live, under the run folder (apart from ``checkpoint-N`` folders)."""
@@ -47,9 +65,16 @@ class AutoRollback:
         self.every = int(every)
         acc = guard.accelerator
         self.ckpt = CheckpointManager(acc, str(guard.run_dir), CheckpointConfig(subdir=ROLLBACK_SUBDIR, keep=keep))
-        # The scheduler, the loop's counters and the data are not rolled back: only what the step changed.
+        # The scheduler, the loop's counters and the data are not rolled back: only what the step changed, and what
+        # the script itself checkpoints (register_for_checkpointing objects; its save/load-state hooks: ScriptState).
         for name, obj in (("model", guard.model), ("optimizer", guard.optimizer), ("vidstab", guard)):
             self.ckpt.register(name, obj)
+        for i, obj in enumerate(getattr(acc, "_custom_objects", [])):
+            self.ckpt.register(f"custom_{i}", obj)
+        self.script_state = ScriptState(acc, guard.run_dir, own_hooks=guard.own_state_hooks)
+        why = self.script_state.unrestorable()
+        if why is not None:
+            self._say(f"vidstab: rollback_every={self.every}: {why}", "warn", guard.global_step, detector="rollback_every")
         self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig())
         self._saved_this_launch = False
         self.steps_lost = 0
@@ -74,7 +99,8 @@ class AutoRollback:
             self.recovery.apply_carried_over()  # over the multiplier of the checkpoint the loop resumed from
         self.recovery.on_step(trajectory, skipped=bool(result.skipped))
         if trajectory % self.every == 0 or not self._saved_this_launch:
-            self.ckpt.save(trajectory, healthy=guard.healthy)
+            path = self.ckpt.save(trajectory, healthy=guard.healthy)
+            self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             self._saved_this_launch = True
 
     def _roll_back(self, result: Any, step: int, trajectory: int) -> None:
@@ -85,9 +111,21 @@ class AutoRollback:
         bases = list(getattr(scheduler, "base_lrs", None) or [])
         rng = rng_state()
         # Loads in place, backs the LR off for a divergence, or raises RunAborted once the budget is spent.
-        state = self.recovery.after_step(result, trajectory)
+        try:
+            state = self.recovery.after_step(result, trajectory)
+            if state is not None:  # what the script's own hooks saved beside that checkpoint (its EMA)
+                self.script_state.load(state["_checkpoint"]["path"])
+        except RunAborted as e:
+            where = (f" [the script's step {result.step}; recovery counts the steps of the trajectory the in-place "
+                     f"rollbacks kept: {trajectory - 1}]" if self.steps_lost else "")
+            raise self._abort(f"{e}{where}", step) from None
+        except OSError as e:
+            raise self._abort(f"vidstab: run aborted: the rollback after step {step} could not be carried out: {e}",
+                              step) from None
         guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
         if state is not None:
+            if guard.console is not None:  # the failing step as numbered before this rollback
+                guard.console.rolled_back(result.step, state)
             self.steps_lost += trajectory - int(state["_checkpoint"]["step"])
         set_rng_state(rng)
         # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule
@@ -100,10 +138,35 @@ class AutoRollback:
         if scheduler is not None and hasattr(scheduler, "_last_lr"):
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
-    def close(self) -> None:
-        """Let this rank's writer finish the last rollback checkpoint (its exchange with the other ranks is a
-        collective: a process that exits in the middle of one is aborted). No collective of its own: at the
-        end of a script the main process may still be saving or validating."""
+    def _say(self, message: str, kind: str, step: int, main_only: bool = True, **fields: Any) -> None:
+        """One line on the main process's console (``main_only``), and an event in this rank's log."""
+        self.guard.events.log(kind, step, message=message, **fields)
+        if self.guard.accelerator.is_main_process or not main_only:
+            print(message, file=sys.stderr, flush=True)
+
+    def _abort(self, message: str, step: int, reason: str = "aborted", main_only: bool = True) -> RunAbortedExit:
+        """The end of a run recovery gave up on: the last rollback checkpoint finished, ``stop`` logged with the
+        exit code, the message printed once (main process; ``main_only=False``: by this rank, which alone knows)."""
+        self._finish_writing()
+        self._say(message, "stop", step, main_only=main_only, reason=reason, exit_code=ABORT_EXIT_CODE)
+        self.guard.events.flush()
+        return RunAbortedExit(message)
+
+    def _finish_writing(self) -> None:
         error = self.ckpt.join_writer()
         if error is not None:
             logger.warning("the last rollback checkpoint was not written: %s", error)
+
+    def close(self) -> None:
+        """Let this rank's writer finish the last rollback checkpoint (its exchange with the other ranks is a
+        collective: a process that exits in the middle of one is aborted). No collective of its own: at the
+        end of a script the main process may still be saving or validating. Non-finite weights or EMA on this
+        rank end the run with :data:`ABORT_EXIT_CODE` instead of a finished run's exit code 0."""
+        self._finish_writing()
+        params = [local_tensor(p) if is_dtensor(p) else p for p in self.guard.control.probe.all_params]
+        bad = nonfinite_state(params, self.script_state.emas())
+        if bad:
+            raise self._abort(f"vidstab: the run ends with non-finite {' and '.join(bad)} on rank "
+                              f"{self.guard.rank}: do not use what it exported; the last healthy rollback checkpoint "
+                              f"is {self.ckpt.last_good()}", self.guard.global_step, reason="nonfinite_state",
+                              main_only=False)

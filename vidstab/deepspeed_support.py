@@ -144,8 +144,9 @@ class EngineStep:
         self._scaled_norm: torch.Tensor | None = None  # the pre-step norm, as the ZeRO optimizer computes it
 
     def master_partitions(self) -> list[torch.Tensor]:
-        """This rank's fp32 master weights (flat, one per group; the ranks' partitions are disjoint, zero-padded)."""
-        return ZeroPartitions(self.engine).fp32
+        """This rank's fp32 master weights: views of the real elements of its partitions (no padding), disjoint
+        across ranks."""
+        return ZeroPartitions(self.engine).real()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """What ``accelerator.backward`` does under DeepSpeed, without the ``engine.step()`` it chains to it."""
@@ -218,6 +219,33 @@ class ZeroPartitions:
         self.stage = int(engine.zero_optimization_stage())
         self.fp32: list[torch.Tensor] = list(self.zero.fp32_partitioned_groups_flat if self.stage == 3
                                              else self.zero.single_partition_of_fp32_groups)
+
+    def real(self) -> list[torch.Tensor]:
+        """Views of this rank's fp32 partitions that hold weights, without the padding that aligns each partition
+        to the world size. At ZeRO-3 every parameter's partition is padded and the padding is never written
+        (``torch.empty``: any bits, NaN included), so a norm or a finiteness check reads these views only."""
+        zero = self.zero
+        if self.stage != 3:  # one flat partition per group, its alignment padding at the end
+            return [t.narrow(0, 0, t.numel() - int(pad)) for t, pad in zip(self.fp32, zero.groups_padding)]
+        import torch.distributed as dist
+
+        views: list[torch.Tensor] = []
+        for flat, params, group in zip(self.fp32, zero.fp16_groups, zero.sub_group_process_groups):
+            rank = dist.get_rank(group=group)
+            offset, start, length = 0, 0, 0  # the current run of real elements: [start, start + length)
+            for p in params:
+                size = int(p.partition_numel())
+                real = max(0, min(size, int(p.ds_numel) - rank * size))  # the rank's slice of the flat parameter
+                if real and offset == start + length:
+                    length += real
+                else:
+                    if length:
+                        views.append(flat.narrow(0, start, length))
+                    start, length = offset, real
+                offset += size
+            if length:
+                views.append(flat.narrow(0, start, length))
+        return views
 
     def layout(self) -> dict:
         import torch.distributed as dist

@@ -85,6 +85,10 @@ class RecoveryConfig:
     step (diffusers' examples: ``r"checkpoint-(\\d+)"``). On a rollback the main process deletes those newer
     than the rollback target: they hold the abandoned trajectory, and the script's own
     ``--resume_from_checkpoint latest`` (newest ``checkpoint-N``) must never pick one. None: leave them."""
+    reset: bool = False
+    """Forget the state carried over in ``recovery.json`` from an earlier launch (open incident, LR multiplier) at
+    the start of this one; the history is kept. The attached form's way to ``Recovery(..., reset=True)``:
+    ``attach(..., recovery=RecoveryConfig(reset=True))``. Not part of the run's configuration."""
 
     def __post_init__(self) -> None:
         bad = [c for c in self.lr_backoff_causes if c not in CAUSES]
@@ -146,6 +150,7 @@ class Recovery:
         self.ckpt = ckpt
         self.guard = guard
         self.config = config or RecoveryConfig()
+        reset = reset or self.config.reset
         self.run_dir = os.path.abspath(run_dir or ckpt.output_dir)
         self.rank = accelerator.process_index
         self.config_hash = config_hash if config_hash is not None else getattr(ckpt, "config_hash", None)
@@ -219,7 +224,8 @@ class Recovery:
                 parts.append(f"an open incident (last failure at step {incident['last_failure'] - 1}, "
                              f"{incident['retries']} of {self.config.max_retries} rollbacks used)")
         self.carried_over = (f"carried over from {STATE_FILE}: " + "; ".join(parts) +
-                             ". To start fresh: Recovery(..., reset=True) (recipes/train.py: --reset_recovery)")
+                             ". To start fresh: attach(..., recovery=RecoveryConfig(reset=True)), Recovery(..., reset=True) or "
+                             "recipes/train.py --reset_recovery")
         self._announce("carried_over", self.carried_over, lr_multiplier=multiplier, incident=incident,
                        config_changed=bool(changed))
         if changed:
@@ -434,11 +440,12 @@ class Recovery:
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed, incident_first_step=open_incident["first_step"],
                   transient=open_incident.get("transient", 0))
-        logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
-                       "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
-                       open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
-                       "" if backoff != 1.0 else " (not lowered for this cause)",
-                       "skipping" if self.config.skip_data else "replaying", reason_text)
+        if self.accelerator.is_main_process:  # one line per rollback, not one per rank
+            logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
+                           "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
+                           open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
+                           "" if backoff != 1.0 else " (not lowered for this cause)",
+                           "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
         out["skip_data"] = self.config.skip_data
         out["rewind_data"] = not self.config.skip_data
@@ -541,5 +548,6 @@ class Recovery:
 
 def _config_dict(config: RecoveryConfig) -> dict:
     d = asdict(config)
+    d.pop("reset", None)  # what this launch does with the carried-over state, not how the run recovers
     d["lr_backoff_causes"] = list(config.lr_backoff_causes)
     return d

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from ds_common import batch, build, same, state_copy
+from ds_common import batch, build, same, state_copy, user_step
 
 import vidstab
 from vidstab.deepspeed_support import ZeroPartitions
@@ -108,12 +108,7 @@ def run_config(args: argparse.Namespace, stage: int, precision: str, mode: str, 
                     if step == args.spike_step and record is not None:
                         loss = loss * 1e6
                     if mode == "attach":
-                        accelerator.backward(loss)
-                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                        optimizer.step()
-                        lr_scheduler.step()
-                        optimizer.zero_grad()
-                        result = guard.last_result
+                        result = user_step(accelerator, model, optimizer, lr_scheduler, loss)
                     else:
                         guard.backward(loss, batch={"x": x, "y": y})
                         result = guard.step()

@@ -11,7 +11,10 @@ guard's ``global_step``: restored by the script's own resume), on rank ``RANK`` 
 - ``lr@STEP[:RANK][+N]=FACTOR``: before each of the steps ``STEP .. STEP+N-1`` (no ``+N``: every step from
   ``STEP`` on) every param group's LR is written as ``FACTOR`` x what the schedule set, as a bug in the
   loop would; the schedule itself is untouched;
-- ``kill@STEP[:RANK]``: the process SIGKILLs itself when it fetches the step's first micro-batch.
+- ``kill@STEP[:RANK]``: the process SIGKILLs itself when it fetches the step's first micro-batch;
+- ``nanweight@STEP[:RANK]``: the optimizer step of ``STEP`` leaves one weight NaN (the first element of the
+  model's first parameter, written right after the loop's ``optimizer.step()``: what the script does next, e.g.
+  its EMA's step, sees it, as after a bad update).
 
 No fault fires again in a torch-elastic restart of the job (``TORCHELASTIC_RESTART_COUNT > 0``), as vidstab's own.
 
@@ -35,7 +38,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 
-SPEC = re.compile(r"^(?P<kind>nan|lr|kill)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:\+(?P<count>\d+))?(?:=(?P<arg>.+))?$")
+SPEC = re.compile(r"^(?P<kind>nan|lr|kill|nanweight)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:\+(?P<count>\d+))?(?:=(?P<arg>.+))?$")
 
 
 class Drill:
@@ -79,6 +82,9 @@ class Drill:
                 f["fired"] = True
                 if f["kind"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if f["kind"] == "nanweight":
+                    _nan_after_step(guard)
+                    continue
                 batch = _nan_sample(batch)
                 print(f"drill: sample 1 of step {step}'s batch on rank {rank} is NaN", flush=True)
         return batch
@@ -88,6 +94,22 @@ class Drill:
         scheduler = getattr(guard.lr_scheduler, "scheduler", guard.lr_scheduler)
         for group, lr in zip(guard.optimizer.param_groups, scheduler.get_last_lr()):
             group["lr"] = lr * factor
+
+
+def _nan_after_step(guard) -> None:
+    """The next ``optimizer.step()`` of the loop leaves the model's first weight NaN (once)."""
+    optimizer, step = guard.optimizer, guard.optimizer.step
+
+    def step_then_nan(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if guard.accelerator.sync_gradients:
+            with torch.no_grad():
+                next(guard.model.parameters()).view(-1)[0] = float("nan")
+            optimizer.step = step
+            print(f"drill: a weight is NaN after step {guard.global_step - 1} on rank {guard.rank}", flush=True)
+        return out
+
+    optimizer.step = step_then_nan
 
 
 def _nan_sample(batch):

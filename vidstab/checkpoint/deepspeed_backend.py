@@ -124,6 +124,7 @@ class DeepSpeedBackend(FullStateBackend):
         super().apply(payload, others)
 
     def params_finite(self, objects: dict[str, Any]) -> bool:
-        """Whether this rank's fp32 master partitions are all finite (the module's ZeRO-3 parameters are empty)."""
+        """Whether this rank's fp32 master weights are all finite (the module's ZeRO-3 parameters are empty; the
+        partitions' padding holds no weights)."""
         engines, _, _ = self._split(objects)
-        return all(bool(torch.isfinite(t).all()) for e in engines.values() for t in ZeroPartitions(e).fp32)
+        return all(bool(torch.isfinite(t).all()) for e in engines.values() for t in ZeroPartitions(e).real())

@@ -128,6 +128,8 @@ class Guard:
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.auto_rollback = None
         """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        self.console = None
+        """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
                         run=run_environment(accelerator))
 
@@ -139,6 +141,11 @@ class Guard:
     @checkpoint_fn.setter
     def checkpoint_fn(self, fn: Callable[[], str | None] | None) -> None:
         self.reporter.checkpoint_fn = fn
+
+    @property
+    def own_state_hooks(self) -> list[Callable]:
+        """The guard's own save/load-state hooks on the accelerator (the script's are the others)."""
+        return [self._save_state_hook, self._load_state_hook]
 
     @property
     def events(self):
@@ -383,6 +390,8 @@ class Guard:
         the event log."""
         if self.auto_rollback is not None:
             self.auto_rollback.close()
+        if self.console is not None:
+            self.console.summary()
         if not self.events.closed:
             self.events.log("stop", self.step_count, reason="closed")
         self.detach()
@@ -409,7 +418,7 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, rollback_every: int | None = None, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | None = None, recovery: Any = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -423,15 +432,23 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
     to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+    ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
+    (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only).
 
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
+    if recovery is not None and not rollback_every:
+        raise ValueError("attach(..., recovery=RecoveryConfig(...)) configures the automatic rollback: pass "
+                         "rollback_every=N with it (the explicit form passes it to vidstab.Recovery)")
     existing = getattr(optimizer, ATTACHED_ATTR, None)
     if isinstance(existing, Guard) and existing.accelerator is accelerator and existing.model is model:
         return existing
     if isinstance(existing, Guard):
         existing.detach()
     guard = Guard(accelerator, model, optimizer, lr_scheduler, *guard_args, **guard_kwargs).wrap()
+    from ..console import StepConsole
+
+    guard.console = StepConsole(guard)
     rep = guard.reporter
     if rep.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
         from ..replay_record import OutputGradients, model_spec_of
@@ -443,7 +460,10 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     if rollback_every:
         from ..auto_rollback import AutoRollback
 
-        guard.auto_rollback = AutoRollback(guard, rollback_every)
+        guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery)
+    from ..script_state import hold_emas
+
+    hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
     return guard
 
 
@@ -451,4 +471,5 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 _guard_signature = inspect.signature(Guard)
 attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
     *_guard_signature.parameters.values(),
-    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
+    inspect.Parameter("recovery", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="RecoveryConfig | None")])

@@ -101,7 +101,7 @@ class UserLoopPatches:
         g.record_backward(loss, data, named, self.sample_ids, backward_kwargs=kwargs)
         ds = g.deepspeed
         if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
-            g.guarded_step(ds.pre_step_norm(), ds.max_grad_norm, step_scheduler=False)
+            self.judged_step(ds.pre_step_norm(), ds.max_grad_norm)
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
@@ -123,10 +123,18 @@ class UserLoopPatches:
         else:  # the loop does not clip: measure the global norm once, without clipping
             norm, max_norm = signals.global_grad_norm(g.accelerator, g.params, None, clip=g.original_clip), None
         self.user_norm = None
-        g.guarded_step(norm, max_norm, step_scheduler=False)
+        self.judged_step(norm, max_norm)
+        return None
+
+    def judged_step(self, norm: torch.Tensor | None, max_norm: float | None) -> None:
+        """The guarded step of the user's loop, then the automatic rollback's turn (``rollback_every``): the one
+        path of every engine (DeepSpeed's comes from ``backward``, the others' from ``optimizer.step()``)."""
+        g = self.guard
+        result = g.guarded_step(norm, max_norm, step_scheduler=False)
+        if g.console is not None:
+            g.console.after_step(result)
         if g.auto_rollback is not None:
             g.auto_rollback.after_step()
-        return None
 
     def scheduler_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``lr_scheduler.step()``: held right after a skipped optimizer step."""

@@ -1,0 +1,67 @@
+"""The attached form's console: what vidstab did to the user's unmodified loop, said as it happens.
+
+In the attached form (``vidstab.attach``) the loop's own code prints nothing about vidstab, so the guard says it:
+one line per skipped step (an update refused) on the main process, one line per incident bundle on the rank that
+wrote it (with the command that replays it; only that rank knows its path without a collective), one line per
+in-place rollback (:mod:`vidstab.auto_rollback`) and a summary at ``guard.close()`` on the main process. Steps
+are numbered as in the event log (the guard's count of the loop's optimizer steps), with the trajectory step beside
+it where in-place rollbacks made the two differ. The explicit form and the reference trainer print their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+class StepConsole:
+    """Prints the attached form's lines (module docstring). Built by :func:`vidstab.attach`."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+        self.main = bool(guard.accelerator.is_main_process)
+        self.skipped = 0
+        self.rollbacks = 0
+
+    def say(self, line: str, here: bool | None = None) -> None:
+        """``line`` on stderr: on the main process, or where ``here`` says."""
+        if self.main if here is None else here:
+            print(line, file=sys.stderr, flush=True)
+
+    def label(self, step: int) -> str:
+        """``step N`` (event-log numbering), ``(trajectory step T)`` beside it after in-place rollbacks."""
+        auto = self.guard.auto_rollback
+        lost = getattr(auto, "steps_lost", 0) if auto is not None else 0
+        return f"step {step}" + (f" (trajectory step {step - lost})" if lost else "")
+
+    def after_step(self, result: Any) -> None:
+        """The lines of one judged step of the loop."""
+        if result is None or result.micro:
+            return
+        if result.rollback is not None and self.guard.auto_rollback is None:
+            self.skipped += 1
+            self.say(f"vidstab: {self.label(result.step)}: a rollback is asked for ({result.rollback}); this guard "
+                     f"keeps no rollback checkpoints, so the step was only skipped: attach(..., rollback_every=N) rolls "
+                     f"back in place")
+        elif result.skipped and result.rollback is None:
+            self.skipped += 1
+            worst = max(result.findings, key=lambda f: f.verdict, default=None)
+            why = f"{worst.detector}: {worst.message}" if worst is not None else "skipped"
+            self.say(f"vidstab: {self.label(result.step)}: update refused, step skipped ({why})")
+        for bundle in result.incidents:
+            self.say(f"vidstab: {self.label(result.step)}, rank {self.guard.rank}: incident bundle {bundle}; "
+                     f"replay it with: vidstab replay {bundle}", here=True)
+
+    def rolled_back(self, step: int, info: dict) -> None:
+        """One in-place rollback at the loop's ``step`` (event-log numbering), to the checkpoint ``info``."""
+        self.rollbacks += 1
+        rec = info.get("_recovery", {})
+        ckpt = info.get("_checkpoint", {})
+        self.say(f"vidstab: {self.label(step)}: rolled back in place to {ckpt.get('path')} (trajectory step "
+                 f"{ckpt.get('step')}), cause {rec.get('cause')}, LR multiplier x{rec.get('lr_multiplier', 1.0):.4g}")
+
+    def summary(self) -> None:
+        """The last line of the run (main process)."""
+        g = self.guard
+        self.say(f"vidstab: {g.step_count} optimizer steps guarded, {self.skipped} skipped, {self.rollbacks} rolled "
+                 f"back in place; events: vidstab events {g.run_dir}; incident bundles: vidstab incidents {g.run_dir}")

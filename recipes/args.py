@@ -28,6 +28,7 @@ RUN_CONTROL_FLAGS = {
     "dataloader_num_workers", "inject_fault", "audit", "max_retries", "validation_steps", "num_validation_videos",
     "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
     "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume", "no_html_report",
+    "goodput_steps",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logging_dir", type=str, default="logs", help="Tracker folder, relative to --output_dir.")
     run.add_argument("--tracker_name", type=str, default="vidstab-train", help="Project name given to `init_trackers`.")
     run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps (the JSONL event log gets every step).")
+    run.add_argument("--goodput_steps", type=int, default=100, help="Log the goodput ledger (a goodput event, vidstab/ettr to the trackers) every this many steps and at the end (0: at the end only).")
     run.add_argument("--dataloader_num_workers", type=int, default=0, help='DataLoader worker processes (0: load in the training process).')
     run.add_argument("--fsdp", action="store_true", help="Shard the DiT per block with FSDP2; sharded (DCP) checkpoints (see recipes/sharding.py).")
     opt = p.add_argument_group("optimisation")

@@ -58,6 +58,7 @@ from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.deepspeed_support import accelerator_kwargs_handlers
+from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -147,7 +148,9 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     for micro_step in range(acc.gradient_accumulation_steps):
         ctx.beat(step, "data")
         faults.maybe_hang(step)
+        waited = time.perf_counter()
         batch = next(ctx.data)
+        guard.data_wait(time.perf_counter() - waited)
         ctx.batches_consumed += 1
         ctx.beat(step, "forward_backward")
         compute_started = time.perf_counter()
@@ -259,6 +262,7 @@ class Run:
             self.checkpoints.register("ema", self.ema)
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
                                  reset=args.reset_recovery)
+        self.goodput = GoodputLog(acc, out, args.goodput_steps)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
@@ -531,6 +535,7 @@ def train(run: Run) -> int:
                 save_checkpoint(run, step)
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
                 validate(run, step)
+            run.goodput.maybe_log(guard.events, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
@@ -551,6 +556,7 @@ def train(run: Run) -> int:
                 run_validation(run, step, plain, ema)
         acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
+    run.goodput.log(guard.events, step)
     acc.end_training()
     if acc.is_main_process:
         report_path = "(not written: --no_html_report)"

@@ -79,6 +79,8 @@ class SaveJob:
     """Models whose parameters the writer checks for finiteness on the staged copy (async sharded saves)."""
     staged_finite: bool = True
     """This rank's answer to that check (True when there was nothing to check)."""
+    blocking: tuple[float, float] | None = None
+    """An async save: (seconds the loop was blocked in ``save``, unix time it went on); a sync save blocks throughout."""
 
 
 def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:

@@ -39,6 +39,7 @@ from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence
+from ..goodput import process_start_time
 from ..limits import read_json_file
 from ..lr import LRMultiplier
 from ..rerun import StepRerun
@@ -129,7 +130,7 @@ class Guard:
         self.auto_rollback = None
         """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
-                        run=run_environment(accelerator))
+                        run=run_environment(accelerator), process_started=process_start_time())
 
     @property
     def checkpoint_fn(self) -> Callable[[], str | None] | None:
@@ -185,6 +186,11 @@ class Guard:
         if self.config.enabled:
             self.recorder.record(loss, inputs, batch, sample_ids, per_sample_loss, timesteps, error,
                                  None if bucket is None else str(bucket))
+
+    def data_wait(self, seconds: float) -> None:
+        """Seconds this rank waited for data in the current step (summed over its micro-steps): the step's
+        ``metrics`` line carries them as ``data_seconds``, the goodput ledger's ``data`` bucket."""
+        self.reporter.data_seconds += float(seconds)
 
     def step(self, max_grad_norm: float | None = 1.0) -> StepResult:
         """Judge and apply (or skip) the optimizer step; a cheap no-op on non-sync micro-steps."""

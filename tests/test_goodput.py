@@ -1,0 +1,144 @@
+"""The goodput ledger on a real drill: 2 processes under the elastic launcher, NaN skips, a rollback, a hung rank
+the watchdog ends and the restart after it. The ledger must agree, bucket by bucket, with the time the test
+reads off the raw event lines itself (labelled from the drill's known schedule, not from the ledger's rules),
+and the buckets must sum to the wall time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_resilience import launch
+from trainer_utils import REPO, shared_run
+
+pytestmark = pytest.mark.slow
+
+# Steps 0-11; checkpoints every 3; NaN data at step 2 (skipped), an exception at step 5 (skipped, then rolled back
+# to step 3), rank 1 hangs before step 8 (the watchdog ends it; the restart resumes from step 6).
+DRILL = ["--max_train_steps", "12", "--checkpointing_steps", "3", "--watchdog_timeout", "3", "--goodput_steps", "4",
+         "--report_to", "tensorboard", "--inject_fault", "nan_batch@2", "--inject_fault", "exception@5",
+         "--inject_fault", "hang@8:1"]
+# What each metrics line of the drill is, in rank 0's file order.
+ATTEMPT0 = [(0, "productive"), (1, "productive"), (2, "skipped"), (3, "rework"), (4, "rework"), (5, "skipped"),
+            (3, "productive"), (4, "productive"), (5, "productive"), (6, "rework"), (7, "rework")]
+ATTEMPT1 = [(s, "productive") for s in range(6, 12)]
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    def build(folder):
+        proc = launch(folder / "run", *DRILL, resume=False, html_report=True, timeout=600)
+        (folder / "stderr.txt").write_text(proc.stderr)
+
+    folder = shared_run(tmp_path_factory, "goodput-drill", build)
+    return folder / "run", (folder / "stderr.txt").read_text()
+
+
+def raw_lines(run, rank):
+    out = []
+    for line in (run / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def expected_buckets(run):
+    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then."""
+    r0, r1 = raw_lines(run, 0), raw_lines(run, 1)
+    starts = [e for e in r0 if e["kind"] == "start"]
+    assert len(starts) == 2
+    born = [e["process_started"] for e in starts]
+    second = starts[1]["time"]
+    label = {"start": "startup", "resume": "startup", "restart": "startup", "skip": "triage",
+             "rollback_request": "triage", "incident": "triage", "rerun": "triage", "rollback": "rollback",
+             "hang": "hang", "crash": "restart", "validation": "validation", "stop": "other", "export": "other",
+             "goodput": "other"}
+    totals = dict.fromkeys(["productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang",
+                            "startup", "data", "validation", "other"], 0.0)
+    ends = []
+    for attempt, schedule in ((0, ATTEMPT0), (1, ATTEMPT1)):
+        mine = [e for e in r0 if (e["time"] < second) == (attempt == 0)]
+        last_words = [e for e in r1 if e["kind"] in ("hang", "crash") and (e["time"] < second) == (attempt == 0)]
+        marks = sorted([e for e in mine if e["kind"] in label or e["kind"] == "metrics"] + last_words,
+                       key=lambda e: e["time"])
+        steps = [e for e in marks if e["kind"] == "metrics"]
+        assert [e["step"] for e in steps] == [s for s, _ in schedule], f"attempt {attempt}: not the drill's steps"
+        what = iter(b for _, b in schedule)
+        times = np.array([born[attempt]] + [e["time"] for e in marks])
+        lengths = np.diff(times)
+        names = [next(what) if e["kind"] == "metrics" else label[e["kind"]] for e in marks]
+        share = [{n: float(d)} for n, d in zip(names, lengths)]
+        for s, e, n in zip(share, marks, names):
+            data = min(float(e.get("data_seconds") or 0.0), s[n]) if e["kind"] == "metrics" else 0.0
+            s[n] -= data
+            s["data"] = s.get("data", 0.0) + data
+        for c in (e for e in mine if e["kind"] == "checkpoint"):  # blocking, out of the interval it ended in
+            i = int(np.searchsorted(times, c["blocking_ended"], side="left")) - 1
+            assert 0 <= i < len(share) and share[i][names[i]] >= c["blocking_seconds"]
+            share[i][names[i]] -= c["blocking_seconds"]
+            share[i]["checkpoint"] = share[i].get("checkpoint", 0.0) + c["blocking_seconds"]
+        tail_end = max(e["time"] for e in mine + last_words)
+        share.append({"other": tail_end - times[-1]})
+        for s in share:
+            for n, v in s.items():
+                totals[n] += v
+        ends.append(tail_end)
+    totals["restart"] += born[1] - ends[0]
+    return totals, ends[1] - born[0]
+
+
+def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_time(drill):
+    from vidstab.goodput import ledger
+
+    run, stderr = drill
+    assert "exitcode: 75" in stderr  # the launcher restarted the group after the watchdog ended the hung rank
+    led = ledger(run)
+    want, wall = expected_buckets(run)
+    assert led["wall_seconds"] == pytest.approx(wall, abs=1e-6)
+    for bucket, seconds in want.items():
+        assert led["buckets"][bucket] == pytest.approx(seconds, abs=1e-6), bucket
+    assert abs(sum(led["buckets"].values()) - led["wall_seconds"]) <= 0.01 * led["wall_seconds"]
+    # Every kind of loss the drill caused is there, and the launcher's restart.
+    for bucket in ("productive", "skipped", "rework", "triage", "checkpoint", "rollback", "hang", "startup", "data",
+                   "validation"):
+        assert led["buckets"][bucket] > 0, bucket
+    assert led["restarts"] == 1 and len(led["attempts"]) == 2
+    assert led["steps"] == {"productive": 11, "skipped": 2, "rework": 4}  # step 2 is never redone
+    for a in led["attempts"]:
+        assert a["ettr"] == pytest.approx(a["buckets"]["productive"] / a["wall_seconds"])
+        assert sum(a["buckets"].values()) == pytest.approx(a["wall_seconds"], rel=1e-9)
+    assert led["ettr"] == pytest.approx(led["buckets"]["productive"] / led["wall_seconds"])
+
+
+def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = drill
+    events = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"]
+    # Every 4 steps (the steps of both attempts) and at exit; each one adds up to its own wall time.
+    assert [e["step"] for e in events] == [4, 4, 8, 8, 12, 12]
+    for e in events:
+        assert abs(sum(e["seconds"].values()) - e["wall_seconds"]) <= 0.01 * e["wall_seconds"]
+        assert e["ettr"] == pytest.approx(e["seconds"]["productive"] / e["wall_seconds"], abs=1e-4)
+    assert events[-1]["attempts"] == 2 and events[-1]["restarts"] == 1
+    assert not [e for e in raw_lines(run, 1) if e["kind"] == "goodput"]  # the main process writes it
+
+    tb = EventAccumulator(str(next(run.rglob("events.out.tfevents*")).parent))
+    tb.Reload()
+    assert [x.step for x in tb.Scalars("vidstab/ettr")] == [4, 4, 8, 8, 12, 12]
+
+    cli = [sys.executable, "-m", "vidstab", "goodput", str(run)]
+    as_json = json.loads(subprocess.run(cli + ["--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    assert as_json["buckets"].keys() == events[-1]["seconds"].keys() and as_json["restarts"] == 1
+    table = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "ETTR" in table and "attempt 1" in table and f"{as_json['wall_seconds']:.2f}" in table
+
+    page = (run / "report.html").read_text()
+    section = page.split("<h2>Goodput</h2>", 1)[1].split("</section>", 1)[0]
+    assert "ETTR (productive / wall time)" in section and "attempt 0: hang" in section

@@ -142,3 +142,28 @@ def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill):
     page = (run / "report.html").read_text()
     section = page.split("<h2>Goodput</h2>", 1)[1].split("</section>", 1)[0]
     assert "ETTR (productive / wall time)" in section and "attempt 0: hang" in section
+
+
+def test_the_in_run_ledger_reads_only_new_lines_and_agrees_with_the_ledger_of_the_files(drill, tmp_path):
+    """The trainer's goodput events come from an incremental ledger: replayed into a fresh folder a piece of a
+    line at a time, from the restarted attempt's start on (as a restarted process sees it), it must end equal
+    to the ledger of the finished files."""
+    from vidstab.goodput import GoodputLog, ledger
+
+    run, _ = drill
+    lines = (run / "vidstab" / "events-rank0.jsonl").read_bytes().splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "start"][1]
+    copy = tmp_path / "run" / "vidstab"
+    copy.mkdir(parents=True)
+    (copy / "events-rank1.jsonl").write_bytes((run / "vidstab" / "events-rank1.jsonl").read_bytes())
+    (copy / "events-rank0.jsonl").write_bytes(b"".join(lines[:second + 1]))
+    live = GoodputLog(None, tmp_path / "run")
+    live.ledger()
+    with open(copy / "events-rank0.jsonl", "ab") as f:
+        for line in lines[second + 1:]:
+            f.write(line[:7])  # a torn line waits for its end
+            f.flush()
+            live.ledger()
+            f.write(line[7:])
+            f.flush()
+    assert json.dumps(live.ledger()) == json.dumps(ledger(tmp_path / "run")) == json.dumps(ledger(run))

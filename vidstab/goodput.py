@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Mapping
 
-from .events import events_dir, iter_event_file, log_to_trackers
+from .events import events_dir, flush_open_logs, iter_event_file, log_to_trackers
+from .limits import limits, loads_bounded
 
 BUCKETS = ("productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang", "startup",
            "data", "validation", "other")
@@ -74,123 +76,171 @@ def _seconds(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 0.0
 
 
-def _attempts(rank0: list[dict]) -> list[list[dict]]:
-    """Rank 0's events split at its ``start`` events (anything before the first one is its own attempt)."""
-    attempts: list[list[dict]] = []
-    for rec in rank0:
-        if rec.get("kind") == "start" or not attempts:
-            attempts.append([])
-        attempts[-1].append(rec)
-    return attempts
+class LedgerBuilder:
+    """The ledger, built one event at a time (events in time order: rank 0's, and other ranks' last words).
+
+    Kept small for a long run: a step's last execution is remembered (to count it as rework should it be
+    executed again) only back to the ``remember_checkpoints``-th newest checkpoint, the intervals a checkpoint's
+    blocking time may have ended in only for the last ``recent`` intervals."""
+
+    def __init__(self, remember_checkpoints: int = 8, recent: int = 512) -> None:
+        self.attempts: list[dict] = []
+        self.restarts = 0
+        self._prev = 0.0  # end of the last closed interval
+        self._last = 0.0  # time of the last event of the current attempt
+        self._runs: dict[int, dict] = {}  # step -> the interval of its last applied execution (oldest first)
+        self._recent: deque[dict] = deque(maxlen=recent)
+        self._pending: list[tuple[float, float]] = []  # (blocking ended, seconds) not yet inside a closed interval
+        self._checkpoints: deque[int] = deque(maxlen=remember_checkpoints)
+
+    def _add(self, attempt: dict, bucket: str, seconds: float) -> None:
+        attempt["buckets"][bucket] += seconds
+
+    def _begin(self, t: float, started: Any) -> None:
+        if self.attempts:
+            self._end_attempt(next_begin=t if not _finite(started) else min(float(started), t))
+        begin = min(float(started), t) if _finite(started) else t
+        self.attempts.append({"attempt": len(self.attempts), "begin": begin, "end": begin,
+                              "buckets": dict.fromkeys(BUCKETS, 0.0),
+                              "steps": {"productive": 0, "skipped": 0, "rework": 0}})
+        self._prev = self._last = begin
+
+    def _end_attempt(self, next_begin: float | None) -> None:
+        """Close the current attempt: events after its last interval are ``other``; until ``next_begin``, downtime."""
+        a = self.attempts[-1]
+        if self._last > self._prev:
+            self._close(a, self._last, "other", {"other": self._last - self._prev})
+        a["end"] = self._last
+        if next_begin is not None and next_begin > self._last:
+            self._add(a, "restart", next_begin - self._last)
+            a["end"] = next_begin
+
+    def _close(self, a: dict, t: float, main: str, share: dict, step: int | None = None) -> dict:
+        interval = {"start": self._prev, "end": t, "main": main, "share": share, "attempt": a, "step": step}
+        for b, sec in share.items():
+            self._add(a, b, sec)
+        self._recent.append(interval)
+        self._prev = max(self._prev, t)
+        still = []
+        for ended, seconds in self._pending:
+            if not self._carve(ended, seconds):
+                still.append((ended, seconds))
+        self._pending = still
+        return interval
+
+    def _carve(self, ended: float, seconds: float) -> bool:
+        """Move ``seconds`` of the interval that ``ended`` falls in to ``checkpoint``; False if not closed yet."""
+        if ended > self._prev:
+            return False
+        target = next((iv for iv in reversed(self._recent) if iv["start"] < ended <= iv["end"]), None)
+        if target is not None:
+            main = target["main"]
+            taken = min(seconds, target["share"].get(main, 0.0))
+            target["share"][main] -= taken
+            target["share"]["checkpoint"] = target["share"].get("checkpoint", 0.0) + taken
+            self._add(target["attempt"], main, -taken)
+            self._add(target["attempt"], "checkpoint", taken)
+        return True
+
+    def feed(self, rec: Mapping[str, Any]) -> None:
+        """One event (a ``start`` begins an attempt; events before any ``start`` begin one of their own)."""
+        t, kind = _time(rec), rec.get("kind")
+        if t is None:
+            return
+        if kind == "start" or not self.attempts:
+            self._begin(t, rec.get("process_started") if kind == "start" else None)
+        a = self.attempts[-1]
+        self._last = max(self._last, t)
+        if kind == "restart":
+            self.restarts += 1
+        if kind == "checkpoint":
+            blocking = _seconds(rec.get("blocking_seconds", rec.get("seconds")))
+            ended = rec.get("blocking_ended", t)
+            if blocking and _finite(ended) and not self._carve(float(ended), blocking):
+                self._pending.append((float(ended), blocking))
+            if isinstance(rec.get("step"), int):
+                self._checkpoints.append(rec["step"])
+                self._forget_before(self._checkpoints[0] if len(self._checkpoints) == self._checkpoints.maxlen else None)
+        if kind not in CLOSES:
+            return
+        dt = max(t - self._prev, 0.0)
+        if kind != "metrics":
+            self._close(a, t, CLOSES[kind], {CLOSES[kind]: dt})
+            return
+        step = rec.get("step") if isinstance(rec.get("step"), int) else None
+        bucket = "productive" if rec.get("applied") else "skipped"
+        data = min(_seconds(rec.get("data_seconds")), dt)
+        share = {"data": data, bucket: dt - data} if data else {bucket: dt}
+        a["steps"][bucket] += 1
+        interval = self._close(a, t, bucket, share, step)
+        if bucket == "productive" and step is not None:
+            earlier = self._runs.pop(step, None)
+            if earlier is not None:  # executed again: the earlier execution's work was undone
+                self._rework(earlier)
+            self._runs[step] = interval
+
+    def _rework(self, interval: dict) -> None:
+        a, seconds = interval["attempt"], interval["share"].get("productive", 0.0)
+        interval["share"]["rework"] = interval["share"].pop("productive", 0.0)
+        interval["main"] = "rework"
+        self._add(a, "productive", -seconds)
+        self._add(a, "rework", seconds)
+        a["steps"]["productive"] -= 1
+        a["steps"]["rework"] += 1
+
+    def _forget_before(self, step: int | None) -> None:
+        if step is None:
+            return
+        for old in [s for s in self._runs if s < step]:
+            del self._runs[old]
+
+    def result(self) -> dict:
+        """The ledger so far: ``{"wall_seconds", "buckets", "ettr", "attempts": [...], "restarts", "steps"}``."""
+        if not self.attempts:
+            return {"wall_seconds": 0.0, "buckets": dict.fromkeys(BUCKETS, 0.0), "ettr": None, "attempts": [],
+                    "restarts": 0, "steps": {"productive": 0, "skipped": 0, "rework": 0}}
+        attempts = []
+        for a in self.attempts:
+            buckets, end = dict(a["buckets"]), a["end"]
+            if a is self.attempts[-1]:  # still open: its events after the last interval are "other" so far
+                buckets["other"] += max(self._last - self._prev, 0.0)
+                end = max(self._last, self._prev)
+            wall = end - a["begin"]
+            attempts.append({"attempt": a["attempt"], "begin": a["begin"], "end": end, "wall_seconds": wall,
+                             "buckets": buckets, "ettr": buckets["productive"] / wall if wall > 0 else None,
+                             "steps": dict(a["steps"])})
+        total = {b: sum(a["buckets"][b] for a in attempts) for b in BUCKETS}
+        wall = attempts[-1]["end"] - attempts[0]["begin"]
+        return {"wall_seconds": wall, "buckets": total, "ettr": total["productive"] / wall if wall > 0 else None,
+                "attempts": attempts, "restarts": self.restarts,
+                "steps": {k: sum(a["steps"][k] for a in attempts) for k in ("productive", "skipped", "rework")}}
 
 
-def _attempt_begin(events: list[dict]) -> float:
-    first = events[0]
-    started = first.get("process_started") if first.get("kind") == "start" else None
-    t = _time(first)
-    if isinstance(started, (int, float)) and math.isfinite(started) and t is not None:
-        return min(float(started), t)
-    return t
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _last_words(folder: Path, notes: list[str] | None) -> list[dict]:
+    """Other ranks' ``hang``/``crash`` events: they end an attempt."""
+    return [rec for path in sorted(folder.glob("events-rank*.jsonl")) if path.name != "events-rank0.jsonl"
+            for rec in iter_event_file(path, notes) if rec.get("kind") in LAST_WORDS and _time(rec) is not None]
 
 
 def ledger(run_dir: str | Path, notes: list[str] | None = None) -> dict:
-    """The goodput ledger of the run in ``run_dir`` (see the module docstring).
+    """The goodput ledger of the run in ``run_dir`` (see the module docstring): :meth:`LedgerBuilder.result`.
 
-    Returns ``{"wall_seconds", "buckets": {bucket: seconds}, "ettr", "attempts": [{"begin", "end",
-    "wall_seconds", "buckets", "ettr", "steps"}, ...], "restarts", "steps"}``; ``notes`` collects lines of the
-    logs that could not be read. A run without an event log of rank 0 raises ``FileNotFoundError``."""
+    ``notes`` collects lines of the logs that could not be read. A run without an event log of rank 0 raises
+    ``FileNotFoundError``."""
     folder = events_dir(run_dir)
     path0 = folder / "events-rank0.jsonl"
     if not path0.is_file():
         raise FileNotFoundError(f"{path0}: no event log of rank 0 (is {run_dir} a vidstab run folder?)")
+    builder = LedgerBuilder()
     rank0 = [r for r in iter_event_file(path0, notes) if _time(r) is not None]
-    attempts = _attempts(rank0)
-    begins = [_attempt_begin(a) for a in attempts]
-    # Other ranks' last words, each in the attempt whose time window holds it.
-    extra: list[list[dict]] = [[] for _ in attempts]
-    for path in sorted(folder.glob("events-rank*.jsonl")):
-        if path.name == path0.name:
-            continue
-        for rec in iter_event_file(path, notes):
-            t = _time(rec)
-            if rec.get("kind") in LAST_WORDS and t is not None and attempts and t >= begins[0]:
-                index = max(i for i, b in enumerate(begins) if b <= t)
-                extra[index].append(rec)
-
-    # Which executions of a step were final: a step logged again later was undone (rollback or resume).
-    last_run: dict[int, tuple[int, float]] = {}
-    for i, events in enumerate(attempts):
-        for rec in events:
-            if rec.get("kind") == "metrics" and isinstance(rec.get("step"), int):
-                last_run[rec["step"]] = (i, _time(rec))
-
-    out_attempts = []
-    for i, events in enumerate(attempts):
-        timeline = sorted(events + extra[i], key=lambda r: _time(r))
-        begin = begins[i]
-        end = _time(timeline[-1])
-        intervals: list[dict] = []  # {"start", "end", "share": {bucket: seconds}}
-        prev = begin
-        steps = {"productive": 0, "skipped": 0, "rework": 0}
-        for rec in timeline:
-            kind, t = rec.get("kind"), _time(rec)
-            if kind not in CLOSES:
-                continue
-            dt = max(t - prev, 0.0)
-            bucket = CLOSES[kind]
-            share: dict[str, float] = {}
-            if kind == "metrics":
-                if not rec.get("applied"):
-                    bucket = "skipped"
-                elif last_run.get(rec.get("step")) == (i, t):
-                    bucket = "productive"
-                else:
-                    bucket = "rework"
-                steps[bucket] += 1
-                data = min(_seconds(rec.get("data_seconds")), dt)
-                if data:
-                    share["data"] = data
-                share[bucket] = dt - data
-            else:
-                share[bucket] = dt
-            intervals.append({"start": prev, "end": t, "main": bucket, "share": share})
-            prev = max(prev, t)
-        if end > prev:  # transparent events after the last closer
-            intervals.append({"start": prev, "end": end, "main": "other", "share": {"other": end - prev}})
-        for rec in events:  # the blocking part of saves, out of the interval it ended in
-            if rec.get("kind") != "checkpoint":
-                continue
-            blocking = _seconds(rec.get("blocking_seconds", rec.get("seconds")))
-            ended = rec.get("blocking_ended", rec.get("time"))
-            target = next((iv for iv in intervals if iv["start"] < ended <= iv["end"]), None)
-            if target is None or not blocking:
-                continue
-            main = target["main"]
-            taken = min(blocking, target["share"].get(main, 0.0))
-            target["share"][main] -= taken
-            target["share"]["checkpoint"] = target["share"].get("checkpoint", 0.0) + taken
-        # Until the next attempt's process started: downtime.
-        stop = begins[i + 1] if i + 1 < len(attempts) else end
-        if stop > end:
-            intervals.append({"start": end, "end": stop, "main": "restart", "share": {"restart": stop - end}})
-        buckets = dict.fromkeys(BUCKETS, 0.0)
-        for iv in intervals:
-            for b, s in iv["share"].items():
-                buckets[b] += s
-        wall = max(stop, end) - begin
-        out_attempts.append({"attempt": i, "begin": begin, "end": max(stop, end), "wall_seconds": wall,
-                             "buckets": buckets, "ettr": buckets["productive"] / wall if wall > 0 else None,
-                             "steps": steps})
-
-    total = dict.fromkeys(BUCKETS, 0.0)
-    for a in out_attempts:
-        for b, s in a["buckets"].items():
-            total[b] += s
-    wall = (out_attempts[-1]["end"] - out_attempts[0]["begin"]) if out_attempts else 0.0
-    steps = {k: sum(a["steps"][k] for a in out_attempts) for k in ("productive", "skipped", "rework")}
-    restarts = sum(1 for a in attempts for r in a if r.get("kind") == "restart")
-    return {"wall_seconds": wall, "buckets": total, "ettr": total["productive"] / wall if wall > 0 else None,
-            "attempts": out_attempts, "restarts": restarts, "steps": steps}
+    # Stable: rank 0's own events keep their file order; another rank's last words go where their time is.
+    for rec in sorted(rank0 + _last_words(folder, notes), key=_time):
+        builder.feed(rec)
+    return builder.result()
 
 
 def format_table(led: Mapping[str, Any]) -> str:
@@ -224,18 +274,64 @@ def summary_fields(led: Mapping[str, Any]) -> dict:
 
 class GoodputLog:
     """A ``goodput`` event every ``every`` steps and at exit, and the ETTR to the accelerator's trackers as
-    ``vidstab/ettr``; on the main process only (the ledger reads every rank's log). ``every=0``: at exit only."""
+    ``vidstab/ettr``; on the main process only. ``every=0``: at exit only.
+
+    Incremental: the logs are read whole once (earlier attempts, other ranks' last words), then only the lines
+    rank 0 appended since (a live attempt has no last words yet), so a long run pays per new line, not per line."""
 
     def __init__(self, accelerator: Any, run_dir: str | Path, every: int = 100) -> None:
         self.accelerator, self.run_dir, self.every = accelerator, Path(run_dir), int(every)
         self.main = accelerator is None or bool(getattr(accelerator, "is_main_process", True))
+        self._builder: LedgerBuilder | None = None
+        self._offset = 0
+
+    def _new_rank0_events(self, path: Path) -> list[dict]:
+        """The complete lines rank 0 appended since the last call (a torn last line waits for its end)."""
+        flush_open_logs(path)
+        max_line = limits().event_line_bytes
+        out, tail = [], b""
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            while chunk := f.read(1 << 22):
+                lines = (tail + chunk).split(b"\n")
+                tail = lines.pop()
+                self._offset += sum(len(line) + 1 for line in lines)
+                for line in lines:
+                    if not line.strip() or len(line) > max_line:
+                        continue
+                    try:
+                        rec = loads_bounded(line, path.name)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and _time(rec) is not None:
+                        out.append(rec)
+                if len(tail) > max_line:  # one line past the bound: never held whole
+                    self._offset += len(tail)
+                    tail = b""
+        return out
+
+    def ledger(self) -> dict:
+        """The ledger now (reading only what was appended since the last call)."""
+        folder = events_dir(self.run_dir)
+        path0 = folder / "events-rank0.jsonl"
+        if self._builder is None:
+            self._builder = LedgerBuilder()
+            rank0 = self._new_rank0_events(path0)
+            live = max((_time(r) for r in rank0 if r.get("kind") == "start"), default=math.inf)
+            words = [w for w in _last_words(folder, None) if _time(w) < live]  # the earlier attempts'
+            for rec in sorted(rank0 + words, key=_time):
+                self._builder.feed(rec)
+        else:
+            for rec in self._new_rank0_events(path0):
+                self._builder.feed(rec)
+        return self._builder.result()
 
     def log(self, events: Any, step: int) -> dict | None:
-        """Compute the ledger now, write it as a ``goodput`` event to ``events`` (an EventLog) and to the trackers."""
+        """Write the ledger as a ``goodput`` event to ``events`` (an EventLog) and its ETTR to the trackers."""
         if not self.main:
             return None
         try:
-            fields = summary_fields(ledger(self.run_dir))
+            fields = summary_fields(self.ledger())
         except (OSError, ValueError) as exc:  # the ledger must never end a run
             events.log("warn", step, detector="goodput", message=f"goodput ledger failed: {exc}", bad_ranks=[])
             return None
@@ -251,4 +347,4 @@ class GoodputLog:
         return None
 
 
-__all__ = ["BUCKETS", "GoodputLog", "format_table", "ledger", "process_start_time", "summary_fields"]
+__all__ = ["BUCKETS", "GoodputLog", "LedgerBuilder", "format_table", "ledger", "process_start_time", "summary_fields"]

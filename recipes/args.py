@@ -41,7 +41,8 @@ POSITIVE_INTS = (
     "num_train_timesteps", "hidden_size", "num_layers", "num_heads", "num_videos", "frame_stride", "lr_num_cycles",
     "latent_channels",
 )
-NON_NEGATIVE = ("lr_warmup_steps", "num_validation_videos", "dataloader_num_workers", "max_retries", "adam_weight_decay")
+NON_NEGATIVE = ("lr_warmup_steps", "num_validation_videos", "dataloader_num_workers", "max_retries", "adam_weight_decay",
+                "goodput_steps")
 POSITIVE_FLOATS = ("learning_rate", "adam_epsilon", "max_grad_norm", "lr_power", "flow_shift", "logit_std", "mode_scale")
 
 

@@ -67,6 +67,8 @@ def expected_buckets(run):
         last_words = [e for e in r1 if e["kind"] in ("hang", "crash") and (e["time"] < second) == (attempt == 0)]
         marks = sorted([e for e in mine if e["kind"] in label or e["kind"] == "metrics"] + last_words,
                        key=lambda e: e["time"])
+        if attempt:  # it begins when its process started, but not before the previous attempt's last event
+            born[1] = max(born[1], ends[0])
         steps = [e for e in marks if e["kind"] == "metrics"]
         assert [e["step"] for e in steps] == [s for s, _ in schedule], f"attempt {attempt}: not the drill's steps"
         what = iter(b for _, b in schedule)
@@ -167,3 +169,35 @@ def test_the_in_run_ledger_reads_only_new_lines_and_agrees_with_the_ledger_of_th
             f.write(line[7:])
             f.flush()
     assert json.dumps(live.ledger()) == json.dumps(ledger(tmp_path / "run")) == json.dumps(ledger(run))
+
+
+def test_the_interval_formula_is_the_minimum_of_the_time_lost_to_saves_and_failures():
+    """C + sqrt(2 (M + R) C + C^2) against a grid search of the fraction of time lost, C/t + (t/2 + R)/M
+    (a save every t seconds, half an interval of work lost per failure), for saves much shorter than the MTBF."""
+    from vidstab.checkpoint_interval import optimal_interval_seconds
+
+    for save, mtbf, restart in ((10.0, 3600.0 * 24, 0.0), (2.0, 3600.0, 60.0), (30.0, 3600.0 * 8, 600.0)):
+        grid = np.linspace(save, 20 * np.sqrt(2 * save * mtbf), 200_000)
+        lost = save / grid + (grid / 2 + restart) / mtbf
+        best = grid[int(np.argmin(lost))]
+        assert optimal_interval_seconds(save, mtbf, restart) == pytest.approx(best, rel=0.06)
+    with pytest.raises(ValueError):
+        optimal_interval_seconds(1.0, 0.0)
+
+
+def test_the_interval_advice_comes_from_the_drills_measurements(drill):
+    from vidstab.checkpoint_interval import optimal_interval_seconds, recommend
+    from vidstab.goodput import ledger
+
+    run, _ = drill
+    led = ledger(run)
+    advice = recommend(led, expected_mtbf_hours=24)
+    saves = [e for e in raw_lines(run, 0) if e["kind"] == "checkpoint"]
+    assert advice["failures"] == 2  # the rollback and the restart
+    assert advice["save_seconds"] == pytest.approx(led["buckets"]["checkpoint"] / len(saves))
+    assert advice["mtbf_seconds"] == pytest.approx((24 * 3600 + led["wall_seconds"]) / 3)
+    assert advice["interval_seconds"] == pytest.approx(
+        optimal_interval_seconds(advice["save_seconds"], advice["mtbf_seconds"], advice["restart_seconds"]))
+    assert advice["interval_steps"] == max(1, round(advice["interval_seconds"] / advice["step_seconds"]))
+    last = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"][-1]
+    assert last["interval"]["failures"] == 2 and last["interval"]["interval_steps"] >= 1

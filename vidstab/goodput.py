@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Mapping
 
+from .checkpoint_interval import recommend
 from .events import events_dir, flush_open_logs, iter_event_file, log_to_trackers
 from .limits import limits, loads_bounded
 
@@ -54,14 +56,14 @@ LAST_WORDS = ("hang", "crash")  # taken from every rank: they end an attempt
 
 
 def process_start_time() -> float:
-    """When this process started (unix time): from ``/proc`` on Linux, else when vidstab was imported."""
+    """When this process started (unix time): from ``/proc`` on Linux (to a clock tick; the boot time there is
+    whole seconds, so the age is taken against the boot clock instead), else when vidstab was imported."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         from .elastic import PROCESS_START
 
         return PROCESS_START
@@ -86,6 +88,8 @@ class LedgerBuilder:
     def __init__(self, remember_checkpoints: int = 8, recent: int = 512) -> None:
         self.attempts: list[dict] = []
         self.restarts = 0
+        self.counts = dict.fromkeys(("checkpoint", "rollback", "hang", "crash"), 0)
+        """Events seen, by kind (a hang or crash counts once per attempt, however many ranks said it)."""
         self._prev = 0.0  # end of the last closed interval
         self._last = 0.0  # time of the last event of the current attempt
         self._runs: dict[int, dict] = {}  # step -> the interval of its last applied execution (oldest first)
@@ -97,9 +101,10 @@ class LedgerBuilder:
         attempt["buckets"][bucket] += seconds
 
     def _begin(self, t: float, started: Any) -> None:
-        if self.attempts:
-            self._end_attempt(next_begin=t if not _finite(started) else min(float(started), t))
         begin = min(float(started), t) if _finite(started) else t
+        if self.attempts:  # not before the previous attempt's last event (clocks tick coarsely)
+            begin = max(begin, self._last)
+            self._end_attempt(next_begin=begin)
         self.attempts.append({"attempt": len(self.attempts), "begin": begin, "end": begin,
                               "buckets": dict.fromkeys(BUCKETS, 0.0),
                               "steps": {"productive": 0, "skipped": 0, "rework": 0}})
@@ -153,6 +158,10 @@ class LedgerBuilder:
         self._last = max(self._last, t)
         if kind == "restart":
             self.restarts += 1
+        if kind in self.counts and not a.get(kind):
+            self.counts[kind] += 1
+            if kind in LAST_WORDS:
+                a[kind] = True
         if kind == "checkpoint":
             blocking = _seconds(rec.get("blocking_seconds", rec.get("seconds")))
             ended = rec.get("blocking_ended", t)
@@ -198,7 +207,7 @@ class LedgerBuilder:
         """The ledger so far: ``{"wall_seconds", "buckets", "ettr", "attempts": [...], "restarts", "steps"}``."""
         if not self.attempts:
             return {"wall_seconds": 0.0, "buckets": dict.fromkeys(BUCKETS, 0.0), "ettr": None, "attempts": [],
-                    "restarts": 0, "steps": {"productive": 0, "skipped": 0, "rework": 0}}
+                    "restarts": 0, "counts": dict(self.counts), "steps": {"productive": 0, "skipped": 0, "rework": 0}}
         attempts = []
         for a in self.attempts:
             buckets, end = dict(a["buckets"]), a["end"]
@@ -212,7 +221,7 @@ class LedgerBuilder:
         total = {b: sum(a["buckets"][b] for a in attempts) for b in BUCKETS}
         wall = attempts[-1]["end"] - attempts[0]["begin"]
         return {"wall_seconds": wall, "buckets": total, "ettr": total["productive"] / wall if wall > 0 else None,
-                "attempts": attempts, "restarts": self.restarts,
+                "attempts": attempts, "restarts": self.restarts, "counts": dict(self.counts),
                 "steps": {k: sum(a["steps"][k] for a in attempts) for k in ("productive", "skipped", "rework")}}
 
 
@@ -243,8 +252,9 @@ def ledger(run_dir: str | Path, notes: list[str] | None = None) -> dict:
     return builder.result()
 
 
-def format_table(led: Mapping[str, Any]) -> str:
-    """The ledger as a plain-text table: one row per bucket, seconds and share of the wall time, per attempt."""
+def format_table(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> str:
+    """The ledger as a plain-text table: one row per bucket, seconds and share of the wall time, per attempt;
+    then the checkpoint interval its measurements call for (:mod:`vidstab.checkpoint_interval`)."""
     attempts = led["attempts"]
     wall = led["wall_seconds"] or 1.0
     head = f"{'bucket':<12}{'seconds':>10}{'share':>8}" + "".join(f"{'attempt ' + str(a['attempt']):>12}" for a in attempts)
@@ -262,12 +272,21 @@ def format_table(led: Mapping[str, Any]) -> str:
     s = led["steps"]
     lines.append(f"steps: {s['productive']} productive, {s['skipped']} skipped, {s['rework']} redone later; "
                  f"attempts {len(attempts)}, restarts {led['restarts']}")
+    advice = recommend(led, expected_mtbf_hours)
+    if advice is not None:
+        lines.append(f"checkpoint interval these measurements call for (Young/Daly): every {advice['interval_steps']} "
+                     f"steps ({advice['interval_seconds']:.1f} s) from a {advice['save_seconds']:.3f} s save stall, "
+                     f"{advice['restart_seconds']:.1f} s per failure, MTBF {advice['mtbf_seconds'] / 3600:.2f} h "
+                     f"({advice['failures']} failure(s) seen, prior {expected_mtbf_hours:g} h)")
     return "\n".join(lines)
 
 
-def summary_fields(led: Mapping[str, Any]) -> dict:
-    """The fields of a ``goodput`` event: the ETTR, the wall time and each bucket's seconds (rounded)."""
-    return {"ettr": None if led["ettr"] is None else round(led["ettr"], 5), "wall_seconds": round(led["wall_seconds"], 3),
+def summary_fields(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict:
+    """The fields of a ``goodput`` event: the ETTR, the wall time, each bucket's seconds (rounded) and the
+    checkpoint interval the measurements call for (``interval``: :func:`vidstab.checkpoint_interval.recommend`)."""
+    advice = recommend(led, expected_mtbf_hours)
+    return {"interval": None if advice is None else {k: round(v, 4) if isinstance(v, float) else v for k, v in advice.items()},
+            "ettr": None if led["ettr"] is None else round(led["ettr"], 5), "wall_seconds": round(led["wall_seconds"], 3),
             "seconds": {b: round(s, 3) for b, s in led["buckets"].items()}, "attempts": len(led["attempts"]),
             "restarts": led["restarts"]}
 

@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "across restarts and relaunches, in one bucket; ETTR = productive / wall.")
     goodput.add_argument("run_dir", metavar="RUN_DIR")
     goodput.add_argument("--json", action="store_true", help="print the ledger as one JSON object")
+    goodput.add_argument("--expected-mtbf-hours", type=float, default=24.0,
+                         help="prior mean time between failures for the checkpoint interval advice (default 24)")
     return parser
 
 
@@ -282,12 +284,18 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
+    from ..checkpoint_interval import recommend
     from ..goodput import format_table, ledger
     from .terminal import printable
 
+    if not args.expected_mtbf_hours > 0:
+        raise ValueError(f"--expected-mtbf-hours {args.expected_mtbf_hours}: must be > 0")
     notes: list[str] = []
     led = ledger(args.run_dir, notes)
-    print(json.dumps(led) if args.json else format_table(led))
+    if args.json:
+        print(json.dumps({**led, "interval": recommend(led, args.expected_mtbf_hours)}))
+    else:
+        print(format_table(led, args.expected_mtbf_hours))
     for note in notes:
         print(f"note: {printable(note)}", file=sys.stderr)
     return EXIT_OK

@@ -1,0 +1,45 @@
+"""The checkpoint interval a run's own measurements call for (Young/Daly), from its goodput ledger.
+
+With ``C`` the seconds a save blocks training, ``M`` the mean time between failures and ``R`` what a failure
+costs besides the lost work (restart downtime, start-up, hang until the watchdog, rollback), the time between
+checkpoints that maximises availability is ``C + sqrt(2 (M + R) C + C^2)``; for ``C, R << M`` it is Young's
+``sqrt(2 C M)``. ``M`` is observed (the wall time over the failures: restarts and rollbacks) once failures are
+seen, and until then comes from a prior, ``expected_mtbf_hours``, counted as one failure-free interval: with
+``n`` failures in ``T`` seconds, ``M = (prior + T) / (1 + n)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+
+def optimal_interval_seconds(save_seconds: float, mtbf_seconds: float, restart_seconds: float = 0.0) -> float:
+    """``C + sqrt(2 (M + R) C + C^2)`` (module docstring)."""
+    c, m, r = float(save_seconds), float(mtbf_seconds), float(restart_seconds)
+    if c < 0 or m <= 0 or r < 0:
+        raise ValueError(f"save {c} s, MTBF {m} s, restart {r} s: need save >= 0, MTBF > 0, restart >= 0")
+    return c + math.sqrt(2.0 * (m + r) * c + c * c)
+
+
+def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict | None:
+    """The interval the ledger's measurements call for, with its inputs; None before a save and a kept step
+    were measured. ``interval_steps`` converts ``interval_seconds`` at the run's mean productive step time."""
+    counts, buckets, steps = led.get("counts") or {}, led["buckets"], led["steps"]
+    saves, kept = counts.get("checkpoint", 0), steps.get("productive", 0)
+    if not saves or not kept or buckets["productive"] <= 0:
+        return None
+    failures = led.get("restarts", 0) + counts.get("rollback", 0)
+    save = buckets["checkpoint"] / saves
+    cost = buckets["restart"] + buckets["hang"] + buckets["rollback"]
+    if failures:
+        restarted = sum(a["buckets"]["startup"] for a in led["attempts"][1:])
+        restart = (cost + restarted) / failures
+    else:  # no failure yet: a restart would cost what this run's start-up cost
+        restart = led["attempts"][0]["buckets"]["startup"] if led["attempts"] else 0.0
+    mtbf = (3600.0 * float(expected_mtbf_hours) + led["wall_seconds"]) / (1 + failures)
+    step = buckets["productive"] / kept
+    seconds = optimal_interval_seconds(save, mtbf, restart)
+    return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "failures": failures,
+            "step_seconds": step, "interval_seconds": seconds, "interval_steps": max(1, round(seconds / step)),
+            "expected_mtbf_hours": float(expected_mtbf_hours)}

@@ -6,14 +6,12 @@ and the buckets must sum to the wall time."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from test_resilience import launch
-from trainer_utils import REPO, shared_run
+from trainer_utils import shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +116,10 @@ def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_
     assert led["ettr"] == pytest.approx(led["buckets"]["productive"] / led["wall_seconds"])
 
 
-def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill):
+def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vidstab.tools.cli import main
 
     run, _ = drill
     events = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"]
@@ -135,11 +135,16 @@ def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill):
     tb.Reload()
     assert [x.step for x in tb.Scalars("vidstab/ettr")] == [4, 4, 8, 8, 12, 12]
 
-    cli = [sys.executable, "-m", "vidstab", "goodput", str(run)]
-    as_json = json.loads(subprocess.run(cli + ["--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    assert main(["goodput", str(run), "--json"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
     assert as_json["buckets"].keys() == events[-1]["seconds"].keys() and as_json["restarts"] == 1
-    table = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert as_json["interval"]["failures"] == 2
+    assert main(["goodput", str(run)]) == 0
+    table = capsys.readouterr().out
     assert "ETTR" in table and "attempt 1" in table and f"{as_json['wall_seconds']:.2f}" in table
+    assert "checkpoint interval these measurements call for (Young/Daly): every" in table
+    assert main(["goodput", str(run), "--expected-mtbf-hours", "0"]) == 2  # one line, no traceback
+    assert "--expected-mtbf-hours 0.0: must be > 0" in capsys.readouterr().err
 
     page = (run / "report.html").read_text()
     section = page.split("<h2>Goodput</h2>", 1)[1].split("</section>", 1)[0]

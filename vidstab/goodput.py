@@ -169,7 +169,8 @@ class LedgerBuilder:
                 self._pending.append((float(ended), blocking))
             if isinstance(rec.get("step"), int):
                 self._checkpoints.append(rec["step"])
-                self._forget_before(self._checkpoints[0] if len(self._checkpoints) == self._checkpoints.maxlen else None)
+                if len(self._checkpoints) == self._checkpoints.maxlen:
+                    self._forget_before(self._checkpoints[0])
         if kind not in CLOSES:
             return
         dt = max(t - self._prev, 0.0)
@@ -197,9 +198,7 @@ class LedgerBuilder:
         a["steps"]["productive"] -= 1
         a["steps"]["rework"] += 1
 
-    def _forget_before(self, step: int | None) -> None:
-        if step is None:
-            return
+    def _forget_before(self, step: int) -> None:
         for old in [s for s in self._runs if s < step]:
             del self._runs[old]
 
@@ -257,13 +256,15 @@ def format_table(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> s
     then the checkpoint interval its measurements call for (:mod:`vidstab.checkpoint_interval`)."""
     attempts = led["attempts"]
     wall = led["wall_seconds"] or 1.0
-    head = f"{'bucket':<12}{'seconds':>10}{'share':>8}" + "".join(f"{'attempt ' + str(a['attempt']):>12}" for a in attempts)
+    head = f"{'bucket':<12}{'seconds':>10}{'share':>8}" + "".join(f"{'attempt ' + str(a['attempt']):>12}"
+                                                                   for a in attempts)
     lines = [head, "-" * len(head)]
     for b in BUCKETS:
         lines.append(f"{b:<12}{led['buckets'][b]:>10.2f}{100 * led['buckets'][b] / wall:>7.1f}%"
                      + "".join(f"{a['buckets'][b]:>12.2f}" for a in attempts))
     lines.append("-" * len(head))
-    lines.append(f"{'wall':<12}{led['wall_seconds']:>10.2f}{'100.0%':>8}" + "".join(f"{a['wall_seconds']:>12.2f}" for a in attempts))
+    lines.append(f"{'wall':<12}{led['wall_seconds']:>10.2f}{'100.0%':>8}"
+                 + "".join(f"{a['wall_seconds']:>12.2f}" for a in attempts))
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"
@@ -285,8 +286,10 @@ def summary_fields(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) ->
     """The fields of a ``goodput`` event: the ETTR, the wall time, each bucket's seconds (rounded) and the
     checkpoint interval the measurements call for (``interval``: :func:`vidstab.checkpoint_interval.recommend`)."""
     advice = recommend(led, expected_mtbf_hours)
-    return {"interval": None if advice is None else {k: round(v, 4) if isinstance(v, float) else v for k, v in advice.items()},
-            "ettr": None if led["ettr"] is None else round(led["ettr"], 5), "wall_seconds": round(led["wall_seconds"], 3),
+    if advice is not None:
+        advice = {k: round(v, 4) if isinstance(v, float) else v for k, v in advice.items()}
+    return {"interval": advice, "ettr": None if led["ettr"] is None else round(led["ettr"], 5),
+            "wall_seconds": round(led["wall_seconds"], 3),
             "seconds": {b: round(s, 3) for b, s in led["buckets"].items()}, "attempts": len(led["attempts"]),
             "restarts": led["restarts"]}
 

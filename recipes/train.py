@@ -28,7 +28,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, broadcast, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
@@ -58,6 +58,7 @@ from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.deepspeed_support import accelerator_kwargs_handlers
+from vidstab.checkpoint_interval import AutoInterval
 from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
@@ -263,9 +264,18 @@ class Run:
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
                                  reset=args.reset_recovery)
         self.goodput = GoodputLog(acc, out, args.goodput_steps)
+        self.auto_interval = None if args.checkpointing_steps != "auto" else AutoInterval(
+            self.goodput, lambda n: broadcast(torch.tensor([n], device=acc.device), from_process=0).item(),
+            first=10, floor=10, ceiling=10_000, expected_mtbf_hours=args.expected_mtbf_hours)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
+
+    def save_due(self, step: int) -> bool:
+        """Whether ``step`` is a --checkpointing_steps save (a fixed interval, or ``auto``'s current one)."""
+        if self.auto_interval is not None:
+            return self.auto_interval.due(step)
+        return step % self.args.checkpointing_steps == 0
 
     def beat(self, step: int, phase: str) -> None:
         """Progress for the hang watchdog (a clock read; nothing crosses processes)."""
@@ -530,9 +540,11 @@ def train(run: Run) -> int:
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
             run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
-            if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
+            if run.save_due(step) or step == args.max_train_steps or result.stop:
                 run.beat(step, "checkpoint")
                 save_checkpoint(run, step)
+                if run.auto_interval is not None:
+                    run.auto_interval.saved(guard.events, step)
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
                 validate(run, step)
             run.goodput.maybe_log(guard.events, step)

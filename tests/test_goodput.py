@@ -199,10 +199,31 @@ def test_the_interval_advice_comes_from_the_drills_measurements(drill):
     advice = recommend(led, expected_mtbf_hours=24)
     saves = [e for e in raw_lines(run, 0) if e["kind"] == "checkpoint"]
     assert advice["failures"] == 2  # the rollback and the restart
-    assert advice["save_seconds"] == pytest.approx(led["buckets"]["checkpoint"] / len(saves))
+    assert advice["save_seconds"] == pytest.approx(sum(e["blocking_seconds"] for e in saves) / len(saves))
+    assert led["buckets"]["checkpoint"] == pytest.approx(sum(e["blocking_seconds"] for e in saves))
     assert advice["mtbf_seconds"] == pytest.approx((24 * 3600 + led["wall_seconds"]) / 3)
     assert advice["interval_seconds"] == pytest.approx(
         optimal_interval_seconds(advice["save_seconds"], advice["mtbf_seconds"], advice["restart_seconds"]))
     assert advice["interval_steps"] == max(1, round(advice["interval_seconds"] / advice["step_seconds"]))
     last = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"][-1]
     assert last["interval"]["failures"] == 2 and last["interval"]["interval_steps"] >= 1
+
+
+def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_for(tmp_path):
+    """One process, 20 steps: the first save after 10 steps measures the stall; the interval is then re-chosen
+    from the ledger (logged with its inputs) and the next save comes at the end, not 10 steps later."""
+    from trainer_utils import run_trainer
+
+    from vidstab.checkpoint_interval import optimal_interval_seconds
+
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "20", "--checkpointing_steps", "auto", "--num_validation_videos", "0")
+    lines = raw_lines(out, 0)
+    assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [10, 20]
+    changes = [e for e in lines if e["kind"] == "checkpoint_interval"]
+    assert [(e["step"], e["previous"]) for e in changes][:1] == [(10, 10)], changes
+    first = changes[0]
+    assert first["interval_seconds"] == pytest.approx(
+        optimal_interval_seconds(first["save_seconds"], first["mtbf_seconds"], first["restart_seconds"]))
+    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 10), 10_000) > 10
+    assert first["failures"] == 0 and first["expected_mtbf_hours"] == 24.0

@@ -30,7 +30,7 @@ def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict
     if not saves or not kept or buckets["productive"] <= 0:
         return None
     failures = led.get("restarts", 0) + counts.get("rollback", 0)
-    save = buckets["checkpoint"] / saves
+    save = led.get("save_blocking_seconds", buckets["checkpoint"]) / saves
     cost = buckets["restart"] + buckets["hang"] + buckets["rollback"]
     if failures:
         restarted = sum(a["buckets"]["startup"] for a in led["attempts"][1:])
@@ -43,3 +43,44 @@ def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict
     return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "failures": failures,
             "step_seconds": step, "interval_seconds": seconds, "interval_steps": max(1, round(seconds / step)),
             "expected_mtbf_hours": float(expected_mtbf_hours)}
+
+
+class AutoInterval:
+    """``--checkpointing_steps auto``: the steps between saves, re-chosen from the run's ledger after every save.
+
+    The main process reads the ledger (``goodput``: a :class:`vidstab.goodput.GoodputLog`, incremental) and every
+    rank takes its answer (``share``: a function sending rank 0's integer to every rank, since a save is
+    collective); the interval stays within ``[floor, ceiling]`` steps and every change is logged as a
+    ``checkpoint_interval`` event with its inputs and the formula's value."""
+
+    def __init__(self, goodput: Any, share: Any, *, first: int, floor: int, ceiling: int,
+                 expected_mtbf_hours: float = 24.0) -> None:
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"checkpoint interval bounds [{floor}, {ceiling}]: need 1 <= floor <= ceiling")
+        if not expected_mtbf_hours > 0:
+            raise ValueError(f"expected_mtbf_hours {expected_mtbf_hours}: must be > 0")
+        self.goodput, self.share = goodput, share
+        self.floor, self.ceiling, self.expected_mtbf_hours = int(floor), int(ceiling), float(expected_mtbf_hours)
+        self.steps = min(max(int(first), self.floor), self.ceiling)
+        self.last_saved = 0
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (optimizer steps done) is ``steps`` past the last save (or the start of this process)."""
+        if step < self.last_saved:  # rolled back to a checkpoint: that is the last save now
+            self.last_saved = step
+        return step - self.last_saved >= self.steps
+
+    def saved(self, events: Any, step: int) -> int:
+        """After a save at ``step``: re-choose the interval (every rank calls it); returns it."""
+        self.last_saved = step
+        advice = None
+        if self.goodput.main:
+            advice = recommend(self.goodput.ledger(), self.expected_mtbf_hours)
+        chosen = self.steps if advice is None else min(max(advice["interval_steps"], self.floor), self.ceiling)
+        chosen = int(self.share(chosen))
+        if chosen != self.steps:
+            if advice is not None:
+                events.log("checkpoint_interval", step, steps=chosen, previous=self.steps, floor=self.floor,
+                           ceiling=self.ceiling, **advice)
+            self.steps = chosen
+        return self.steps

@@ -90,6 +90,7 @@ class LedgerBuilder:
         self.restarts = 0
         self.counts = dict.fromkeys(("checkpoint", "rollback", "hang", "crash"), 0)
         """Events seen, by kind (a hang or crash counts once per attempt, however many ranks said it)."""
+        self.save_blocking = 0.0  # as the checkpoint events said it (carved into the ledger once its interval closed)
         self._prev = 0.0  # end of the last closed interval
         self._last = 0.0  # time of the last event of the current attempt
         self._runs: dict[int, dict] = {}  # step -> the interval of its last applied execution (oldest first)
@@ -164,6 +165,7 @@ class LedgerBuilder:
                 a[kind] = True
         if kind == "checkpoint":
             blocking = _seconds(rec.get("blocking_seconds", rec.get("seconds")))
+            self.save_blocking += blocking
             ended = rec.get("blocking_ended", t)
             if blocking and _finite(ended) and not self._carve(float(ended), blocking):
                 self._pending.append((float(ended), blocking))
@@ -206,7 +208,7 @@ class LedgerBuilder:
         """The ledger so far: ``{"wall_seconds", "buckets", "ettr", "attempts": [...], "restarts", "steps"}``."""
         if not self.attempts:
             return {"wall_seconds": 0.0, "buckets": dict.fromkeys(BUCKETS, 0.0), "ettr": None, "attempts": [],
-                    "restarts": 0, "counts": dict(self.counts), "steps": {"productive": 0, "skipped": 0, "rework": 0}}
+                    "restarts": 0, "counts": dict(self.counts), "save_blocking_seconds": 0.0, "steps": {"productive": 0, "skipped": 0, "rework": 0}}
         attempts = []
         for a in self.attempts:
             buckets, end = dict(a["buckets"]), a["end"]
@@ -221,6 +223,7 @@ class LedgerBuilder:
         wall = attempts[-1]["end"] - attempts[0]["begin"]
         return {"wall_seconds": wall, "buckets": total, "ettr": total["productive"] / wall if wall > 0 else None,
                 "attempts": attempts, "restarts": self.restarts, "counts": dict(self.counts),
+                "save_blocking_seconds": self.save_blocking,
                 "steps": {k: sum(a["steps"][k] for a in attempts) for k in ("productive", "skipped", "rework")}}
 
 
@@ -304,6 +307,7 @@ class GoodputLog:
     def __init__(self, accelerator: Any, run_dir: str | Path, every: int = 100) -> None:
         self.accelerator, self.run_dir, self.every = accelerator, Path(run_dir), int(every)
         self.main = accelerator is None or bool(getattr(accelerator, "is_main_process", True))
+        """Whether this process writes the events (the main process)."""
         self._builder: LedgerBuilder | None = None
         self._offset = 0
 

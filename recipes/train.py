@@ -28,7 +28,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, broadcast, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
@@ -58,7 +58,7 @@ from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.deepspeed_support import accelerator_kwargs_handlers
-from vidstab.checkpoint_interval import AutoInterval
+from vidstab.checkpoint_interval import auto_interval
 from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
@@ -264,9 +264,8 @@ class Run:
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
                                  reset=args.reset_recovery)
         self.goodput = GoodputLog(acc, out, args.goodput_steps)
-        self.auto_interval = None if args.checkpointing_steps != "auto" else AutoInterval(
-            self.goodput, lambda n: broadcast(torch.tensor([n], device=acc.device), from_process=0).item(),
-            first=10, floor=10, ceiling=10_000, expected_mtbf_hours=args.expected_mtbf_hours)
+        self.auto_interval = None if args.checkpointing_steps != "auto" else auto_interval(
+            acc, out, expected_mtbf_hours=args.expected_mtbf_hours)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None

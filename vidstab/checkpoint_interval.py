@@ -84,3 +84,20 @@ class AutoInterval:
                            ceiling=self.ceiling, **advice)
             self.steps = chosen
         return self.steps
+
+
+def auto_interval(accelerator: Any, run_dir: Any, *, first: int = 10, floor: int = 10, ceiling: int = 10_000,
+                  expected_mtbf_hours: float = 24.0) -> AutoInterval:
+    """An :class:`AutoInterval` over the run's ledger, rank 0's answer broadcast to every rank."""
+    import torch
+    from accelerate.utils import broadcast
+
+    from .goodput import GoodputLog
+
+    def share(steps: int) -> int:
+        if getattr(accelerator, "num_processes", 1) <= 1:
+            return steps
+        return int(broadcast(torch.tensor([steps], device=accelerator.device), from_process=0).item())
+
+    return AutoInterval(GoodputLog(accelerator, run_dir, every=0), share, first=first, floor=floor, ceiling=ceiling,
+                        expected_mtbf_hours=expected_mtbf_hours)

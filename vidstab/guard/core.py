@@ -407,7 +407,7 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, rollback_every: int | None = None, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | str | None = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -420,7 +420,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
-    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`);
+    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
 
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
@@ -448,4 +449,4 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 _guard_signature = inspect.signature(Guard)
 attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
     *_guard_signature.parameters.values(),
-    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | str | None")])

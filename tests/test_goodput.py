@@ -201,7 +201,7 @@ def test_the_interval_advice_comes_from_the_drills_measurements(drill):
     assert advice["failures"] == 2  # the rollback and the restart
     assert advice["save_seconds"] == pytest.approx(sum(e["blocking_seconds"] for e in saves) / len(saves))
     assert led["buckets"]["checkpoint"] == pytest.approx(sum(e["blocking_seconds"] for e in saves))
-    assert advice["mtbf_seconds"] == pytest.approx((24 * 3600 + led["wall_seconds"]) / 3)
+    assert advice["mtbf_seconds"] == pytest.approx(led["wall_seconds"] / 2)  # failures seen: the prior is gone
     assert advice["interval_seconds"] == pytest.approx(
         optimal_interval_seconds(advice["save_seconds"], advice["mtbf_seconds"], advice["restart_seconds"]))
     assert advice["interval_steps"] == max(1, round(advice["interval_seconds"] / advice["step_seconds"]))

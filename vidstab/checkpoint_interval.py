@@ -3,9 +3,9 @@
 With ``C`` the seconds a save blocks training, ``M`` the mean time between failures and ``R`` what a failure
 costs besides the lost work (restart downtime, start-up, hang until the watchdog, rollback), the time between
 checkpoints that maximises availability is ``C + sqrt(2 (M + R) C + C^2)``; for ``C, R << M`` it is Young's
-``sqrt(2 C M)``. ``M`` is observed (the wall time over the failures: restarts and rollbacks) once failures are
-seen, and until then comes from a prior, ``expected_mtbf_hours``, counted as one failure-free interval: with
-``n`` failures in ``T`` seconds, ``M = (prior + T) / (1 + n)``.
+``sqrt(2 C M)``. ``M`` is observed once failures are seen (restarts and rollbacks): ``n`` failures in ``T``
+seconds of wall time give ``M = T / n``; until then it is the prior, ``expected_mtbf_hours``, or ``T`` once the
+run has gone longer than that without one.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict
         restart = (cost + restarted) / failures
     else:  # no failure yet: a restart would cost what this run's start-up cost
         restart = led["attempts"][0]["buckets"]["startup"] if led["attempts"] else 0.0
-    mtbf = (3600.0 * float(expected_mtbf_hours) + led["wall_seconds"]) / (1 + failures)
+    if failures:
+        mtbf = led["wall_seconds"] / failures
+    else:
+        mtbf = max(3600.0 * float(expected_mtbf_hours), led["wall_seconds"])
     step = buckets["productive"] / kept
     seconds = optimal_interval_seconds(save, mtbf, restart)
     return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "failures": failures,

@@ -242,3 +242,16 @@ def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the
     assert change["step"] == 11 and change["previous"] == 10 and change["steps"] > 14 and change["save_seconds"] > 0
     with pytest.raises(ValueError, match="rollback_every must be"):
         _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")
+
+
+def test_bench_goodput_quick_the_ledger_of_a_simulated_run_agrees_with_the_simulation(capsys):
+    """benchmarks/bench_goodput.py --quick: for every interval, the ETTR the real ledger reads off the simulated
+    events equals the simulation's own (steps x step time / wall time); the last line is one JSON object."""
+    from benchmarks.bench_goodput import main
+
+    assert main(["--quick", "--mtbf-hours", "0.02"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["rows"]) == {"5", "20", "100", "500", "auto"}
+    assert sum(r["failures"] for r in out["rows"].values()) > 0
+    for row in out["rows"].values():
+        assert row["ledger_ettr"] == pytest.approx(row["ettr"], rel=1e-9)

@@ -29,6 +29,7 @@ RUN_CONTROL_FLAGS = {
     "validation_num_inference_steps", "overwrite_output_dir", "reset_recovery",
     "watchdog_timeout", "watchdog_multiple", "watchdog_first_step", "no_auto_resume", "no_html_report",
     "allow_other_run_checkpoint",
+    "goodput_steps", "expected_mtbf_hours",
 }
 MIXED_PRECISION = ["no", "fp16", "bf16"]
 REPORT_TO = ["tensorboard", "wandb", "all", "none"]
@@ -36,13 +37,28 @@ LR_SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 WEIGHTING_SCHEMES = ["sigma_sqrt", "logit_normal", "mode", "cosmap", "none"]
 # Integer flags that must be >= 1 (None stays allowed where the default is None).
 POSITIVE_INTS = (
-    "max_train_steps", "num_train_epochs", "train_batch_size", "gradient_accumulation_steps", "checkpointing_steps",
+    "max_train_steps", "num_train_epochs", "train_batch_size", "gradient_accumulation_steps",
     "num_frames", "resolution", "height", "width", "logging_steps", "validation_steps", "validation_num_inference_steps",
     "num_train_timesteps", "hidden_size", "num_layers", "num_heads", "num_videos", "frame_stride", "lr_num_cycles",
     "latent_channels",
 )
-NON_NEGATIVE = ("lr_warmup_steps", "num_validation_videos", "dataloader_num_workers", "max_retries", "adam_weight_decay")
-POSITIVE_FLOATS = ("learning_rate", "adam_epsilon", "max_grad_norm", "lr_power", "flow_shift", "logit_std", "mode_scale")
+NON_NEGATIVE = ("lr_warmup_steps", "num_validation_videos", "dataloader_num_workers", "max_retries", "adam_weight_decay",
+                "goodput_steps")
+POSITIVE_FLOATS = ("learning_rate", "adam_epsilon", "max_grad_norm", "lr_power", "flow_shift", "logit_std", "mode_scale",
+                   "expected_mtbf_hours")
+
+
+def steps_or_auto(value: object) -> int | str:
+    """``--checkpointing_steps``: an integer >= 1, or ``auto`` (chosen from the run's measurements)."""
+    if value == "auto":
+        return "auto"
+    try:
+        steps = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        steps = None
+    if steps is None or steps < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or auto, got {value!r}")
+    return steps
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logging_dir", type=str, default="logs", help="Tracker folder, relative to --output_dir.")
     run.add_argument("--tracker_name", type=str, default="vidstab-train", help="Project name given to `init_trackers`.")
     run.add_argument("--logging_steps", type=int, default=1, help="Tracker logging interval in optimizer steps (the JSONL event log gets every step).")
+    run.add_argument("--goodput_steps", type=int, default=100, help="Log the goodput ledger (a goodput event, vidstab/ettr to the trackers) every this many steps and at the end (0: at the end only).")
     run.add_argument("--dataloader_num_workers", type=int, default=0, help='DataLoader worker processes (0: load in the training process).')
     run.add_argument("--fsdp", action="store_true", help="Shard the DiT per block with FSDP2; sharded (DCP) checkpoints (see recipes/sharding.py).")
     opt = p.add_argument_group("optimisation")
@@ -84,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--use_ema", action="store_true", help="Keep an EMA of the weights: used for validation, exported as transformer_ema/.")
     opt.add_argument("--ema_decay", type=float, default=0.999, help="Decay of the weights' EMA (--use_ema).")
     ckpt = p.add_argument_group("checkpoints")
-    ckpt.add_argument("--checkpointing_steps", type=int, default=100, help='Save a checkpoint every this many optimizer steps (and at the end); a rollback or an incident replay uses the newest.')
+    ckpt.add_argument("--checkpointing_steps", type=steps_or_auto, default=100, help='Save a checkpoint every this many optimizer steps (and at the end); a rollback or an incident replay uses the newest. auto: the interval the run\'s goodput ledger calls for (Young/Daly from the measured save stall, failure cost and failure rate), the first save after 10 steps, then re-chosen after every save within [10, 10000] steps; each change is a checkpoint_interval event.')
+    ckpt.add_argument("--expected_mtbf_hours", type=float, default=24.0, help="With --checkpointing_steps auto: the mean time between failures assumed until the run has seen some.")
     ckpt.add_argument("--checkpoints_total_limit", type=int, default=3, help="Newest K kept (plus the last good one).")
     ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
     ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")
@@ -187,6 +205,11 @@ def _config_value(action: argparse.Action, value: object, where: str) -> object:
     if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
         kind = {int: "an integer", float: "a number", str: "a string"}[action.type]
         raise ValueError(f"{where}: {action.dest} ({flag}) must be {kind}, got {value!r} ({type(value).__name__})")
+    if action.type is steps_or_auto:
+        try:
+            value = steps_or_auto(value)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{where}: {action.dest} ({flag}) {exc}") from None
     value = action.type(value) if action.type in (int, float) else value
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"{where}: {action.dest} ({flag}) must be one of {list(action.choices)}, got {value!r}")

@@ -58,6 +58,8 @@ from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.deepspeed_support import accelerator_kwargs_handlers
+from vidstab.checkpoint_interval import auto_interval
+from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -147,7 +149,9 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     for micro_step in range(acc.gradient_accumulation_steps):
         ctx.beat(step, "data")
         faults.maybe_hang(step)
+        waited = time.perf_counter()
         batch = next(ctx.data)
+        guard.data_wait(time.perf_counter() - waited)
         ctx.batches_consumed += 1
         ctx.beat(step, "forward_backward")
         compute_started = time.perf_counter()
@@ -260,9 +264,18 @@ class Run:
             self.checkpoints.register("ema", self.ema)
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
                                  reset=args.reset_recovery)
+        self.goodput = GoodputLog(acc, out, args.goodput_steps)
+        self.auto_interval = None if args.checkpointing_steps != "auto" else auto_interval(
+            acc, out, expected_mtbf_hours=args.expected_mtbf_hours)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
+
+    def save_due(self, step: int) -> bool:
+        """Whether ``step`` is a --checkpointing_steps save (a fixed interval, or ``auto``'s current one)."""
+        if self.auto_interval is not None:
+            return self.auto_interval.due(step)
+        return step % self.args.checkpointing_steps == 0
 
     def beat(self, step: int, phase: str) -> None:
         """Progress for the hang watchdog (a clock read; nothing crosses processes)."""
@@ -527,11 +540,14 @@ def train(run: Run) -> int:
                     run.restore(state)  # replay the same data (rewind to the checkpoint's position)
                 continue
             run.recovery.on_step(step, skipped=result.skipped)  # incident over, gradual return of a backed-off LR
-            if step % args.checkpointing_steps == 0 or step == args.max_train_steps or result.stop:
+            if run.save_due(step) or step == args.max_train_steps or result.stop:
                 run.beat(step, "checkpoint")
                 save_checkpoint(run, step)
+                if run.auto_interval is not None:
+                    run.auto_interval.saved(guard.events, step)
             if args.validation_steps and step % args.validation_steps == 0 and step < args.max_train_steps:
                 validate(run, step)
+            run.goodput.maybe_log(guard.events, step)
             if result.stop:
                 acc.print(f"stop requested (signal): saved step {step}; resume with --resume_from_checkpoint latest")
                 break
@@ -552,6 +568,7 @@ def train(run: Run) -> int:
                 run_validation(run, step, plain, ema)
         acc.wait_for_everyone()
     guard.events.log("stop", step, exit_code=exit_code, seconds=round(time.time() - started, 2))
+    run.goodput.log(guard.events, step)
     acc.end_training()
     if acc.is_main_process:
         report_path = "(not written: --no_html_report)"

@@ -22,6 +22,7 @@ from typing import Any
 
 from .checkpoint import CheckpointConfig, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
+from .checkpoint_interval import auto_interval
 from .lr import torch_scheduler
 from .recovery import Recovery, RecoveryConfig, RunAborted
 from .script_state import ScriptState, nonfinite_state
@@ -53,17 +54,19 @@ class AutoRollback:
 
     Args:
         guard: the attached :class:`~vidstab.Guard`.
-        every: save a rollback checkpoint every this many optimizer steps (and on the first step of a launch).
+        every: save a rollback checkpoint every this many optimizer steps (and on the first step of a launch);
+            ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
         recovery: the retry budget, LR back-off and what counts as one incident (:class:`~vidstab.RecoveryConfig`).
         keep: rollback checkpoints kept (the newest healthy one is kept apart from these).
     """
 
-    def __init__(self, guard: Any, every: int, recovery: RecoveryConfig | None = None, keep: int = 2) -> None:
-        if int(every) < 1:
-            raise ValueError(f"rollback_every must be a number of optimizer steps >= 1, not {every!r}")
-        self.guard = guard
-        self.every = int(every)
+    def __init__(self, guard: Any, every: int | str, recovery: RecoveryConfig | None = None, keep: int = 2) -> None:
         acc = guard.accelerator
+        self.interval = auto_interval(acc, guard.run_dir) if every == "auto" else None
+        if self.interval is None and (isinstance(every, (bool, float, str)) or int(every) < 1):
+            raise ValueError(f"rollback_every must be a number of optimizer steps >= 1 or \"auto\", not {every!r}")
+        self.guard = guard
+        self.every = every if self.interval is not None else int(every)
         self.ckpt = CheckpointManager(acc, str(guard.run_dir), CheckpointConfig(subdir=ROLLBACK_SUBDIR, keep=keep))
         # The scheduler, the loop's counters and the data are not rolled back: only what the step changed, and what
         # the script itself checkpoints (register_for_checkpointing objects; its save/load-state hooks: ScriptState).
@@ -98,10 +101,13 @@ class AutoRollback:
         if not self._saved_this_launch:
             self.recovery.apply_carried_over()  # over the multiplier of the checkpoint the loop resumed from
         self.recovery.on_step(trajectory, skipped=bool(result.skipped))
-        if trajectory % self.every == 0 or not self._saved_this_launch:
+        due = self.interval.due(trajectory) if self.interval is not None else trajectory % self.every == 0
+        if due or not self._saved_this_launch:
             path = self.ckpt.save(trajectory, healthy=guard.healthy)
             self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             self._saved_this_launch = True
+            if self.interval is not None:
+                self.interval.saved(guard.events, trajectory)
 
     def _roll_back(self, result: Any, step: int, trajectory: int) -> None:
         """Load the last healthy rollback checkpoint into the model, optimizer and guard; everything else goes on."""

@@ -202,6 +202,7 @@ class CheckpointManager:
         # ONE agreement of all ranks before anything is written (each collective adds to the stall):
         # the previous async save's outcome, whether the parameters are finite, this snapshot's outcome,
         # and the folder nonce (rank 0's, the others add 0).
+        entered = time.perf_counter()  # waiting for the previous async write blocks the loop too
         prev_job, prev_err = self._join_pending()
         step = int(step)
         t0 = time.perf_counter()
@@ -254,6 +255,7 @@ class CheckpointManager:
                 # A daemon: a writer blocked on a dead peer must never keep the process from exiting.
                 self._writer = threading.Thread(target=self._write_jobs, name="vidstab-ckpt-writer", daemon=True)
                 self._writer.start()
+            job.blocking = (time.perf_counter() - entered, time.time())
             self._jobs.put((job, self._job_done))
             return os.path.join(self.root, name)
         self._run_job(job)
@@ -419,8 +421,10 @@ class CheckpointManager:
         self._head = {"name": job.name, "sequence": sequence}
         seconds = time.perf_counter() - job.t0
         self._rotate()
+        blocking, went_on = job.blocking if job.blocking is not None else (time.perf_counter() - job.t0, time.time())
         log_event(self.output_dir, self.rank, "checkpoint", job.step, path=rel(final, self.output_dir),
-                  healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4))
+                  healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4),
+                  blocking_seconds=round(blocking, 4), blocking_ended=went_on)
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
     def _unmovable(self, job: SaveJob, error: OSError, old_name: str) -> None:

@@ -82,6 +82,8 @@ class SaveJob:
     """This rank's answer to that check (True when there was nothing to check)."""
     steps: dict[str, dict[str, int]] | None = None
     """The step each JSON state file carries (:func:`~.layout.carried_steps`), for the manifest's ``steps``."""
+    blocking: tuple[float, float] | None = None
+    """An async save: (seconds the loop was blocked in ``save``, unix time it went on); a sync save blocks throughout."""
 
 
 def write_files(job: SaveJob, checksum: str, fsync: bool) -> None:

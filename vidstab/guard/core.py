@@ -39,6 +39,7 @@ from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
 from ..exit_fence import register_exit_fence
+from ..goodput import process_start_time
 from ..limits import read_json_file
 from ..lr import LRMultiplier
 from ..rerun import StepRerun
@@ -131,7 +132,7 @@ class Guard:
         self.console = None
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
-                        run=run_environment(accelerator))
+                        run=run_environment(accelerator), process_started=process_start_time())
 
     @property
     def checkpoint_fn(self) -> Callable[[], str | None] | None:
@@ -192,6 +193,11 @@ class Guard:
         if self.config.enabled:
             self.recorder.record(loss, inputs, batch, sample_ids, per_sample_loss, timesteps, error,
                                  None if bucket is None else str(bucket))
+
+    def data_wait(self, seconds: float) -> None:
+        """Seconds this rank waited for data in the current step (summed over its micro-steps): the step's
+        ``metrics`` line carries them as ``data_seconds``, the goodput ledger's ``data`` bucket."""
+        self.reporter.data_seconds += float(seconds)
 
     def step(self, max_grad_norm: float | None = 1.0) -> StepResult:
         """Judge and apply (or skip) the optimizer step; a cheap no-op on non-sync micro-steps."""
@@ -418,7 +424,7 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, rollback_every: int | None = None, recovery: Any = None, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | str | None = None, recovery: Any = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -431,7 +437,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
-    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`).
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`);
+    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
     ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
     (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only).
 
@@ -471,5 +478,5 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 _guard_signature = inspect.signature(Guard)
 attach.__signature__ = _guard_signature.replace(return_annotation="Guard", parameters=[
     *_guard_signature.parameters.values(),
-    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
+    inspect.Parameter("rollback_every", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | str | None"),
     inspect.Parameter("recovery", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="RecoveryConfig | None")])

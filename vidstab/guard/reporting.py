@@ -37,6 +37,8 @@ class Reporter:
         self.model_spec, self.seed, self.checkpoint_fn = model_spec, seed, checkpoint_fn
         self.events = EventLog(run_dir, rank)
         self.incidents_written = 0
+        self.data_seconds = 0.0
+        """This step's wait for data, as the loop reported it (``Guard.data_wait``); 0 when it reports none."""
         self.localized = False
         self.replay_fn: Callable[[dict], torch.Tensor] | None = None
         self.output_gradients = None
@@ -53,10 +55,13 @@ class Reporter:
         if self.rank == 0 or s.findings or s.step % self.config.rank_log_every == 0:
             metrics = metrics_line(s, mine, layout, self.rank, clip_rate, skipped_total, overflow_total)
             metrics.update(published(detectors))  # the thresholds of the next judgement, on logged lines only
+            if self.data_seconds:
+                metrics["data_seconds"] = round(self.data_seconds, 6)
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},
                                 s.step)
+        self.data_seconds = 0.0
         bad_ranks, rollback = [], None
         if s.findings:
             bad_ranks = sorted({r for f in s.findings for r in f.ranks})

@@ -6,6 +6,7 @@
     vidstab incidents RUN_DIR
     vidstab quarantine RUN_DIR [--clear [--sample ID ...]]
     vidstab events RUN_DIR [--kind skip] [--rank 1]
+    vidstab goodput RUN_DIR [--json]
 
 ``python -m vidstab ...`` is the same command. Heavy modules (torch, matplotlib) are imported by the
 sub-command that needs them, so ``vidstab --help`` answers at once.
@@ -72,6 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     events.add_argument("--kind", action="append", help="only these kinds (repeatable), e.g. --kind skip --kind rollback")
     events.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
     events.add_argument("--json", action="store_true", help="print the raw JSON lines")
+
+    goodput = sub.add_parser("goodput", help="where a run's wall time went: productive steps and each kind of loss",
+                             description="The goodput ledger of a run from its event logs: every second of wall time, "
+                                         "across restarts and relaunches, in one bucket; ETTR = productive / wall.")
+    goodput.add_argument("run_dir", metavar="RUN_DIR")
+    goodput.add_argument("--json", action="store_true", help="print the ledger as one JSON object")
+    goodput.add_argument("--expected-mtbf-hours", type=float, default=24.0,
+                         help="prior mean time between failures for the checkpoint interval advice (default 24)")
     return parser
 
 
@@ -86,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return {"audit": _audit, "report": _report, "incidents": _incidents, "quarantine": _quarantine, "events": _events}[args.command](args)
+        return {"audit": _audit, "report": _report, "incidents": _incidents, "quarantine": _quarantine, "events": _events,
+                "goodput": _goodput}[args.command](args)
     except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:  # ImportPathError is a ValueError
         print(f"vidstab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -270,6 +280,24 @@ def _events(args: argparse.Namespace) -> int:
         print(f"note: {printable(note)}", file=sys.stderr)
     if not args.json:
         print(f"{shown} event(s)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from ..checkpoint_interval import recommend
+    from ..goodput import format_table, ledger
+    from .terminal import printable
+
+    if not args.expected_mtbf_hours > 0:
+        raise ValueError(f"--expected-mtbf-hours {args.expected_mtbf_hours}: must be > 0")
+    notes: list[str] = []
+    led = ledger(args.run_dir, notes)
+    if args.json:
+        print(json.dumps({**led, "interval": recommend(led, args.expected_mtbf_hours)}))
+    else:
+        print(format_table(led, args.expected_mtbf_hours))
+    for note in notes:
+        print(f"note: {printable(note)}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from ...atomic import write_atomic
 from .figures import (_clip_section, _grad_section, _inputs_section, _loss_scale_section, _loss_section,
                       _lr_section, _timestep_section)
+from .goodput import _goodput_section
 from .load import RunLog, load_run
 from .markup import _CSS
 from .series import _loss_by_t
@@ -23,6 +24,7 @@ from .tables import _events_section, _incidents_section, _notes_section, _quaran
 #: panel would only say what was not given.
 SECTIONS = (
     "Summary",
+    "Goodput",
     "Loss",
     "Gradient norm",
     "Learning rate",
@@ -51,6 +53,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> str
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     builders = {
         "Summary": lambda: _summary(log),
+        "Goodput": lambda: _goodput_section(run_dir),
         "Loss": lambda: _loss_section(log),
         "Gradient norm": lambda: _grad_section(log),
         "Learning rate": lambda: _lr_section(log),

@@ -1,0 +1,257 @@
+"""The goodput ledger on a real drill: 2 processes under the elastic launcher, NaN skips, a rollback, a hung rank
+the watchdog ends and the restart after it. The ledger must agree, bucket by bucket, with the time the test
+reads off the raw event lines itself (labelled from the drill's known schedule, not from the ledger's rules),
+and the buckets must sum to the wall time."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from test_resilience import launch
+from trainer_utils import shared_run
+
+pytestmark = pytest.mark.slow
+
+# Steps 0-11; checkpoints every 3; NaN data at step 2 (skipped), an exception at step 5 (skipped, then rolled back
+# to step 3), rank 1 hangs before step 8 (the watchdog ends it; the restart resumes from step 6).
+DRILL = ["--max_train_steps", "12", "--checkpointing_steps", "3", "--watchdog_timeout", "3", "--goodput_steps", "4",
+         "--report_to", "tensorboard", "--inject_fault", "nan_batch@2", "--inject_fault", "exception@5",
+         "--inject_fault", "hang@8:1"]
+# What each metrics line of the drill is, in rank 0's file order.
+ATTEMPT0 = [(0, "productive"), (1, "productive"), (2, "skipped"), (3, "rework"), (4, "rework"), (5, "skipped"),
+            (3, "productive"), (4, "productive"), (5, "productive"), (6, "rework"), (7, "rework")]
+ATTEMPT1 = [(s, "productive") for s in range(6, 12)]
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    def build(folder):
+        proc = launch(folder / "run", *DRILL, resume=False, html_report=True, timeout=600)
+        (folder / "stderr.txt").write_text(proc.stderr)
+
+    folder = shared_run(tmp_path_factory, "goodput-drill", build)
+    return folder / "run", (folder / "stderr.txt").read_text()
+
+
+def raw_lines(run, rank):
+    out = []
+    for line in (run / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def expected_buckets(run):
+    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then."""
+    r0, r1 = raw_lines(run, 0), raw_lines(run, 1)
+    starts = [e for e in r0 if e["kind"] == "start"]
+    assert len(starts) == 2
+    born = [e["process_started"] for e in starts]
+    second = starts[1]["time"]
+    label = {"start": "startup", "resume": "startup", "restart": "startup", "skip": "triage",
+             "rollback_request": "triage", "incident": "triage", "rerun": "triage", "rollback": "rollback",
+             "hang": "hang", "crash": "restart", "validation": "validation", "stop": "other", "export": "other",
+             "goodput": "other"}
+    totals = dict.fromkeys(["productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang",
+                            "startup", "data", "validation", "other"], 0.0)
+    ends = []
+    for attempt, schedule in ((0, ATTEMPT0), (1, ATTEMPT1)):
+        mine = [e for e in r0 if (e["time"] < second) == (attempt == 0)]
+        last_words = [e for e in r1 if e["kind"] in ("hang", "crash") and (e["time"] < second) == (attempt == 0)]
+        marks = sorted([e for e in mine if e["kind"] in label or e["kind"] == "metrics"] + last_words,
+                       key=lambda e: e["time"])
+        if attempt:  # it begins when its process started, but not before the previous attempt's last event
+            born[1] = max(born[1], ends[0])
+        steps = [e for e in marks if e["kind"] == "metrics"]
+        assert [e["step"] for e in steps] == [s for s, _ in schedule], f"attempt {attempt}: not the drill's steps"
+        what = iter(b for _, b in schedule)
+        times = np.array([born[attempt]] + [e["time"] for e in marks])
+        lengths = np.diff(times)
+        names = [next(what) if e["kind"] == "metrics" else label[e["kind"]] for e in marks]
+        share = [{n: float(d)} for n, d in zip(names, lengths)]
+        for s, e, n in zip(share, marks, names):
+            data = min(float(e.get("data_seconds") or 0.0), s[n]) if e["kind"] == "metrics" else 0.0
+            s[n] -= data
+            s["data"] = s.get("data", 0.0) + data
+        for c in (e for e in mine if e["kind"] == "checkpoint"):  # blocking, out of the interval it ended in
+            i = int(np.searchsorted(times, c["blocking_ended"], side="left")) - 1
+            assert 0 <= i < len(share) and share[i][names[i]] >= c["blocking_seconds"]
+            share[i][names[i]] -= c["blocking_seconds"]
+            share[i]["checkpoint"] = share[i].get("checkpoint", 0.0) + c["blocking_seconds"]
+        tail_end = max(e["time"] for e in mine + last_words)
+        share.append({"other": tail_end - times[-1]})
+        for s in share:
+            for n, v in s.items():
+                totals[n] += v
+        ends.append(tail_end)
+    totals["restart"] += born[1] - ends[0]
+    return totals, ends[1] - born[0]
+
+
+def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_time(drill):
+    from vidstab.goodput import ledger
+
+    run, stderr = drill
+    assert "exitcode: 75" in stderr  # the launcher restarted the group after the watchdog ended the hung rank
+    led = ledger(run)
+    want, wall = expected_buckets(run)
+    assert led["wall_seconds"] == pytest.approx(wall, abs=1e-6)
+    for bucket, seconds in want.items():
+        assert led["buckets"][bucket] == pytest.approx(seconds, abs=1e-6), bucket
+    assert abs(sum(led["buckets"].values()) - led["wall_seconds"]) <= 0.01 * led["wall_seconds"]
+    # Every kind of loss the drill caused is there, and the launcher's restart.
+    for bucket in ("productive", "skipped", "rework", "triage", "checkpoint", "rollback", "hang", "startup", "data",
+                   "validation"):
+        assert led["buckets"][bucket] > 0, bucket
+    assert led["restarts"] == 1 and len(led["attempts"]) == 2
+    assert led["steps"] == {"productive": 11, "skipped": 2, "rework": 4}  # step 2 is never redone
+    for a in led["attempts"]:
+        assert a["ettr"] == pytest.approx(a["buckets"]["productive"] / a["wall_seconds"])
+        assert sum(a["buckets"].values()) == pytest.approx(a["wall_seconds"], rel=1e-9)
+    assert led["ettr"] == pytest.approx(led["buckets"]["productive"] / led["wall_seconds"])
+
+
+def test_goodput_events_trackers_cli_and_report_show_the_ledger(drill, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vidstab.tools.cli import main
+
+    run, _ = drill
+    events = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"]
+    # Every 4 steps (the steps of both attempts) and at exit; each one adds up to its own wall time.
+    assert [e["step"] for e in events] == [4, 4, 8, 8, 12, 12]
+    for e in events:
+        assert abs(sum(e["seconds"].values()) - e["wall_seconds"]) <= 0.01 * e["wall_seconds"]
+        assert e["ettr"] == pytest.approx(e["seconds"]["productive"] / e["wall_seconds"], abs=1e-4)
+    assert events[-1]["attempts"] == 2 and events[-1]["restarts"] == 1
+    assert not [e for e in raw_lines(run, 1) if e["kind"] == "goodput"]  # the main process writes it
+
+    tb = EventAccumulator(str(next(run.rglob("events.out.tfevents*")).parent))
+    tb.Reload()
+    assert [x.step for x in tb.Scalars("vidstab/ettr")] == [4, 4, 8, 8, 12, 12]
+
+    assert main(["goodput", str(run), "--json"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["buckets"].keys() == events[-1]["seconds"].keys() and as_json["restarts"] == 1
+    assert as_json["interval"]["failures"] == 2
+    assert main(["goodput", str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "ETTR" in table and "attempt 1" in table and f"{as_json['wall_seconds']:.2f}" in table
+    assert "checkpoint interval these measurements call for (Young/Daly): every" in table
+    assert main(["goodput", str(run), "--expected-mtbf-hours", "0"]) == 2  # one line, no traceback
+    assert "--expected-mtbf-hours 0.0: must be > 0" in capsys.readouterr().err
+
+    page = (run / "report.html").read_text()
+    section = page.split("<h2>Goodput</h2>", 1)[1].split("</section>", 1)[0]
+    assert "ETTR (productive / wall time)" in section and "attempt 0: hang" in section
+
+
+def test_the_in_run_ledger_reads_only_new_lines_and_agrees_with_the_ledger_of_the_files(drill, tmp_path):
+    """The trainer's goodput events come from an incremental ledger: replayed into a fresh folder a piece of a
+    line at a time, from the restarted attempt's start on (as a restarted process sees it), it must end equal
+    to the ledger of the finished files."""
+    from vidstab.goodput import GoodputLog, ledger
+
+    run, _ = drill
+    lines = (run / "vidstab" / "events-rank0.jsonl").read_bytes().splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "start"][1]
+    copy = tmp_path / "run" / "vidstab"
+    copy.mkdir(parents=True)
+    (copy / "events-rank1.jsonl").write_bytes((run / "vidstab" / "events-rank1.jsonl").read_bytes())
+    (copy / "events-rank0.jsonl").write_bytes(b"".join(lines[:second + 1]))
+    live = GoodputLog(None, tmp_path / "run")
+    live.ledger()
+    with open(copy / "events-rank0.jsonl", "ab") as f:
+        for line in lines[second + 1:]:
+            f.write(line[:7])  # a torn line waits for its end
+            f.flush()
+            live.ledger()
+            f.write(line[7:])
+            f.flush()
+    assert json.dumps(live.ledger()) == json.dumps(ledger(tmp_path / "run")) == json.dumps(ledger(run))
+
+
+def test_the_interval_formula_is_the_minimum_of_the_time_lost_to_saves_and_failures():
+    """C + sqrt(2 (M + R) C + C^2) against a grid search of the fraction of time lost, C/t + (t/2 + R)/M
+    (a save every t seconds, half an interval of work lost per failure), for saves much shorter than the MTBF."""
+    from vidstab.checkpoint_interval import optimal_interval_seconds
+
+    for save, mtbf, restart in ((10.0, 3600.0 * 24, 0.0), (2.0, 3600.0, 60.0), (30.0, 3600.0 * 8, 600.0)):
+        grid = np.linspace(save, 20 * np.sqrt(2 * save * mtbf), 200_000)
+        lost = save / grid + (grid / 2 + restart) / mtbf
+        best = grid[int(np.argmin(lost))]
+        assert optimal_interval_seconds(save, mtbf, restart) == pytest.approx(best, rel=0.06)
+    with pytest.raises(ValueError):
+        optimal_interval_seconds(1.0, 0.0)
+
+
+def test_the_interval_advice_comes_from_the_drills_measurements(drill):
+    from vidstab.checkpoint_interval import optimal_interval_seconds, recommend
+    from vidstab.goodput import ledger
+
+    run, _ = drill
+    led = ledger(run)
+    advice = recommend(led, expected_mtbf_hours=24)
+    saves = [e for e in raw_lines(run, 0) if e["kind"] == "checkpoint"]
+    assert advice["failures"] == 2  # the rollback and the restart
+    assert advice["save_seconds"] == pytest.approx(sum(e["blocking_seconds"] for e in saves) / len(saves))
+    assert led["buckets"]["checkpoint"] == pytest.approx(sum(e["blocking_seconds"] for e in saves))
+    assert advice["mtbf_seconds"] == pytest.approx(led["wall_seconds"] / 2)  # failures seen: the prior is gone
+    assert advice["interval_seconds"] == pytest.approx(
+        optimal_interval_seconds(advice["save_seconds"], advice["mtbf_seconds"], advice["restart_seconds"]))
+    assert advice["interval_steps"] == max(1, round(advice["interval_seconds"] / advice["step_seconds"]))
+    last = [e for e in raw_lines(run, 0) if e["kind"] == "goodput"][-1]
+    assert last["interval"]["failures"] == 2 and last["interval"]["interval_steps"] >= 1
+
+
+def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_for(tmp_path):
+    """One process, 20 steps: the first save after 10 steps measures the stall; the interval is then re-chosen
+    from the ledger (logged with its inputs) and the next save comes at the end, not 10 steps later."""
+    from trainer_utils import run_trainer
+
+    from vidstab.checkpoint_interval import optimal_interval_seconds
+
+    out = tmp_path / "run"
+    run_trainer(out, "--max_train_steps", "20", "--checkpointing_steps", "auto", "--num_validation_videos", "0")
+    lines = raw_lines(out, 0)
+    assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [10, 20]
+    changes = [e for e in lines if e["kind"] == "checkpoint_interval"]
+    assert [(e["step"], e["previous"]) for e in changes][:1] == [(10, 10)], changes
+    first = changes[0]
+    assert first["interval_seconds"] == pytest.approx(
+        optimal_interval_seconds(first["save_seconds"], first["mtbf_seconds"], first["restart_seconds"]))
+    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 10), 10_000) > 10
+    assert first["failures"] == 0 and first["expected_mtbf_hours"] == 24.0
+
+
+def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the_ledger(tmp_path):
+    """attach(..., rollback_every="auto"): rollback checkpoints on the first step and 10 steps later (the first
+    one's asynchronous write, and so its stall, is known by then); the interval is then re-chosen from the
+    ledger (logged) and no third checkpoint comes 10 steps after the second."""
+    from test_auto_rollback import _loop
+
+    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto")[4].close()
+    lines = raw_lines(tmp_path, 0)
+    assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [1, 11]
+    (change,) = [e for e in lines if e["kind"] == "checkpoint_interval"]
+    assert change["step"] == 11 and change["previous"] == 10 and change["steps"] > 14 and change["save_seconds"] > 0
+    with pytest.raises(ValueError, match="rollback_every must be"):
+        _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")
+
+
+def test_bench_goodput_quick_the_ledger_of_a_simulated_run_agrees_with_the_simulation(capsys):
+    """benchmarks/bench_goodput.py --quick: for every interval, the ETTR the real ledger reads off the simulated
+    events equals the simulation's own (steps x step time / wall time); the last line is one JSON object."""
+    from benchmarks.bench_goodput import main
+
+    assert main(["--quick", "--mtbf-hours", "0.02"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["rows"]) == {"5", "20", "100", "500", "auto"}
+    assert sum(r["failures"] for r in out["rows"].values()) > 0
+    for row in out["rows"].values():
+        assert row["ledger_ettr"] == pytest.approx(row["ettr"], rel=1e-9)

@@ -1,0 +1,106 @@
+"""The checkpoint interval a run's own measurements call for (Young/Daly), from its goodput ledger.
+
+With ``C`` the seconds a save blocks training, ``M`` the mean time between failures and ``R`` what a failure
+costs besides the lost work (restart downtime, start-up, hang until the watchdog, rollback), the time between
+checkpoints that maximises availability is ``C + sqrt(2 (M + R) C + C^2)``; for ``C, R << M`` it is Young's
+``sqrt(2 C M)``. ``M`` is observed once failures are seen (restarts and rollbacks): ``n`` failures in ``T``
+seconds of wall time give ``M = T / n``; until then it is the prior, ``expected_mtbf_hours``, or ``T`` once the
+run has gone longer than that without one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+
+def optimal_interval_seconds(save_seconds: float, mtbf_seconds: float, restart_seconds: float = 0.0) -> float:
+    """``C + sqrt(2 (M + R) C + C^2)`` (module docstring)."""
+    c, m, r = float(save_seconds), float(mtbf_seconds), float(restart_seconds)
+    if c < 0 or m <= 0 or r < 0:
+        raise ValueError(f"save {c} s, MTBF {m} s, restart {r} s: need save >= 0, MTBF > 0, restart >= 0")
+    return c + math.sqrt(2.0 * (m + r) * c + c * c)
+
+
+def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict | None:
+    """The interval the ledger's measurements call for, with its inputs; None before a save and a kept step
+    were measured. ``interval_steps`` converts ``interval_seconds`` at the run's mean productive step time."""
+    counts, buckets, steps = led.get("counts") or {}, led["buckets"], led["steps"]
+    saves, kept = counts.get("checkpoint", 0), steps.get("productive", 0)
+    if not saves or not kept or buckets["productive"] <= 0:
+        return None
+    failures = led.get("restarts", 0) + counts.get("rollback", 0)
+    save = led.get("save_blocking_seconds", buckets["checkpoint"]) / saves
+    cost = buckets["restart"] + buckets["hang"] + buckets["rollback"]
+    if failures:
+        restarted = sum(a["buckets"]["startup"] for a in led["attempts"][1:])
+        restart = (cost + restarted) / failures
+    else:  # no failure yet: a restart would cost what this run's start-up cost
+        restart = led["attempts"][0]["buckets"]["startup"] if led["attempts"] else 0.0
+    if failures:
+        mtbf = led["wall_seconds"] / failures
+    else:
+        mtbf = max(3600.0 * float(expected_mtbf_hours), led["wall_seconds"])
+    step = buckets["productive"] / kept
+    seconds = optimal_interval_seconds(save, mtbf, restart)
+    return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "failures": failures,
+            "step_seconds": step, "interval_seconds": seconds, "interval_steps": max(1, round(seconds / step)),
+            "expected_mtbf_hours": float(expected_mtbf_hours)}
+
+
+class AutoInterval:
+    """``--checkpointing_steps auto``: the steps between saves, re-chosen from the run's ledger after every save.
+
+    The main process reads the ledger (``goodput``: a :class:`vidstab.goodput.GoodputLog`, incremental) and every
+    rank takes its answer (``share``: a function sending rank 0's integer to every rank, since a save is
+    collective); the interval stays within ``[floor, ceiling]`` steps and every change is logged as a
+    ``checkpoint_interval`` event with its inputs and the formula's value."""
+
+    def __init__(self, goodput: Any, share: Any, *, first: int, floor: int, ceiling: int,
+                 expected_mtbf_hours: float = 24.0) -> None:
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"checkpoint interval bounds [{floor}, {ceiling}]: need 1 <= floor <= ceiling")
+        if not expected_mtbf_hours > 0:
+            raise ValueError(f"expected_mtbf_hours {expected_mtbf_hours}: must be > 0")
+        self.goodput, self.share = goodput, share
+        self.floor, self.ceiling, self.expected_mtbf_hours = int(floor), int(ceiling), float(expected_mtbf_hours)
+        self.steps = min(max(int(first), self.floor), self.ceiling)
+        self.last_saved = 0
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (optimizer steps done) is ``steps`` past the last save (or the start of this process)."""
+        if step < self.last_saved:  # rolled back to a checkpoint: that is the last save now
+            self.last_saved = step
+        return step - self.last_saved >= self.steps
+
+    def saved(self, events: Any, step: int) -> int:
+        """After a save at ``step``: re-choose the interval (every rank calls it); returns it."""
+        self.last_saved = step
+        advice = None
+        if self.goodput.main:
+            advice = recommend(self.goodput.ledger(), self.expected_mtbf_hours)
+        chosen = self.steps if advice is None else min(max(advice["interval_steps"], self.floor), self.ceiling)
+        chosen = int(self.share(chosen))
+        if chosen != self.steps:
+            if advice is not None:
+                events.log("checkpoint_interval", step, steps=chosen, previous=self.steps, floor=self.floor,
+                           ceiling=self.ceiling, **advice)
+            self.steps = chosen
+        return self.steps
+
+
+def auto_interval(accelerator: Any, run_dir: Any, *, first: int = 10, floor: int = 10, ceiling: int = 10_000,
+                  expected_mtbf_hours: float = 24.0) -> AutoInterval:
+    """An :class:`AutoInterval` over the run's ledger, rank 0's answer broadcast to every rank."""
+    import torch
+    from accelerate.utils import broadcast
+
+    from .goodput import GoodputLog
+
+    def share(steps: int) -> int:
+        if getattr(accelerator, "num_processes", 1) <= 1:
+            return steps
+        return int(broadcast(torch.tensor([steps], device=accelerator.device), from_process=0).item())
+
+    return AutoInterval(GoodputLog(accelerator, run_dir, every=0), share, first=first, floor=floor, ceiling=ceiling,
+                        expected_mtbf_hours=expected_mtbf_hours)

@@ -7,7 +7,9 @@ Durability: healthy ``metrics`` lines are buffered in memory (at most ``flush_li
 ``flush_seconds`` seconds) and every other event (a finding, an incident, a checkpoint, a rollback, a stop)
 is written together with the buffered lines at once, in one ``write`` of whole lines. So a crash loses at
 most the last few healthy metrics lines, never a finding or an incident, and never tears a line that
-another writer (``log_event``) appends next to it. In-process readers (:func:`iter_event_file`,
+another writer (``log_event``) appends next to it. A checkpoint save flushes the log and fsyncs it with its
+files before it is published (:func:`flush_log`), and a log that a kill left without a final newline gets one
+before the next line. In-process readers (:func:`iter_event_file`,
 :func:`read_events`) flush the open logs first; the buffer is also flushed at interpreter exit.
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
@@ -25,6 +27,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -97,7 +100,11 @@ class EventLog:
         # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
+        if _ends_torn(self.path):  # a kill cut the last line: ours must not be glued to it
+            self._f.write(b"\n")
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
+        # The checkpoint writer thread flushes this log too (log_event, sync_log): one flush at a time, in order.
+        self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
@@ -108,7 +115,8 @@ class EventLog:
             return self.log_metrics(step, fields)
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
-        self._pending.append(line)
+        with self._lock:
+            self._pending.append(line)
         self.flush()
         return rec
 
@@ -116,7 +124,8 @@ class EventLog:
         """Buffer one ``metrics`` line (a copy of ``fields``: the record cannot change once logged) and return it;
         it is encoded when the buffer is flushed. ``when``: the line's ``time`` (default: now)."""
         fields = dict(fields)
-        self._pending.append((time.time() if when is None else when, int(step), fields))
+        with self._lock:
+            self._pending.append((time.time() if when is None else when, int(step), fields))
         if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
         return fields
@@ -143,14 +152,15 @@ class EventLog:
         """Write the buffered lines now (one ``write`` call)."""
         if not self._pending or self._f.closed:
             return
-        lines = [p.encode("utf-8") if p.__class__ is str else self._metrics_line(p) for p in self._pending]
-        lines.append(b"")
-        data = b"\n".join(lines)
-        self._pending = []
-        self._last_flush = time.monotonic()
-        view = memoryview(data)
-        while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
-            view = view[self._f.write(view):]
+        with self._lock:
+            pending, self._pending = self._pending, []
+            lines = [p.encode("utf-8") if p.__class__ is str else self._metrics_line(p) for p in pending]
+            lines.append(b"")
+            data = b"\n".join(lines)
+            self._last_flush = time.monotonic()
+            view = memoryview(data)
+            while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
+                view = view[self._f.write(view):]
 
     def close(self) -> None:
         """Flush, fsync and close (further :meth:`log` calls raise)."""
@@ -170,6 +180,31 @@ class EventLog:
 @atexit.register
 def _flush_at_exit() -> None:
     flush_open_logs()
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether the file ``path`` is non-empty and does not end with a newline (a line cut by a kill)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def log_path(run_dir: str | Path, rank: int) -> Path:
+    """``RUN_DIR/vidstab/events-rank{R}.jsonl``: rank ``rank``'s event log."""
+    return events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
+
+
+def flush_log(run_dir: str | Path, rank: int) -> Path | None:
+    """Write out what rank ``rank``'s open log of ``run_dir`` holds back; returns the log's path when the file
+    exists (the caller makes it durable, e.g. in a batch of fsyncs), else None. Never raises."""
+    path = log_path(run_dir, rank)
+    flush_open_logs(path)
+    return path if path.is_file() else None
 
 
 def flush_open_logs(path: str | Path | None = None) -> None:
@@ -192,7 +227,7 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
     Never raises: losing one log line must not fail a checkpoint or a rollback.
     """
     try:
-        path = events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
+        path = log_path(run_dir, rank)
         open_log = _OPEN.get(str(path.resolve()))
         if open_log is not None and not open_log.closed:  # the guard's log: keep one file order, flush now
             open_log.log(kind, step, **fields)

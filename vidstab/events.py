@@ -35,7 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import orjson
 
-from .limits import TooLarge, env_name, limits, loads_bounded
+from .limits import TooLarge, bounded_lines, env_name, limits, loads_bounded
 from .strict_json import to_json_safe
 
 SCHEMA = 1
@@ -100,7 +100,7 @@ class EventLog:
         # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
-        if _ends_torn(self.path):  # a kill cut the last line: ours must not be glued to it
+        if ends_torn(self.path):  # a kill cut the last line: ours must not be glued to it
             self._f.write(b"\n")
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
         # The checkpoint writer thread flushes this log too (log_event, sync_log): one flush at a time, in order.
@@ -182,7 +182,7 @@ def _flush_at_exit() -> None:
     flush_open_logs()
 
 
-def _ends_torn(path: Path) -> bool:
+def ends_torn(path: Path) -> bool:
     """Whether the file ``path`` is non-empty and does not end with a newline (a line cut by a kill)."""
     try:
         with open(path, "rb") as fh:
@@ -241,28 +241,21 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
         logging.getLogger(__name__).debug("event log failed: %s", exc)
 
 
-def _bounded_lines(fh: Any, max_bytes: int) -> Iterator[tuple[bytes | None, bool]]:
-    """``(line, is_last)`` of the binary file ``fh``; a line longer than ``max_bytes`` is read past in
-    chunks (never held whole) and given as ``None``."""
-    def one() -> bytes | None | bool:
-        line = fh.readline(max_bytes + 1)
-        if not line:
-            return False
-        if len(line) > max_bytes and not line.endswith(b"\n"):
-            while (chunk := fh.readline(1 << 20)) and not chunk.endswith(b"\n"):
-                pass
-            return None
-        return line
+class _Upto:
+    """A binary file read up to byte ``end`` (``readline`` only)."""
 
-    current = one()
-    while current is not False:
-        following = one()
-        yield current, following is False
-        current = following
+    def __init__(self, fh: Any, end: int) -> None:
+        self.fh, self.end = fh, end
+
+    def readline(self, size: int) -> bytes:
+        left = self.end - self.fh.tell()
+        return self.fh.readline(min(size, left)) if left > 0 else b""
 
 
-def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterator[dict]:
-    """The events of one ``events-rank{R}.jsonl`` file, in file order, read one bounded line at a time.
+def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int = 0,
+                    end: int | None = None) -> Iterator[dict]:
+    """The events of one ``events-rank{R}.jsonl`` file, in file order, read one bounded line at a time
+    (from byte ``start`` up to byte ``end``: line boundaries, e.g. the file's size at some moment).
 
     Lines that do not parse are skipped, with a note appended to ``notes`` when given: a torn last line is
     expected after a kill, anything else deserves a look. A line longer than
@@ -273,7 +266,8 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterato
     flush_open_logs(path)
     max_line = limits().event_line_bytes
     with open(path, "rb") as f:
-        for number, (line, last) in enumerate(_bounded_lines(f, max_line), start=1):
+        f.seek(start)
+        for number, (line, last) in enumerate(bounded_lines(f if end is None else _Upto(f, end), max_line), start=1):
             if line is None:
                 if notes is not None:
                     notes.append(f"{path.name} line {number}: longer than {max_line} bytes "

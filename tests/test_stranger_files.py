@@ -116,6 +116,9 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_bundle_is_named_without_blocking(tmp_
     os.mkfifo(bundle / "incident.json")
     with pytest.raises(IncidentError, match="incident.json is a FIFO \\(named pipe\\)"):
         read_incident(bundle)  # a reader that opened it would wait here for a writer, for ever
+    done, _ = cli("incidents", str(tmp_path / "run"))  # listed, as what it is
+    no_traceback(done)
+    assert done.returncode == 0 and "unreadable incident.json" in done.stdout and "a FIFO (named pipe)" in done.stdout
 
 
 def test_the_resume_check_reads_an_event_log_with_a_deep_line(tmp_path):

@@ -505,10 +505,12 @@ def incident_step(path: str | os.PathLike) -> int | None:
 def list_incidents(run_dir: str | os.PathLike) -> list[Path]:
     """Complete bundles of a run (folders holding ``incident.json``), ordered by step, micro-step, rank.
 
-    Half-written bundles (``.tmp-*``) are never listed. An absent incidents folder gives ``[]``.
+    Half-written bundles (``.tmp-*``) are never listed. An absent incidents folder gives ``[]``. A bundle whose
+    ``incident.json`` is there but not a regular file is listed: reading it names what it is.
     """
     incidents = Path(run_dir) / INCIDENTS_DIR
     if not incidents.is_dir():
         return []
-    found = [p for p in incidents.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file()]
+    # lexists: a bundle whose incident.json is a FIFO or a device is listed (its readers name what it is).
+    found = [p for p in incidents.iterdir() if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META_FILE)]
     return sorted(found, key=_sort_key)

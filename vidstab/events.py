@@ -264,7 +264,8 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int
     """
     path = Path(path)
     flush_open_logs(path)
-    max_line = limits().event_line_bytes
+    lim = limits()
+    max_line = lim.event_line_bytes
     with open(path, "rb") as f:
         f.seek(start)
         for number, (line, last) in enumerate(bounded_lines(f if end is None else _Upto(f, end), max_line), start=1):
@@ -276,7 +277,8 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int
             if not line.strip():
                 continue
             try:
-                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{path.name} line {number}")
+                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{path.name} line {number}", max_line,
+                                    lim.json_depth)
             except TooLarge as e:
                 if notes is not None:
                     notes.append(f"{e}; line skipped")

@@ -109,16 +109,18 @@ def check_depth(data: bytes | str, what: str, max_depth: int | None = None) -> N
                        f"({env_name('json_depth')}); refused unread")
 
 
-def loads_bounded(data: bytes | str, what: str, max_bytes: int | None = None) -> Any:
-    """``json.loads(data)`` after checking its size and nesting (see :class:`Limits`); ``what`` names the
-    source in messages. Raises ``ValueError`` (:class:`TooLarge`, or ``json.JSONDecodeError``/
-    ``UnicodeDecodeError`` for bytes that are not JSON)."""
-    lim = limits()
-    max_bytes = lim.json_bytes if max_bytes is None else max_bytes
+def loads_bounded(data: bytes | str, what: str, max_bytes: int | None = None, max_depth: int | None = None) -> Any:
+    """``json.loads(data)`` after checking its size and nesting (see :class:`Limits`; a reader of many lines
+    passes both bounds, read once); ``what`` names the source in messages. Raises ``ValueError``
+    (:class:`TooLarge`, or ``json.JSONDecodeError``/``UnicodeDecodeError`` for bytes that are not JSON)."""
+    if max_bytes is None or max_depth is None:
+        lim = limits()
+        max_bytes = lim.json_bytes if max_bytes is None else max_bytes
+        max_depth = lim.json_depth if max_depth is None else max_depth
     if len(data) > max_bytes:
         raise TooLarge(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed "
                        f"({env_name('json_bytes')}); refused unread")
-    check_depth(data, what, lim.json_depth)
+    check_depth(data, what, max_depth)
     try:
         return json.loads(data)
     except RecursionError:  # a depth bound raised above Python's own recursion limit

@@ -115,7 +115,7 @@ class QuarantineList:
                 if not line.strip():
                     continue
                 try:
-                    rec = loads_bounded(line.decode("utf-8", errors="replace"), what)
+                    rec = loads_bounded(line.decode("utf-8", errors="replace"), what, lim.event_line_bytes, lim.json_depth)
                 except TooLarge as e:
                     raise QuarantineError(f"{e}: {fix}") from None
                 except ValueError:

@@ -24,7 +24,8 @@ resume that started from an older checkpoint than the newest intact one); damage
 anyway; unrecoverable runs (the final segment does not finish), split into those that still had an
 intact checkpoint and those whose every checkpoint had been damaged on purpose; and runs whose final weights
 (``vidstab/checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's; steps of a finished run
-without a ``metrics`` line in rank 0's event log (a kill must not lose the lines of steps a checkpoint covers). The checker verifies
+without a ``metrics`` line in rank 0's event log (a kill must not lose the lines of steps a checkpoint covers).
+The checker verifies
 files itself from the manifests and never trusts the component under test.
 
 The last line of output is one JSON object.

@@ -136,8 +136,8 @@ def event_log(run: Path, size: int) -> None:
     with open(path, "w") as fh:
         step = written = 0
         while written < size:
-            line = json.dumps({"schema": 1, "time": 1.7e9 + step, "step": step, "rank": 0, "kind": "metrics", **METRICS},
-                              separators=(",", ":")) + "\n"
+            rec = {"schema": 1, "time": 1.7e9 + step, "step": step, "rank": 0, "kind": "metrics", **METRICS}
+            line = json.dumps(rec, separators=(",", ":")) + "\n"
             fh.write(line)
             written += len(line)
             step += 1

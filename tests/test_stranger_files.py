@@ -32,7 +32,7 @@ def test_a_deeply_nested_quarantine_line_is_named_by_the_cli_and_stops_the_train
     _quarantine_file(run, GOOD + '{"sample_id": ' + deep_json(DEEP) + "}\n")
     done, _ = cli("quarantine", str(run))
     no_traceback(done)
-    assert done.returncode == 2 and "quarantine.jsonl line 2: JSON nested 200001 levels deep" in done.stderr, done.stderr
+    assert done.returncode == 2 and "quarantine.jsonl line 2: JSON nested 200001 levels deep" in done.stderr
     assert "move" in done.stderr and "aside" in done.stderr  # what to do
     with pytest.raises(QuarantineError) as err:
         QuarantinedDataset(list(range(4)), run)  # where a loop builds its data: before any worker starts

@@ -512,5 +512,6 @@ def list_incidents(run_dir: str | os.PathLike) -> list[Path]:
     if not incidents.is_dir():
         return []
     # lexists: a bundle whose incident.json is a FIFO or a device is listed (its readers name what it is).
-    found = [p for p in incidents.iterdir() if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META_FILE)]
+    found = [p for p in incidents.iterdir()
+             if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META_FILE)]
     return sorted(found, key=_sort_key)

@@ -103,7 +103,7 @@ class EventLog:
         if ends_torn(self.path):  # a kill cut the last line: ours must not be glued to it
             self._f.write(b"\n")
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
-        # The checkpoint writer thread flushes this log too (log_event, sync_log): one flush at a time, in order.
+        # The checkpoint writer thread flushes this log too (log_event, flush_log): one flush at a time, in order.
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self

@@ -56,7 +56,8 @@ class Limits:
 
 
 _ENV = {"json_bytes": "VIDSTAB_MAX_JSON_BYTES", "event_line_bytes": "VIDSTAB_MAX_EVENT_LINE_BYTES",
-        "json_depth": "VIDSTAB_MAX_JSON_DEPTH", "quarantine_bytes": "VIDSTAB_MAX_QUARANTINE_BYTES", "batch_bytes": "VIDSTAB_MAX_BATCH_BYTES", "params": "VIDSTAB_MAX_PARAMS"}
+        "json_depth": "VIDSTAB_MAX_JSON_DEPTH", "quarantine_bytes": "VIDSTAB_MAX_QUARANTINE_BYTES",
+        "batch_bytes": "VIDSTAB_MAX_BATCH_BYTES", "params": "VIDSTAB_MAX_PARAMS"}
 
 
 class TooLarge(ValueError):

@@ -115,7 +115,7 @@ class QuarantineList:
                 if not line.strip():
                     continue
                 try:
-                    rec = loads_bounded(line.decode("utf-8", errors="replace"), what, lim.event_line_bytes, lim.json_depth)
+                    rec = loads_bounded(line, what, lim.event_line_bytes, lim.json_depth)  # bytes: UTF-8 or junk
                 except TooLarge as e:
                     raise QuarantineError(f"{e}: {fix}") from None
                 except ValueError:

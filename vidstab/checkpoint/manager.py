@@ -378,9 +378,9 @@ class CheckpointManager:
                                   objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head)
         # Its event and every line of the steps it covers reach the disk in the same fsync batch as its files,
         # before the rename and ``latest`` publish it: a kill after that loses none of them. ``seconds``: writing.
-        log_event(self.output_dir, self.rank, "checkpoint", job.step, path=rel(os.path.join(self.root, job.name), self.output_dir),
-                  healthy=manifest["healthy"], params_finite=job.params_finite,
-                  seconds=round(time.perf_counter() - job.t0, 4))
+        log_event(self.output_dir, self.rank, "checkpoint", job.step,
+                  path=rel(os.path.join(self.root, job.name), self.output_dir), healthy=manifest["healthy"],
+                  params_finite=job.params_finite, seconds=round(time.perf_counter() - job.t0, 4))
         log = flush_log(self.output_dir, self.rank)
         try:
             final = publish(job, self.root, manifest["healthy"], unsynced + ([str(log)] if log else []),

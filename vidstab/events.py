@@ -264,7 +264,7 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int
     """
     path = Path(path)
     flush_open_logs(path)
-    lim = limits()
+    lim, name = limits(), path.name
     max_line = lim.event_line_bytes
     with open(path, "rb") as f:
         f.seek(start)
@@ -277,7 +277,7 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int
             if not line.strip():
                 continue
             try:
-                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{path.name} line {number}", max_line,
+                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{name} line {number}", max_line,
                                     lim.json_depth)
             except TooLarge as e:
                 if notes is not None:

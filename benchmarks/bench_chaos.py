@@ -23,7 +23,9 @@ and that we did not damage, found missing or failing its manifest's sizes/checks
 resume that started from an older checkpoint than the newest intact one); damaged checkpoints loaded
 anyway; unrecoverable runs (the final segment does not finish), split into those that still had an
 intact checkpoint and those whose every checkpoint had been damaged on purpose; and runs whose final weights
-(``vidstab/checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's. The checker verifies
+(``vidstab/checkpoints/step_XXXXXX/model.safetensors``) differ from an uninterrupted run's; steps of a finished run
+without a ``metrics`` line in rank 0's event log (a kill must not lose the lines of steps a checkpoint covers).
+The checker verifies
 files itself from the manifests and never trusts the component under test.
 
 The last line of output is one JSON object.
@@ -279,6 +281,8 @@ class RunReport:
     segment started (False: every checkpoint on disk had been damaged on purpose; no resume can use one)."""
     had_checkpoints: bool = False
     """Whether any checkpoint had been written before the last segment."""
+    steps_without_metrics: list = field(default_factory=list)
+    """Steps of a finished run (as logged, from 0) without a ``metrics`` line in rank 0's event log."""
 
 
 def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path) -> RunReport:
@@ -319,6 +323,9 @@ def chaos_run(idx: int, cfg: ChaosConfig, reference: Path | None, workdir: Path)
     rep.finished = final["rc"] == 0 and final_ckpt.is_file() and verify(final_ckpt.parent)
     if rep.finished and reference is not None:
         rep.identical, rep.max_abs_diff = weights_equal(final_ckpt, reference)
+    if rep.finished:  # the log is as durable as the checkpoints: no kill may leave a trained step unlogged
+        logged = {e.get("step") for e in events(out) if e.get("kind") == "metrics"}
+        rep.steps_without_metrics = sorted(set(range(cfg.steps)) - logged)
     return rep
 
 
@@ -461,6 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
         "checkpoints_lost": sum(r.checkpoints_lost for r in reports),
         "damaged_checkpoints_loaded": sum(r.damaged_loaded for r in reports),
         "sigterm_clean_exits": sum(1 for r in reports for f in r.faults if f.get("clean_exit")),
+        "steps_without_metrics_line": sum(len(r.steps_without_metrics) for r in reports),
         "weights_differ": sum(1 for r in reports if r.identical is False),
         "weights_identical": sum(1 for r in reports if r.identical is True),
         "max_abs_diff": max((r.max_abs_diff for r in reports if r.max_abs_diff is not None), default=None),

@@ -178,6 +178,7 @@ def test_bench_chaos_quick():
     assert out["unrecoverable"] == 0
     assert out["damaged_checkpoints_loaded"] == 0
     assert out["runs_finished"] == out["runs"]
+    assert out["steps_without_metrics_line"] == 0  # a kill loses no line of a step a checkpoint covers
     assert out["drills"]["total"] >= 19 and out["drills"]["failed"] == 0, out["drills"]["failed_names"]
 
 

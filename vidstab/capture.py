@@ -55,7 +55,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_folder, write_atomic
-from .limits import TooLarge, env_name, limits, read_json_file
+from .limits import TooLarge, env_name, limits, not_a_regular_file, read_json_file
 from .localize import tensor_stats
 from .replay_record import OUTPUT_GRAD_KEY
 from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
@@ -80,6 +80,7 @@ INCIDENTS_DIR = Path("vidstab") / "incidents"
 """Where bundles live, relative to the run folder."""
 META_FILE = "incident.json"
 BATCH_FILE = "batch.safetensors"
+MAX_SAMPLE_ID = 1000  # characters: a quarantine line holding one stays one atomic append
 REQUIRED_FIELDS = ("schema", "step", "micro_step", "rank", "world_size", "sample_ids", "tensors")
 """Fields a reader cannot do without; everything else is optional evidence."""
 OUTLIER_FACTOR = 10.0
@@ -420,8 +421,9 @@ def read_incident(path: str | os.PathLike) -> Incident:
     if not path.is_dir():
         raise IncidentError(f"incident bundle {path} does not exist (expected a folder with {META_FILE} and {BATCH_FILE})")
     meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise IncidentError(f"{meta_path} is missing: {path} is not a complete incident bundle")
+    why = not_a_regular_file(meta_path)  # a FIFO or a device is named, never opened (it would block or flood)
+    if why is not None:
+        raise IncidentError(f"{meta_path} is {why}: {path} is not a complete incident bundle")
     try:
         meta = read_json_file(meta_path)
     except TooLarge as e:
@@ -448,8 +450,9 @@ def read_incident(path: str | os.PathLike) -> Incident:
         raise IncidentError(f"{meta_path}: field 'tensors' must be a list, got {type(meta['tensors']).__name__}")
 
     batch_path = path / BATCH_FILE
-    if not batch_path.is_file():
-        raise IncidentError(f"{batch_path} is missing: the bundle has no batch tensors")
+    why = not_a_regular_file(batch_path)
+    if why is not None:
+        raise IncidentError(f"{batch_path} is {why}: the bundle has no batch tensors")
     try:
         size, cap = batch_path.stat().st_size, limits().batch_bytes
         if size > cap:
@@ -461,7 +464,30 @@ def read_incident(path: str | os.PathLike) -> Incident:
     absent = [k for k in meta["tensors"] if k not in tensors]
     if absent:
         raise IncidentError(f"{batch_path} lacks tensor(s) {absent} listed in {META_FILE}")
+    _check_sample_ids(meta, tensors, meta_path)
     return Incident(path=path, meta=meta, tensors=tensors)
+
+
+def _check_sample_ids(meta: dict, tensors: Mapping[str, torch.Tensor], meta_path: Path) -> None:
+    """A bundle names at most one id per sample of its batch (the tensors' largest leading dimension), each a
+    short string or integer, and its bad samples among them: anything else would quarantine samples it never held."""
+    rows = max((int(t.shape[0]) for t in tensors.values() if t.ndim >= 1), default=None)
+    ids, bad = meta["sample_ids"], meta.get("bad_sample_ids") or []
+    if not isinstance(bad, list):
+        raise IncidentError(f"{meta_path}: field 'bad_sample_ids' must be a list, got {type(bad).__name__}")
+    for field, listed in (("sample_ids", ids), ("bad_sample_ids", bad)):
+        if rows is not None and len(listed) > rows:
+            raise IncidentError(f"{meta_path}: {len(listed)} {field} for a batch of {rows} sample(s) in {BATCH_FILE}; "
+                                "a bundle names at most one id per sample: refused")
+        odd = next((i for i, x in enumerate(listed) if isinstance(x, bool) or not isinstance(x, (str, int))
+                    or len(str(x)) > MAX_SAMPLE_ID), None)
+        if odd is not None:
+            raise IncidentError(f"{meta_path}: {field}[{odd}] is not a sample id (a string or integer of at most "
+                                f"{MAX_SAMPLE_ID} characters): refused")
+    named = {str(x) for x in ids}
+    stray = next((str(x) for x in bad if str(x) not in named and not str(x).startswith("#")), None)
+    if stray is not None:
+        raise IncidentError(f"{meta_path}: bad sample {stray!r} is not one of the bundle's sample_ids: refused")
 
 
 def _sort_key(p: Path) -> tuple:
@@ -481,10 +507,13 @@ def incident_step(path: str | os.PathLike) -> int | None:
 def list_incidents(run_dir: str | os.PathLike) -> list[Path]:
     """Complete bundles of a run (folders holding ``incident.json``), ordered by step, micro-step, rank.
 
-    Half-written bundles (``.tmp-*``) are never listed. An absent incidents folder gives ``[]``.
+    Half-written bundles (``.tmp-*``) are never listed. An absent incidents folder gives ``[]``. A bundle whose
+    ``incident.json`` is there but not a regular file is listed: reading it names what it is.
     """
     incidents = Path(run_dir) / INCIDENTS_DIR
     if not incidents.is_dir():
         return []
-    found = [p for p in incidents.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file()]
+    # lexists: a bundle whose incident.json is a FIFO or a device is listed (its readers name what it is).
+    found = [p for p in incidents.iterdir()
+             if p.is_dir() and not p.name.startswith(".") and os.path.lexists(p / META_FILE)]
     return sorted(found, key=_sort_key)

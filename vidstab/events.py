@@ -7,7 +7,9 @@ Durability: healthy ``metrics`` lines are buffered in memory (at most ``flush_li
 ``flush_seconds`` seconds) and every other event (a finding, an incident, a checkpoint, a rollback, a stop)
 is written together with the buffered lines at once, in one ``write`` of whole lines. So a crash loses at
 most the last few healthy metrics lines, never a finding or an incident, and never tears a line that
-another writer (``log_event``) appends next to it. In-process readers (:func:`iter_event_file`,
+another writer (``log_event``) appends next to it. A checkpoint save flushes the log and fsyncs it with its
+files before it is published (:func:`flush_log`), and a log that a kill left without a final newline gets one
+before the next line. In-process readers (:func:`iter_event_file`,
 :func:`read_events`) flush the open logs first; the buffer is also flushed at interpreter exit.
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
@@ -25,6 +27,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -32,7 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import orjson
 
-from .limits import TooLarge, env_name, limits, loads_bounded
+from .limits import TooLarge, bounded_lines, env_name, limits, loads_bounded
 from .strict_json import to_json_safe
 
 SCHEMA = 1
@@ -97,7 +100,11 @@ class EventLog:
         # Unbuffered binary append: each flush is ONE write() of whole lines (O_APPEND), so a line written
         # by another handle (log_event, another EventLog) is never interleaved into ours.
         self._f = open(self.path, "ab", buffering=0)
+        if ends_torn(self.path):  # a kill cut the last line: ours must not be glued to it
+            self._f.write(b"\n")
         self._pending: list[str | tuple] = []  # encoded lines, and (time, step, fields) of metrics lines
+        # The checkpoint writer thread flushes this log too (log_event, flush_log): one flush at a time, in order.
+        self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         _OPEN[str(self.path.resolve())] = self
 
@@ -108,7 +115,8 @@ class EventLog:
             return self.log_metrics(step, fields)
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
-        self._pending.append(line)
+        with self._lock:
+            self._pending.append(line)
         self.flush()
         return rec
 
@@ -116,7 +124,8 @@ class EventLog:
         """Buffer one ``metrics`` line (a copy of ``fields``: the record cannot change once logged) and return it;
         it is encoded when the buffer is flushed. ``when``: the line's ``time`` (default: now)."""
         fields = dict(fields)
-        self._pending.append((time.time() if when is None else when, int(step), fields))
+        with self._lock:
+            self._pending.append((time.time() if when is None else when, int(step), fields))
         if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
         return fields
@@ -143,14 +152,15 @@ class EventLog:
         """Write the buffered lines now (one ``write`` call)."""
         if not self._pending or self._f.closed:
             return
-        lines = [p.encode("utf-8") if p.__class__ is str else self._metrics_line(p) for p in self._pending]
-        lines.append(b"")
-        data = b"\n".join(lines)
-        self._pending = []
-        self._last_flush = time.monotonic()
-        view = memoryview(data)
-        while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
-            view = view[self._f.write(view):]
+        with self._lock:
+            pending, self._pending = self._pending, []
+            lines = [p.encode("utf-8") if p.__class__ is str else self._metrics_line(p) for p in pending]
+            lines.append(b"")
+            data = b"\n".join(lines)
+            self._last_flush = time.monotonic()
+            view = memoryview(data)
+            while view:  # a regular file takes it in one go; loop for the partial-write contract anyway
+                view = view[self._f.write(view):]
 
     def close(self) -> None:
         """Flush, fsync and close (further :meth:`log` calls raise)."""
@@ -170,6 +180,31 @@ class EventLog:
 @atexit.register
 def _flush_at_exit() -> None:
     flush_open_logs()
+
+
+def ends_torn(path: Path) -> bool:
+    """Whether the file ``path`` is non-empty and does not end with a newline (a line cut by a kill)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def log_path(run_dir: str | Path, rank: int) -> Path:
+    """``RUN_DIR/vidstab/events-rank{R}.jsonl``: rank ``rank``'s event log."""
+    return events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
+
+
+def flush_log(run_dir: str | Path, rank: int) -> Path | None:
+    """Write out what rank ``rank``'s open log of ``run_dir`` holds back; returns the log's path when the file
+    exists (the caller makes it durable, e.g. in a batch of fsyncs), else None. Never raises."""
+    path = log_path(run_dir, rank)
+    flush_open_logs(path)
+    return path if path.is_file() else None
 
 
 def flush_open_logs(path: str | Path | None = None) -> None:
@@ -192,7 +227,7 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
     Never raises: losing one log line must not fail a checkpoint or a rollback.
     """
     try:
-        path = events_dir(run_dir) / f"events-rank{int(rank)}.jsonl"
+        path = log_path(run_dir, rank)
         open_log = _OPEN.get(str(path.resolve()))
         if open_log is not None and not open_log.closed:  # the guard's log: keep one file order, flush now
             open_log.log(kind, step, **fields)
@@ -206,28 +241,21 @@ def log_event(run_dir: str | Path, rank: int, kind: str, step: int, **fields: An
         logging.getLogger(__name__).debug("event log failed: %s", exc)
 
 
-def _bounded_lines(fh: Any, max_bytes: int) -> Iterator[tuple[bytes | None, bool]]:
-    """``(line, is_last)`` of the binary file ``fh``; a line longer than ``max_bytes`` is read past in
-    chunks (never held whole) and given as ``None``."""
-    def one() -> bytes | None | bool:
-        line = fh.readline(max_bytes + 1)
-        if not line:
-            return False
-        if len(line) > max_bytes and not line.endswith(b"\n"):
-            while (chunk := fh.readline(1 << 20)) and not chunk.endswith(b"\n"):
-                pass
-            return None
-        return line
+class _Upto:
+    """A binary file read up to byte ``end`` (``readline`` only)."""
 
-    current = one()
-    while current is not False:
-        following = one()
-        yield current, following is False
-        current = following
+    def __init__(self, fh: Any, end: int) -> None:
+        self.fh, self.end = fh, end
+
+    def readline(self, size: int) -> bytes:
+        left = self.end - self.fh.tell()
+        return self.fh.readline(min(size, left)) if left > 0 else b""
 
 
-def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterator[dict]:
-    """The events of one ``events-rank{R}.jsonl`` file, in file order, read one bounded line at a time.
+def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int = 0,
+                    end: int | None = None) -> Iterator[dict]:
+    """The events of one ``events-rank{R}.jsonl`` file, in file order, read one bounded line at a time
+    (from byte ``start`` up to byte ``end``: line boundaries, e.g. the file's size at some moment).
 
     Lines that do not parse are skipped, with a note appended to ``notes`` when given: a torn last line is
     expected after a kill, anything else deserves a look. A line longer than
@@ -236,9 +264,11 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterato
     """
     path = Path(path)
     flush_open_logs(path)
-    max_line = limits().event_line_bytes
+    lim, name = limits(), path.name
+    max_line = lim.event_line_bytes
     with open(path, "rb") as f:
-        for number, (line, last) in enumerate(_bounded_lines(f, max_line), start=1):
+        f.seek(start)
+        for number, (line, last) in enumerate(bounded_lines(f if end is None else _Upto(f, end), max_line), start=1):
             if line is None:
                 if notes is not None:
                     notes.append(f"{path.name} line {number}: longer than {max_line} bytes "
@@ -247,7 +277,8 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None) -> Iterato
             if not line.strip():
                 continue
             try:
-                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{path.name} line {number}")
+                rec = loads_bounded(line.decode("utf-8", errors="replace"), f"{name} line {number}", max_line,
+                                    lim.json_depth)
             except TooLarge as e:
                 if notes is not None:
                     notes.append(f"{e}; line skipped")

@@ -16,6 +16,8 @@ environment variable               default          bounds
 ``VIDSTAB_MAX_JSON_BYTES``         64 MiB           any one JSON file (an event log: any one line,
                                                     ``VIDSTAB_MAX_EVENT_LINE_BYTES``, 1 MiB)
 ``VIDSTAB_MAX_JSON_DEPTH``         64               nesting of lists and objects in a JSON value
+``VIDSTAB_MAX_QUARANTINE_BYTES``   64 MiB           a run's ``vidstab/quarantine.jsonl`` (its lines:
+                                                    ``VIDSTAB_MAX_EVENT_LINE_BYTES``)
 ``VIDSTAB_MAX_BATCH_BYTES``        4 GiB            an incident bundle's ``batch.safetensors``
 ``VIDSTAB_MAX_PARAMS``             1,000,000,000    parameters of a model rebuilt by replay
 =================================  ===============  ==============================================
@@ -28,9 +30,10 @@ import os
 import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["Limits", "limits", "TooLarge", "loads_bounded", "read_json_file", "read_bounded", "check_depth"]
+__all__ = ["Limits", "limits", "TooLarge", "loads_bounded", "read_json_file", "read_bounded", "check_depth",
+           "bounded_lines", "not_a_regular_file"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,12 @@ class Limits:
     json_bytes: int = 64 << 20
     """Largest JSON file read (``VIDSTAB_MAX_JSON_BYTES``)."""
     event_line_bytes: int = 1 << 20
-    """Largest event-log line read (``VIDSTAB_MAX_EVENT_LINE_BYTES``): a longer one is skipped with a note."""
+    """Largest line of a JSON-lines file read (``VIDSTAB_MAX_EVENT_LINE_BYTES``): an event log's longer line is
+    skipped with a note, a quarantine list's is refused."""
     json_depth: int = 64
     """Deepest nesting of lists and objects in a JSON value (``VIDSTAB_MAX_JSON_DEPTH``); vidstab writes < 10."""
+    quarantine_bytes: int = 64 << 20
+    """Largest quarantine list read (``VIDSTAB_MAX_QUARANTINE_BYTES``): a larger one stops a resume, named."""
     batch_bytes: int = 4 << 30
     """Largest incident-bundle ``batch.safetensors`` loaded (``VIDSTAB_MAX_BATCH_BYTES``)."""
     params: int = 1_000_000_000
@@ -50,7 +56,8 @@ class Limits:
 
 
 _ENV = {"json_bytes": "VIDSTAB_MAX_JSON_BYTES", "event_line_bytes": "VIDSTAB_MAX_EVENT_LINE_BYTES",
-        "json_depth": "VIDSTAB_MAX_JSON_DEPTH", "batch_bytes": "VIDSTAB_MAX_BATCH_BYTES", "params": "VIDSTAB_MAX_PARAMS"}
+        "json_depth": "VIDSTAB_MAX_JSON_DEPTH", "quarantine_bytes": "VIDSTAB_MAX_QUARANTINE_BYTES",
+        "batch_bytes": "VIDSTAB_MAX_BATCH_BYTES", "params": "VIDSTAB_MAX_PARAMS"}
 
 
 class TooLarge(ValueError):
@@ -103,20 +110,61 @@ def check_depth(data: bytes | str, what: str, max_depth: int | None = None) -> N
                        f"({env_name('json_depth')}); refused unread")
 
 
-def loads_bounded(data: bytes | str, what: str, max_bytes: int | None = None) -> Any:
-    """``json.loads(data)`` after checking its size and nesting (see :class:`Limits`); ``what`` names the
-    source in messages. Raises ``ValueError`` (:class:`TooLarge`, or ``json.JSONDecodeError``/
-    ``UnicodeDecodeError`` for bytes that are not JSON)."""
-    lim = limits()
-    max_bytes = lim.json_bytes if max_bytes is None else max_bytes
+def loads_bounded(data: bytes | str, what: str, max_bytes: int | None = None, max_depth: int | None = None) -> Any:
+    """``json.loads(data)`` after checking its size and nesting (see :class:`Limits`; a reader of many lines
+    passes both bounds, read once); ``what`` names the source in messages. Raises ``ValueError``
+    (:class:`TooLarge`, or ``json.JSONDecodeError``/``UnicodeDecodeError`` for bytes that are not JSON)."""
+    if max_bytes is None or max_depth is None:
+        lim = limits()
+        max_bytes = lim.json_bytes if max_bytes is None else max_bytes
+        max_depth = lim.json_depth if max_depth is None else max_depth
     if len(data) > max_bytes:
         raise TooLarge(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed "
                        f"({env_name('json_bytes')}); refused unread")
-    check_depth(data, what, lim.json_depth)
+    check_depth(data, what, max_depth)
     try:
         return json.loads(data)
     except RecursionError:  # a depth bound raised above Python's own recursion limit
         raise TooLarge(f"{what}: JSON nested too deeply to read") from None
+
+
+def not_a_regular_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it is not a regular file to read ("missing", "a FIFO (named pipe)", "a character
+    device", ..., with the target of a link), else None; from ``stat`` alone: nothing is opened, so a FIFO or a
+    device cannot block or flood the reader."""
+    path = Path(path)
+    link = f" (a link to {os.readlink(path)})" if path.is_symlink() else ""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"missing{link}"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e}){link}"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file") + link
+
+
+def bounded_lines(fh: Any, max_bytes: int) -> Iterator[tuple[bytes | None, bool]]:
+    """``(line, is_last)`` of the binary file ``fh``; a line longer than ``max_bytes`` is read past in
+    chunks (never held whole) and given as ``None``."""
+    def one() -> bytes | None | bool:
+        line = fh.readline(max_bytes + 1)
+        if not line:
+            return False
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while (chunk := fh.readline(1 << 20)) and not chunk.endswith(b"\n"):
+                pass
+            return None
+        return line
+
+    current = one()
+    while current is not False:
+        following = one()
+        yield current, following is False
+        current = following
 
 
 def read_bounded(path: str | os.PathLike, max_bytes: int, what: str | None = None, setting: str = "json_bytes") -> bytes:
@@ -127,7 +175,7 @@ def read_bounded(path: str | os.PathLike, max_bytes: int, what: str | None = Non
     what = what or str(path)
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{what}: not a regular file")
+        raise ValueError(f"{what}: not a regular file ({not_a_regular_file(path)})")
     if st.st_size > max_bytes:
         raise TooLarge(f"{what}: {st.st_size} bytes, more than the {max_bytes} allowed ({env_name(setting)}); "
                        "refused unread")

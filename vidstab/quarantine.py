@@ -17,6 +17,12 @@ the file changed (one ``stat`` per item), so a sample quarantined in epoch 1 is 
 
 ``vidstab quarantine RUN_DIR`` lists it, ``--clear`` (all, or ``--sample ID``) releases samples; the report
 shows it.
+
+The list is read one bounded line at a time (:mod:`vidstab.limits`): a file larger than
+``VIDSTAB_MAX_QUARANTINE_BYTES``, a line longer than ``VIDSTAB_MAX_EVENT_LINE_BYTES`` or nested deeper than
+``VIDSTAB_MAX_JSON_DEPTH``, or a FIFO or device in its place is refused with :class:`QuarantineError` naming
+it (a resume stops there: which samples to keep out cannot be known); a line that is not JSON (cut by a kill)
+is skipped.
 """
 
 from __future__ import annotations
@@ -25,17 +31,25 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from .atomic import write_atomic
+from .events import ends_torn
+from .limits import TooLarge, bounded_lines, env_name, limits, loads_bounded, not_a_regular_file, read_json_file
+from .run_dir import RunDirError
 from .strict_json import to_json_safe
 
-__all__ = ["QUARANTINE_FILE", "QuarantineList", "QuarantinedDataset", "quarantine_bundle", "quarantine_bundle_dir"]
+__all__ = ["QUARANTINE_FILE", "QuarantineError", "QuarantineList", "QuarantinedDataset", "quarantine_bundle",
+           "quarantine_bundle_dir"]
 
 QUARANTINE_FILE = os.path.join("vidstab", "quarantine.jsonl")
 MAX_LINE = 4000  # below PIPE_BUF: one O_APPEND write of a line is never interleaved with another rank's
+
+
+class QuarantineError(RunDirError, ValueError):
+    """The run's quarantine list cannot be read within bounds (the message names the file and what to do)."""
 
 
 class QuarantineList:
@@ -63,6 +77,8 @@ class QuarantineList:
                 line = json.dumps(to_json_safe(rec), allow_nan=False, separators=(",", ":"))
             lines.append(line + "\n")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if ends_torn(self.path):  # a kill cut the last line: the first new one must not be glued to it
+            lines[0] = "\n" + lines[0]
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             for line in lines:  # one write per line: never torn, never interleaved
@@ -73,25 +89,58 @@ class QuarantineList:
         return new
 
     # ------------------------------------------------------------------ reading
-    def entries(self) -> list[dict]:
+    def _records(self, notes: list[str] | None = None) -> Iterator[dict]:
+        """Every record of the file in order, read one bounded line at a time (module doc); raises
+        :class:`QuarantineError` for a file or line beyond the bounds. Lines that are not JSON are skipped
+        (noted in ``notes``)."""
+        why = not_a_regular_file(self.path)
+        if why is not None and why.startswith("missing") and not self.path.is_symlink():
+            return
+        fix = (f"fix or remove it, or move {self.path} aside to go on with an empty quarantine list (the samples "
+               "it named may then be trained on again)")
+        if why is not None:
+            raise QuarantineError(f"quarantine list {self.path} is {why}, not a regular file; refused unread: {fix}")
+        lim = limits()
+        size = os.path.getsize(self.path)
+        if size > lim.quarantine_bytes:
+            raise QuarantineError(f"quarantine list {self.path}: {size} bytes, more than the {lim.quarantine_bytes} "
+                                  f"allowed ({env_name('quarantine_bytes')}); refused unread: raise the bound if the "
+                                  f"list is really that long, or {fix}")
+        with open(self.path, "rb") as fh:
+            for number, (line, _) in enumerate(bounded_lines(fh, lim.event_line_bytes), start=1):
+                what = f"quarantine list {self.path} line {number}"
+                if line is None:
+                    raise QuarantineError(f"{what}: longer than {lim.event_line_bytes} bytes "
+                                          f"({env_name('event_line_bytes')}); refused: {fix}")
+                if not line.strip():
+                    continue
+                try:
+                    rec = loads_bounded(line, what, lim.event_line_bytes, lim.json_depth)  # bytes: UTF-8 or junk
+                except TooLarge as e:
+                    raise QuarantineError(f"{e}: {fix}") from None
+                except ValueError:
+                    if notes is not None:
+                        notes.append(f"{what}: not JSON (cut by a kill?); skipped")
+                    continue
+                if isinstance(rec, dict) and "sample_id" in rec:
+                    yield rec
+
+    def iter_entries(self, notes: list[str] | None = None) -> Iterator[dict]:
+        """The quarantined samples' records as they are read, first entry per id (only the ids are held)."""
+        seen: set[str] = set()
+        for rec in self._records(notes):
+            sid = rec["sample_id"] = str(rec["sample_id"])
+            if sid not in seen:
+                seen.add(sid)
+                yield rec
+
+    def entries(self, notes: list[str] | None = None) -> list[dict]:
         """Every quarantined sample's record, first entry per id, in the order they were added."""
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return []
-        seen: dict[str, dict] = {}
-        for line in raw.decode("utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn last line after a kill
-            if isinstance(rec, dict) and "sample_id" in rec:
-                seen.setdefault(str(rec["sample_id"]), rec)
-        return list(seen.values())
+        return list(self.iter_entries(notes))
 
     def ids(self) -> set[str]:
         """The quarantined sample ids."""
-        return {e["sample_id"] for e in self.entries()}
+        return {str(rec["sample_id"]) for rec in self._records()}
 
     def signature(self) -> tuple | None:
         """What changes whenever the list does (inode, size, mtime); None when there is no list."""
@@ -120,10 +169,11 @@ def quarantine_bundle(run_dir: str | os.PathLike, meta: Mapping[str, Any], bundl
                       source: str = "capture") -> list[str]:
     """Quarantine the samples an incident bundle's ``incident.json`` (``meta``) names bad (``bad_sample_ids``,
     with their ``bad_reasons``); positions without an id (``#0``) name no sample and are left out."""
-    reasons = meta.get("bad_reasons") or {}
+    reasons = meta.get("bad_reasons") if isinstance(meta.get("bad_reasons"), dict) else {}
+    named = {str(s) for s in meta.get("sample_ids") or []}
     added = []
     for sid in meta.get("bad_sample_ids") or []:
-        if str(sid).startswith("#"):
+        if str(sid).startswith("#") or str(sid) not in named:  # a bad sample is one of the batch's
             continue
         why = "; ".join(reasons.get(str(sid)) or []) or "named bad by the incident bundle"
         added += QuarantineList(run_dir).add([sid], why, step=meta.get("step"), bundle=bundle, rank=meta.get("rank"),
@@ -135,7 +185,7 @@ def quarantine_bundle_dir(run_dir: str | os.PathLike, bundle: str | os.PathLike)
     """:func:`quarantine_bundle` of the bundle folder ``bundle`` (its path relative to ``run_dir`` recorded);
     never raises (evidence must not kill the run): a bundle that cannot be read quarantines nothing."""
     try:
-        meta = json.loads((Path(bundle) / "incident.json").read_text(encoding="utf-8"))
+        meta = read_json_file(Path(bundle) / "incident.json")
         try:
             rel = str(Path(bundle).resolve().relative_to(Path(run_dir).resolve()))
         except ValueError:
@@ -164,6 +214,7 @@ class QuarantinedDataset(torch.utils.data.Dataset):
         self._ids: set[str] = set()
         self.substituted = 0
         """Items this process served in place of a quarantined one."""
+        self.quarantined()  # a list that cannot be read stops the run here, named, not in a data loader worker
 
     def __len__(self) -> int:
         return len(self.dataset)

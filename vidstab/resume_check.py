@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .events import events_dir, flush_open_logs, log_event
+from .events import events_dir, flush_open_logs, iter_event_file, log_event
 from .strict_json import json_float
 
 __all__ = ["batch_crc", "batch_fingerprint", "host_ids", "ResumeCheck", "compare_replay"]
@@ -186,30 +186,15 @@ class ResumeCheck:
             self.complete()
         original: dict[int, tuple[dict, int | None]] = {}
         replayed: dict[int, dict] = {}
-        flush_open_logs(self.path)
-        with open(self.path, "rb") as f:
-            before = f.read(offset).decode("utf-8", errors="replace")
-            after = f.read().decode("utf-8", errors="replace")
         world = None
-        for rec in _records(before):
+        # Bounded reads (vidstab.limits), one line at a time: the log may be long, and a line in it hostile.
+        for rec in iter_event_file(self.path, end=offset):
             if rec.get("kind") == "start":
                 world = rec.get("world_size", world)
             elif rec.get("kind") == "metrics" and rec.get("step") in steps:
                 original[rec["step"]] = (rec, world)  # the latest attempt before the replay
-        for rec in _records(after):
+        for rec in iter_event_file(self.path, start=offset):
             if rec.get("kind") == "metrics" and rec.get("step") in steps and rec["step"] not in replayed:
                 replayed[rec["step"]] = rec
         worlds = {w for _, w in original.values() if w is not None}
         return {s: r for s, (r, _) in original.items()}, replayed, (worlds.pop() if len(worlds) == 1 else None)
-
-
-def _records(text: str) -> Iterable[dict]:
-    import json
-
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            yield rec

@@ -28,7 +28,7 @@ from .. import run_dir
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
 from ..deepspeed_support import is_deepspeed
-from ..events import log_event
+from ..events import flush_log, log_event
 from ..exit_fence import register_exit_fence
 from ..limits import read_json_file
 from . import layout
@@ -350,8 +350,11 @@ class CheckpointManager:
             job.unsynced += [os.path.join(job.tmp_dir, f) for f in sharded]
             if sharded and self.is_main:
                 job.unsynced.append(os.path.join(job.tmp_dir, os.path.dirname(next(iter(sharded)))))
-            if not self.is_main and self.config.fsync:
-                fsync_paths(job.unsynced)
+            if not self.is_main:
+                # This rank's event lines of the steps the checkpoint covers are durable before it is published.
+                log = flush_log(self.output_dir, self.rank)
+                if self.config.fsync:
+                    fsync_paths(job.unsynced + ([str(log)] if log else []))
             if self.after_files_written is not None:
                 self.after_files_written(job.step)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it through the exchange below
@@ -415,16 +418,26 @@ class CheckpointManager:
                                   vidstab_version=__version__, world_size=self.world_size,
                                   objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head,
                                   **({"run_id": self.run_id} if self.run_id else {}), steps=steps)
-        final = publish(job, self.root, manifest["healthy"], unsynced, self.config.fsync, replace=self._write_pointer,
-                        unmovable=self._unmovable, run_id=self.run_id)
+        # Its event and every line of the steps it covers reach the disk in the same fsync batch as its files,
+        # before the rename and ``latest`` publish it: a kill after that loses none of them. ``seconds``: writing.
+        blocking, went_on = job.blocking if job.blocking is not None else (time.perf_counter() - job.t0, time.time())
+        log_event(self.output_dir, self.rank, "checkpoint", job.step,
+                  path=rel(os.path.join(self.root, job.name), self.output_dir), healthy=manifest["healthy"],
+                  params_finite=job.params_finite, seconds=round(time.perf_counter() - job.t0, 4),
+                  blocking_seconds=round(blocking, 4), blocking_ended=went_on)
+        log = flush_log(self.output_dir, self.rank)
+        try:
+            final = publish(job, self.root, manifest["healthy"], unsynced + ([str(log)] if log else []),
+                            self.config.fsync, replace=self._write_pointer, unmovable=self._unmovable,
+                            run_id=self.run_id)
+        except BaseException as e:
+            log_event(self.output_dir, self.rank, "warn", job.step, detector="checkpoint", figures={}, bad_ranks=[],
+                      message=f"checkpoint {job.name} logged above was not published: {type(e).__name__}: {e}")
+            raise
         job.path = final
         self._head = {"name": job.name, "sequence": sequence}
         seconds = time.perf_counter() - job.t0
         self._rotate()
-        blocking, went_on = job.blocking if job.blocking is not None else (time.perf_counter() - job.t0, time.time())
-        log_event(self.output_dir, self.rank, "checkpoint", job.step, path=rel(final, self.output_dir),
-                  healthy=manifest["healthy"], params_finite=job.params_finite, seconds=round(seconds, 4),
-                  blocking_seconds=round(blocking, 4), blocking_ended=went_on)
         logger.info("checkpoint %s written (%.2fs, healthy=%s)", final, seconds, manifest["healthy"])
 
     def _unmovable(self, job: SaveJob, error: OSError, old_name: str) -> None:

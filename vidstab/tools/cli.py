@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"audit": _audit, "report": _report, "incidents": _incidents, "quarantine": _quarantine, "events": _events,
                 "goodput": _goodput}[args.command](args)
     except (FileNotFoundError, ValueError, ImportError, AttributeError) as err:  # ImportPathError is a ValueError
-        print(f"vidstab {args.command}: error: {err}", file=sys.stderr)
+        from .terminal import printable
+
+        print(f"vidstab {args.command}: error: {printable(err)}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -231,25 +233,35 @@ def _quarantine(args: argparse.Namespace) -> int:
         raise ValueError("--sample names samples to release: use it with --clear")
     qlist = QuarantineList(run_dir)
     if args.clear:
+        from .terminal import printable
+
         released = qlist.clear(args.sample)
         missing = sorted(set(args.sample or []) - set(released))
-        print(f"released {len(released)} sample(s) from {qlist.path}: {', '.join(released) or '-'}")
+        print(printable(f"released {len(released)} sample(s) from {qlist.path}: {', '.join(released) or '-'}"))
         if missing:
-            print(f"not in the quarantine list: {', '.join(missing)}")
+            print(printable(f"not in the quarantine list: {', '.join(missing)}"))
         return EXIT_OK
-    entries = qlist.entries()
-    if args.json:
-        for e in entries:
+    from .terminal import printable  # ids and reasons come from a file: never print their control characters
+
+    notes: list[str] = []
+    count = 0
+    for e in qlist.iter_entries(notes):  # streamed: a long list is never held whole
+        if args.json:
             print(json.dumps(e))
+        else:
+            if not count:
+                print(f"{'sample':<16} {'step':>7}  {'rank':>4}  {'source':<8} reason -> bundle")
+            print(printable(f"{str(e['sample_id']):<16} {str(e.get('step', '?')):>7}  {str(e.get('rank', '?')):>4}  "
+                            f"{str(e.get('source', '')):<8} {e.get('reason', '')} -> {e.get('bundle') or '-'}"))
+        count += 1
+    for note in notes:
+        print(f"note: {printable(note)}", file=sys.stderr)
+    if args.json:
         return EXIT_OK
-    if not entries:
+    if not count:
         print(f"no quarantined samples in {run_dir}")
         return EXIT_OK
-    print(f"{'sample':<16} {'step':>7}  {'rank':>4}  {'source':<8} reason -> bundle")
-    for e in entries:
-        print(f"{str(e['sample_id']):<16} {str(e.get('step', '?')):>7}  {str(e.get('rank', '?')):>4}  "
-              f"{str(e.get('source', '')):<8} {e.get('reason', '')} -> {e.get('bundle') or '-'}")
-    print(f"{len(entries)} sample(s) quarantined; release with: vidstab quarantine {run_dir} --clear [--sample ID]")
+    print(f"{count} sample(s) quarantined; release with: vidstab quarantine {run_dir} --clear [--sample ID]")
     return EXIT_OK
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ...capture import IncidentError, list_incidents
+from ..terminal import printable
 from .api import replay
 from .base import ABSMAX_LIMIT, EXIT_CANNOT_REPLAY, EXIT_OK, REPORT_FILE, ReplayError
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         optimizer=args.optimizer, absmax_limit=args.absmax_limit, fresh_init=args.fresh_init,
                         trust=args.trust or (), max_params=args.max_params)
     except (ReplayError, IncidentError, ValueError) as e:  # ValueError: a bound that is not a number
-        print(f"vidstab replay: cannot replay {bundle}: {e}", file=sys.stderr)
+        print(printable(f"vidstab replay: cannot replay {bundle}: {e}"), file=sys.stderr)  # names from the bundle
         return EXIT_CANNOT_REPLAY
     print(report.to_text())
     return EXIT_OK

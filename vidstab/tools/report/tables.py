@@ -138,10 +138,13 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
 
 def _quarantine_section(log: RunLog) -> str:
     """The run's quarantine list (:mod:`vidstab.quarantine`): samples kept out of later epochs and resumes."""
-    from ...quarantine import QuarantineList
+    from ...quarantine import QuarantineError, QuarantineList
 
     qlist = QuarantineList(log.run_dir)
-    entries = qlist.entries()
+    try:
+        entries = qlist.entries()
+    except QuarantineError as e:
+        return _nodata(str(e))
     if not entries:
         return _nodata(f"no quarantined samples ({qlist.path.relative_to(log.run_dir)} is empty or absent)")
     body = "".join(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
@@ -22,6 +23,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
 GUARD_CONFIGS = ["1:no:explicit", "1:bf16:attach", "2:no:attach", "2:bf16:explicit", "3:no:attach", "3:bf16:explicit"]
 CKPT_CONFIGS = ["1:no", "2:bf16", "3:no", "3:bf16"]
+RETYPED = "step_000006"
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> None:
@@ -51,7 +53,13 @@ def ckpt_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds_ckpt")
     torchrun("deepspeed_ckpt.py", "--out", str(out), "--jobs", ",".join([f"first:{c}" for c in CKPT_CONFIGS]
                                                                        + ["recovery:2:no"]))
-    torchrun("deepspeed_ckpt.py", "--out", str(out), "--jobs", ",".join(f"resume:{c}" for c in CKPT_CONFIGS))
+    from test_trusted_checkpoints import _retype
+
+    for r in (0, 1):  # ZeRO-3's Adam moments cast to F16 in step 6, every rank's, the manifest recomputed
+        _retype(out / "3-no" / "vidstab" / "checkpoints" / RETYPED, f"model-rank{r}.safetensors", "state.0.exp_avg",
+                torch.float16)
+    torchrun("deepspeed_ckpt.py", "--out", str(out), "--jobs", ",".join(f"resume:{c}" for c in CKPT_CONFIGS),
+             "--retyped", RETYPED)
     torchrun("deepspeed_ckpt.py", "--out", str(out), "--jobs", "other_world:2:bf16", nproc=1)
     return out
 
@@ -119,6 +127,16 @@ def test_deepspeed_checkpoints_roll_back_in_process_and_resume_in_a_fresh_launch
             "0.weight": [32, 8], "0.bias": [32], "2.weight": [4, 32], "2.bias": [4]}
     assert (root / "latest").read_text().strip() == "step_000008"
     assert (root / "last_good").read_text().strip() == "step_000008"
+
+
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_whose_optimizer_moments_have_another_dtype_is_refused_naming_them(ckpt_runs):
+    for r in (0, 1):
+        resume = json.loads((ckpt_runs / "3-no" / f"resume-rank{r}.json").read_text())
+        assert "optimizer state state.0.exp_avg is torch.float16" in resume["retyped"]
+        assert resume["retyped_left_alone"]  # nothing of it was applied
+    untouched = json.loads((ckpt_runs / "1-no" / "resume-rank0.json").read_text())
+    assert untouched["retyped"] is None  # the same load of an unaltered folder goes through
 
 
 @pytest.mark.slow

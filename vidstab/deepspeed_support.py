@@ -290,6 +290,12 @@ class ZeroPartitions:
                 t = tensors.get(f"fp32.{g}")
                 if t is None or t.shape != p.shape or t.dtype != p.dtype:
                     return f"{ckpt}: partition fp32.{g} is missing or has another shape/dtype"
+            for name, t in tensors.items():  # the optimizer's moments live beside their partition, in its dtype
+                group = name.split(".")[1] if name.startswith("state.") else ""
+                p = self.fp32[int(group)] if group.isdigit() and int(group) < len(self.fp32) else None
+                if p is not None and t.dim() and (t.shape != p.shape or t.dtype != p.dtype):
+                    return (f"{ckpt}: optimizer state {name} is {t.dtype} {tuple(t.shape)}, its partition fp32.{group} "
+                            f"is {p.dtype} {tuple(p.shape)}: written by another run or altered; not loaded")
         return None
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--save_every", type=int, default=2)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--spike_batches", default="5,6,7")
+    ap.add_argument("--retyped", default="", help="resume: then try to load this checkpoint folder (expect a refusal)")
     args = ap.parse_args()
     for job in args.jobs.split(","):
         phase, stage, precision = job.split(":")
@@ -113,6 +114,13 @@ def run_job(args: argparse.Namespace, phase: str, stage: int, precision: str, ou
         log["resumed"] = digest(engine)
         train(state["step"], args.steps, state["position"], log)
         log["final"] = digest(engine)
+        if args.retyped and os.path.isdir(retyped := os.path.join(ckpt.root, args.retyped)):
+            try:  # a folder whose optimizer moments the test cast to another dtype (manifest recomputed)
+                ckpt.load(retyped)
+                log["retyped"] = None
+            except CheckpointError as e:
+                log["retyped"] = str(e)
+            log["retyped_left_alone"] = digest(engine) == log["final"]
     else:
         try:
             train(0, args.steps, 0, log)

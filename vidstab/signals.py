@@ -208,11 +208,17 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         by_device.setdefault(t.device, []).append(t)
     total = None
     for ts in by_device.values():
-        kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
-        norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
-        s = torch.dot(norms, norms)
+        s = device_sum_of_squares(ts)
         total = s if total is None else total + s.to(total.device)
     return total.float()
+
+
+def device_sum_of_squares(ts: Sequence[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of squares of non-empty tensors on one device: one ``_foreach_norm`` (float32 norms of low-precision
+    tensors); ``weights``: one factor per tensor on that device multiplying its sum of squares."""
+    kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
+    norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
+    return torch.dot(norms, norms) if weights is None else torch.dot(norms * norms, weights.to(norms.dtype))
 
 
 class StepClock:

@@ -6,7 +6,9 @@ trainable tensor before a measured step, the code path the sampled :class:`vidst
 replaced; kept here only as the baseline):
 
 * **Extra peak memory** on a step that measures the weights and the update (every ``param_norm_every`` steps),
-  for the reference video DiT and a diffusers ``UNet2DConditionModel``: the same Accelerate step (AdamW, clip
+  for the reference video DiT and a diffusers ``UNet2DConditionModel`` on one small latent (activations small
+  beside the weights, as with gradient checkpointing or a large model: the optimizer step is then the peak,
+  where a copy of the weights adds the most; a step whose activations dominate hides any copy): the same Accelerate step (AdamW, clip
   1.0) plain, guarded (``guard.backward`` + ``guard.step``) and guarded with the full copy. What is measured, on a
   CPU: the peak of the bytes held by tensors during the step, from PyTorch's profiler memory accounting
   (``profile_memory=True`` and its memory timeline: every allocation and free of a tensor's storage, not the
@@ -71,8 +73,8 @@ def dit(quick: bool):
     from vidstab.reference.model import VideoDiT
 
     model = VideoDiT(in_channels=4, hidden_size=96, num_layers=2 if quick else 4, num_heads=4, patch_size=(1, 2, 2))
-    x = torch.randn(2, 4, 2 if quick else 4, 8, 16 if not quick else 8)
-    t = torch.randint(0, 1000, (2,))
+    x = torch.randn(1, 4, 2, 8, 8)  # activations small beside the weights: the optimizer step is the peak
+    t = torch.randint(0, 1000, (1,))
     return model, lambda m: torch.nn.functional.mse_loss(m(x, t), x), {"latents": x, "timesteps": t}
 
 
@@ -80,11 +82,10 @@ def unet(quick: bool):
     from diffusers import UNet2DConditionModel
 
     model = UNet2DConditionModel(
-        sample_size=8 if quick else 16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-    size = 8 if quick else 16
-    x, text, t = torch.randn(2, 4, size, size), torch.randn(2, 6, 32), torch.randint(0, 1000, (2,))
+    x, text, t = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randint(0, 1000, (1,))
     return model, lambda m: torch.nn.functional.mse_loss(m(x, t, text).sample, x), {"latents": x, "text": text}
 
 

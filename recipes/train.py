@@ -159,14 +159,20 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
             with faults.module_fault(step, acc.unwrap_model(model)):
                 try:
                     faults.maybe_raise(step)
+                    faults.maybe_oom(step, latents.shape[0])
                     with acc.autocast():
                         per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
                     loss = per_sample.mean()
-                except RuntimeError as exc:  # e.g. a CUDA error or an injected fault: recover instead of dying
+                except RuntimeError as exc:  # e.g. a CUDA error, an OOM or an injected fault: recover instead of dying
                     error = exc
                     # Every rank must still run the same collectives: a zero loss through the wrapped model keeps
-                    # DDP's gradient all-reduce in step, and the guard turns the error into a lockstep rollback.
-                    loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
+                    # DDP's gradient all-reduce in step (one sample after an OOM, its memory released first), and
+                    # the guard decides in lockstep: an OOM skips the step, another error rolls back.
+                    keep = latents.shape[0]
+                    if vidstab.oom.is_oom(exc):
+                        vidstab.oom.release(exc, latents.device)
+                        keep = 1
+                    loss = model(torch.zeros_like(latents[:keep]), draws["timesteps"][:keep]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
                                timesteps=draws["timesteps"], error=error)
                 faults.slow_down(step, time.perf_counter() - compute_started)

@@ -80,7 +80,9 @@ class Reporter:
         """Write incident bundles for this rank's bad micro-batches if this rank is named by a finding."""
         if not self.config.capture_incidents:
             return []
-        finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks), None)
+        # An OOM's record is its ``oom`` event (shapes, phase, micro-batch): its batches are not written out.
+        finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks
+                        and f.detector != "oom"), None)
         if finding is None or not micro_batches:
             return []
         micro = window.micro_flags()  # cold path: one more host read, on this rank only

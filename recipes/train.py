@@ -54,6 +54,7 @@ import vidstab  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
+import oom_retry  # recipes/oom_retry.py: a step that ran out of memory, again in smaller pieces
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
@@ -144,6 +145,7 @@ def batch_stream(accelerator: Accelerator, dataloader, start: int):
 def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
     acc, model, guard, faults = ctx.accelerator, ctx.model, ctx.guard, ctx.faults
+    kept: list[oom_retry.Kept] = []  # the step's micro-batches (references), for a re-run in pieces after an OOM
     for micro_step in range(acc.gradient_accumulation_steps):
         ctx.beat(step, "data")
         faults.maybe_hang(step)
@@ -155,6 +157,9 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
             latents, _ = faults.corrupt_batch(step, batch["latents"])
             draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index, latents.device))
             captured = {"latents": latents, **draws}  # what an incident bundle stores to replay this micro-batch
+            kept.append(oom_retry.Kept(latents, draws, batch["sample_ids"]))
+            if oom_retry.remembered_size(guard, latents):  # this bucket is known not to fit whole: pieces below
+                continue
             error, per_sample = None, None
             with faults.module_fault(step, acc.unwrap_model(model)):
                 try:
@@ -179,6 +184,11 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                 faults.maybe_kill(step)
                 ctx.beat(step, "guard")
                 result = guard.step(ctx.args.max_grad_norm)
+    size = oom_retry.remembered_size(guard, kept[0].latents)
+    if size:
+        result = oom_retry.run_in_pieces(ctx, step, kept, size)
+    if oom_retry.failed_size(result):  # every rank alike: the same batch again, in smaller pieces
+        result = oom_retry.retry_in_pieces(ctx, step, kept, result)
     if result.applied and ctx.ema is not None:
         ctx.ema.step(acc.unwrap_model(model).parameters())
     return result

@@ -115,12 +115,12 @@ def test_attached_loop_backward_oom_is_skipped_and_advice_names_the_bucket(tmp_p
     assert "use" not in skips[0]["message"]
     assert "2 OOMs in bucket 6x8: use a micro-batch of at most 3 samples" in skips[1]["message"]
     state = json.loads(json.dumps(guard.state_dict()))
-    assert state["detectors"]["oom"] == {"per_bucket": {"6x8": 2}}
+    assert state["detectors"]["oom"] == {"per_bucket": {"6x8": 2}, "fits": {}}
     guard.close()
     acc2, model2, opt2, sched2, cfg2 = _setup(tmp_path)
     fresh = vidstab.Guard(acc2, model2, opt2, sched2, config=cfg2, run_dir=tmp_path / "resumed")
     fresh.load_state_dict(state)
-    assert next(d for d in fresh.detectors if d.name == "oom").state_dict() == {"per_bucket": {"6x8": 2}}
+    assert next(d for d in fresh.detectors if d.name == "oom").state_dict() == {"per_bucket": {"6x8": 2}, "fits": {}}
     fresh.close()
 
 

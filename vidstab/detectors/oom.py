@@ -23,7 +23,8 @@ class OOMConfig(DetectorConfig):
 
 
 class OOMDetector(Detector):
-    """Counts OOMs per shape bucket (in its state: a resume keeps them)."""
+    """Counts OOMs per shape bucket and keeps the largest micro-batch a loop that can re-run a batch in pieces found
+    to fit there (both in its state: a resume keeps them)."""
 
     name = "oom"
     needs = "oom_ranks"
@@ -31,6 +32,12 @@ class OOMDetector(Detector):
     def __init__(self, config: OOMConfig) -> None:
         super().__init__(config)
         self.per_bucket: dict[str, int] = {}
+        self.fits: dict[str, int] = {}
+        """Per shape bucket, the largest micro-batch (samples) that fitted after an OOM there (:meth:`fitted`)."""
+
+    def fitted(self, bucket: str, size: int) -> None:
+        """A step of ``bucket`` was applied in micro-batches of ``size`` samples after an OOM (every rank alike)."""
+        self.fits[str(bucket)] = int(size)
 
     def observe(self, s: StepStats) -> Finding | None:
         if not s.oom_ranks:
@@ -51,7 +58,8 @@ class OOMDetector(Detector):
             self.per_bucket[s.bucket] = self.per_bucket.get(s.bucket, 0) + 1
 
     def state_dict(self) -> dict:
-        return {"per_bucket": dict(self.per_bucket)}
+        return {"per_bucket": dict(self.per_bucket), "fits": dict(self.fits)}
 
     def load_state_dict(self, d: dict) -> None:
         self.per_bucket = {str(k): int(v) for k, v in d.get("per_bucket", {}).items()}
+        self.fits = {str(k): int(v) for k, v in d.get("fits", {}).items()}

@@ -6,6 +6,9 @@ fails too, down to one sample), with gradient accumulation over the pieces, ever
 of each piece is weighted by its share of the micro-batch, so the applied update is the whole batch's up to
 floating-point rounding (same samples, same noise and timesteps). The size that fitted is remembered per shape
 bucket in the ``oom`` detector's state (a resume keeps it): later steps of that bucket go straight to pieces.
+
+Under DeepSpeed the engine accumulates over its own ``gradient_accumulation_steps`` and steps inside ``backward``:
+a batch cannot be re-split there, so the step stays skipped (no rollback) and the event says what to lower.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def bucket_of(latents: torch.Tensor) -> str:
 def remembered_size(guard: vidstab.Guard, latents: torch.Tensor) -> int | None:
     """The micro-batch that fits this bucket, when an OOM taught a smaller one than ``latents`` has."""
     det = oom_detector(guard)
-    fit = det.fits.get(bucket_of(latents)) if det is not None else None
+    fit = det.fits.get(bucket_of(latents)) if det is not None and guard.deepspeed is None else None
     return fit if fit is not None and fit < latents.shape[0] else None
 
 
@@ -97,6 +100,12 @@ def retry_in_pieces(ctx: Any, step: int, kept: list[Kept], result: vidstab.StepR
     failed = failed_size(result)
     det = oom_detector(ctx.guard)
     bucket = bucket_of(kept[0].latents)
+    if ctx.guard.deepspeed is not None:
+        ctx.guard.events.log("oom_retry", step, bucket=bucket, micro_batch=failed, failed=failed, applied=False,
+                             message=f"under DeepSpeed the engine's own gradient accumulation cannot re-split a batch: "
+                                     f"the step stays skipped; lower --train_batch_size below {failed} for bucket "
+                                     f"{bucket} and raise --gradient_accumulation_steps to keep the batch")
+        return result
     size = failed // 2 if failed else 0
     while size >= 1:
         result = run_in_pieces(ctx, step, kept, size)

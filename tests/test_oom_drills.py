@@ -69,3 +69,23 @@ def test_the_update_in_pieces_is_the_whole_batchs(tmp_path):
         assert got.keys() == want.keys()
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-6, msg=f"{out.name}: {name}")
+
+
+@pytest.mark.slow
+def test_under_deepspeed_an_oom_step_is_skipped_in_lockstep_and_not_re_split(tmp_path):
+    """ZeRO-2 through ``accelerate launch --use_deepspeed``: the engine accumulates on its own, so the step is
+    skipped on both ranks (DeepSpeed's overflow path), not rolled back, and the event says what to lower."""
+    from tests.test_deepspeed import doc_commands, launch_trainer
+
+    command = next(c for c in doc_commands() if "--zero_stage 2" in c)
+    out = tmp_path / "z2"
+    launch_trainer(command, out, "--max_train_steps", "4", "--inject_fault", "oom@2:1")
+    ooms = vidstab.read_events(out, "oom")
+    assert [(e["step"], e["rank"], e["phase"]) for e in ooms] == [(2, 1, "forward")]
+    for rank in (0, 1):
+        skips = [e for e in vidstab.read_events(out, "skip") if e["rank"] == rank]
+        assert [(e["step"], e["detector"], e["bad_ranks"]) for e in skips] == [(2, "oom", [1])]
+        (retry,) = [e for e in vidstab.read_events(out, "oom_retry") if e["rank"] == rank]
+        assert retry["applied"] is False and "--gradient_accumulation_steps" in retry["message"]
+    assert not vidstab.read_events(out, ("rollback_request", "rollback", "crash"))
+    assert [e["step"] for e in vidstab.read_events(out, "metrics") if e["rank"] == 0] == [0, 1, 2, 3]

@@ -89,3 +89,18 @@ def test_under_deepspeed_an_oom_step_is_skipped_in_lockstep_and_not_re_split(tmp
         assert retry["applied"] is False and "--gradient_accumulation_steps" in retry["message"]
     assert not vidstab.read_events(out, ("rollback_request", "rollback", "crash"))
     assert [e["step"] for e in vidstab.read_events(out, "metrics") if e["rank"] == 0] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_oom_step_is_retried_in_pieces_on_every_rank(tmp_path):
+    """``--fsdp`` (FSDP2 per DiT block, 2 processes): rank 1's budget of 2 samples from step 2 on; the step is
+    skipped on both ranks, re-run in pieces of 2 on both, and step 3 starts in pieces."""
+    out = tmp_path / "fsdp"
+    run_trainer(out, "--max_train_steps", "4", "--fsdp", "--checkpointing_steps", "4",
+                "--inject_fault", "oom_batch_above@2:1=2", nproc=2, timeout=400)
+    assert [(e["step"], e["rank"], e["micro_batch"]) for e in vidstab.read_events(out, "oom")] == [(2, 1, 4)]
+    for rank in (0, 1):
+        retries = [e for e in vidstab.read_events(out, "oom_retry") if e["rank"] == rank]
+        assert [(e["step"], e["micro_batch"], e["applied"]) for e in retries] == [(2, 2, True)]
+    assert not vidstab.read_events(out, ("rollback_request", "rollback", "crash"))
+    assert [e["step"] for e in vidstab.read_events(out, "metrics") if e["rank"] == 0] == [0, 1, 2, 2, 3]

@@ -88,6 +88,8 @@ def test_forward_and_backward_ooms_skip_without_rollback_explicit_form(tmp_path)
     assert [(e["step"], e["phase"], e["micro_batch"], e["bucket"], e["rank"]) for e in events] == [
         (2, "forward", 4, "4x8", 0), (4, "backward", 4, "4x8", 0)]
     assert not vidstab.read_events(tmp_path, "rollback_request")
+    rss = [e["rss_mib"] for e in vidstab.read_events(tmp_path, "metrics")]  # each logged line: host memory
+    assert len(rss) == 6 and all(isinstance(m, float) and m > 10 for m in rss)
     guard.close()
 
 

@@ -16,6 +16,7 @@ from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
+from ..oom import resident_mib
 from ..quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
@@ -53,6 +54,7 @@ class Reporter:
         if self.rank == 0 or s.findings or s.step % self.config.rank_log_every == 0:
             metrics = metrics_line(s, mine, layout, self.rank, clip_rate, skipped_total, overflow_total)
             metrics.update(published(detectors))  # the thresholds of the next judgement, on logged lines only
+            metrics["rss_mib"] = resident_mib()  # this rank's host memory, read only on logged lines
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},

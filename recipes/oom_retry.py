@@ -5,7 +5,8 @@ The trainer then re-runs the step's micro-batches, each cut into pieces of half 
 fails too, down to one sample), with gradient accumulation over the pieces, every rank on the same split: the loss
 of each piece is weighted by its share of the micro-batch, so the applied update is the whole batch's up to
 floating-point rounding (same samples, same noise and timesteps). The size that fitted is remembered per shape
-bucket in the ``oom`` detector's state (a resume keeps it): later steps of that bucket go straight to pieces.
+bucket in the ``oom`` detector's state (a resume keeps it): later steps of that bucket go straight to pieces. A
+sample that does not fit alone is quarantined with its shape by the rank it failed on (kept out of later epochs).
 
 Under DeepSpeed the engine accumulates over its own ``gradient_accumulation_steps`` and steps inside ``backward``:
 a batch cannot be re-split there, so the step stays skipped (no rollback) and the event says what to lower.
@@ -85,6 +86,8 @@ def run_in_pieces(ctx: Any, step: int, kept: list[Kept], size: int) -> vidstab.S
                     error = exc
                     if vidstab.oom.is_oom(exc):
                         vidstab.oom.release(exc, latents.device)
+                        if len(idx) == 1:
+                            _quarantine(ctx, step, _pick(k.sample_ids, idx), latents.shape, bucket)
                     loss = model(torch.zeros_like(latents[:1]), draws["timesteps"][:1]).float().sum() * 0.0
                 guard.backward(loss, batch={"latents": latents, **draws}, sample_ids=_pick(k.sample_ids, idx),
                                per_sample_loss=per_sample, timesteps=draws["timesteps"], error=error, bucket=bucket)
@@ -92,6 +95,14 @@ def run_in_pieces(ctx: Any, step: int, kept: list[Kept], size: int) -> vidstab.S
     finally:
         acc.gradient_accumulation_steps = accumulation
         acc.gradient_state._set_sync_gradients(True)
+
+
+def _quarantine(ctx: Any, step: int, sample_ids: Any, shape: torch.Size, bucket: str) -> None:
+    """One sample ran out of memory alone: no split can train on it."""
+    ids = [str(i) for i in (sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else sample_ids or [])]
+    vidstab.QuarantineList(ctx.args.output_dir).add(
+        ids, f"out of memory alone: one sample of shape {list(shape)} (bucket {bucket})", step=step,
+        rank=ctx.accelerator.process_index, source="oom")
 
 
 def retry_in_pieces(ctx: Any, step: int, kept: list[Kept], result: vidstab.StepResult) -> vidstab.StepResult:

@@ -38,6 +38,9 @@ def test_every_rank_skips_the_oom_steps_together_and_retries_on_the_same_split(d
         assert [(e["step"], e["bad_ranks"]) for e in skips if e["rank"] == rank] == [(3, [1]), (3, [1]), (6, [0])]
         assert [(e["step"], e["micro_batch"], e["applied"]) for e in retries if e["rank"] == rank] == [
             (3, 1, True), (6, 1, False)]
+    (entry,) = vidstab.QuarantineList(out).entries()  # the sample that did not fit alone, named by its rank
+    assert entry["rank"] == 0 and entry["step"] == 6 and entry["source"] == "oom"
+    assert entry["reason"].startswith("out of memory alone: one sample of shape [1, ")
     assert not vidstab.read_events(out, ("rollback_request", "rollback", "crash"))
     stop = vidstab.read_events(out, "stop")
     assert stop and stop[-1]["exit_code"] == 0 and stop[-1]["step"] == STEPS

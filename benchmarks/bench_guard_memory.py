@@ -20,6 +20,9 @@ replaced; kept here only as the baseline):
   thread's CPU time with one intra-op thread (a CPU step is all host time; the load of other processes inflates
   it least); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
   The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors.
+* **The small UNet step** (the issue's many-small-tensors case): ``1 +`` the guard's own host time over the plain
+  step's (backward, clip, optimizer and scheduler steps, ``zero_grad``; the forward is left out of both), measured
+  as above.
 
     python benchmarks/bench_guard_memory.py           # CPU, a few minutes
     python benchmarks/bench_guard_memory.py --quick   # smoke run (CI)
@@ -209,37 +212,60 @@ class UserWork:
         opt.zero_grad = self.timed(opt.zero_grad)
 
 
-def host_time_of(n: int, args, run_dir: str) -> dict:
-    elements = 50_000 if args.quick else 400_000
-    model = ManyTensors(n, elements)
-    x = torch.randn(elements)
-    v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, f"tensors{n}"), args.device)
+def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
+    """The guard's own host time per step of each guarded variant (ms), and the plain step's (ms): variants
+    interleaved in a random order, the mean over each ``param_norm_every`` cycle, the median over the cycles."""
     names = ("guarded", "full_copy")
     for _ in range(3):
         for name in ("plain", *names):
             v.step(name)
     work = UserWork()
     work.wrap([v.guards[name] for name in names], v.opt)
-    own = {name: [] for name in names}
-    rng = random.Random(n)
-    for _ in range(args.cycles * PARAM_NORM_EVERY):
-        order = list(names)
+    times = {name: [] for name in ("plain", *names)}
+    rng = random.Random(seed)
+    for _ in range(cycles * PARAM_NORM_EVERY):
+        order = ["plain", *names]
         rng.shuffle(order)
         for name in order:
             with v.accelerator.accumulate(v.model):
                 loss = v.loss_fn(v.model)  # the forward is the user's, outside the guard
-                guard = v.guards[name]
                 work.cpu, c0 = 0.0, time.thread_time()
+                if name == "plain":
+                    g = v.guard_any
+                    g.original_backward(loss)
+                    g.original_clip(v.model.parameters(), 1.0)
+                    g.control.optimizer_step()
+                    g.control.scheduler_step()
+                    v.opt.zero_grad(set_to_none=True)
+                    times[name].append(time.thread_time() - c0)
+                    continue
+                guard = v.guards[name]
                 guard.backward(loss, batch=v.batch)
                 guard.step(1.0)
-                own[name].append(time.thread_time() - c0 - work.cpu)
+                times[name].append(time.thread_time() - c0 - work.cpu)
     v.close()
-    out = {"tensors": n, "elements": elements}
-    for name in names:
-        per_cycle = [sum(own[name][i:i + PARAM_NORM_EVERY]) / PARAM_NORM_EVERY
-                     for i in range(0, len(own[name]), PARAM_NORM_EVERY)]
-        out[f"{name}_ms"] = round(1e3 * statistics.median(per_cycle), 3)  # median over cycles of the cycle's mean
+    out = {}
+    for name, ts in times.items():
+        per_cycle = [sum(ts[i:i + PARAM_NORM_EVERY]) / PARAM_NORM_EVERY for i in range(0, len(ts), PARAM_NORM_EVERY)]
+        out[f"{name}_ms"] = round(1e3 * statistics.median(per_cycle), 3)
     return out
+
+
+def host_time_of(n: int, args, run_dir: str) -> dict:
+    elements = 50_000 if args.quick else 400_000
+    model = ManyTensors(n, elements)
+    x = torch.randn(elements)
+    v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, f"tensors{n}"), args.device)
+    return {"tensors": n, "elements": elements, **own_host_time(v, args.cycles, n)}
+
+
+def unet_step_ratio(args, run_dir: str) -> dict:
+    """The small diffusers UNet step: ``1 + the guard's own time / the plain step's`` (the user's forward and the
+    calls made for the user in both), sampled against the full copy."""
+    model, loss_fn, batch = unet(args.quick)
+    v = Variants(model, loss_fn, batch, os.path.join(run_dir, "unet-time"), args.device)
+    t = own_host_time(v, args.cycles, 0)
+    return {**t, **{f"{name}_ratio": round(1 + t[f"{name}_ms"] / t["plain_ms"], 3) for name in ("guarded", "full_copy")}}
 
 
 def main() -> None:
@@ -264,6 +290,11 @@ def main() -> None:
             print(f"{n:>5} tensors of {h['elements'] // n:,} elements: the guard's own host time per step: "
                   f"sampled {h['guarded_ms']:.3f} ms, full copy (today's) {h['full_copy_ms']:.3f} ms", flush=True)
 
+        unet_time = unet_step_ratio(args, run_dir)
+        print(f"unet step: plain {unet_time['plain_ms']:.2f} ms (backward, clip, optimizer), the guard's own "
+              f"{unet_time['guarded_ms']:.3f} ms = {unet_time['guarded_ratio']:.3f}x, full copy (today's) "
+              f"{unet_time['full_copy_ms']:.3f} ms = {unet_time['full_copy_ratio']:.3f}x", flush=True)
+
     def ratio(name: str) -> float:
         return round(host[5000][f"{name}_ms"] / host[50][f"{name}_ms"], 3)
 
@@ -272,8 +303,10 @@ def main() -> None:
         "host_time_ratio_5000_vs_50": ratio("guarded"),
         "baseline": {"extra_peak_over_param_bytes": max(m["extra_peak_full_copy_over_param_bytes"]
                                                         for m in memory.values()),
-                     "host_time_ratio_5000_vs_50": ratio("full_copy")},
-        "memory": memory, "host_time": list(host.values()), "device": args.device, "quick": args.quick,
+                     "host_time_ratio_5000_vs_50": ratio("full_copy"),
+                     "unet_step_ratio": unet_time["full_copy_ratio"]},
+        "unet_step_ratio": unet_time["guarded_ratio"], "memory": memory, "host_time": list(host.values()),
+        "unet_step": unet_time, "device": args.device, "quick": args.quick,
     }
     print(json.dumps(result))
 

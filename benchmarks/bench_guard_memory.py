@@ -126,20 +126,22 @@ class Variants:
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def step(self, name: str) -> None:
-        acc = self.accelerator
-        with acc.accumulate(self.model):
-            loss = self.loss_fn(self.model)
-            if name == "plain":
-                g = self.guard_any
-                g.original_backward(loss)
-                g.original_clip(self.model.parameters(), 1.0)
-                g.control.optimizer_step()
-                g.control.scheduler_step()
-                self.opt.zero_grad(set_to_none=True)
-                return
-            guard = self.guards[name]
-            guard.backward(loss, batch=self.batch)
-            guard.step(1.0)
+        with self.accelerator.accumulate(self.model):
+            self.after_forward(name, self.loss_fn(self.model))
+
+    def after_forward(self, name: str, loss: torch.Tensor) -> None:
+        """The step after the user's forward: the plain calls, or the guard's."""
+        if name == "plain":
+            g = self.guard_any
+            g.original_backward(loss)
+            g.original_clip(self.model.parameters(), 1.0)
+            g.control.optimizer_step()
+            g.control.scheduler_step()
+            self.opt.zero_grad(set_to_none=True)
+            return
+        guard = self.guards[name]
+        guard.backward(loss, batch=self.batch)
+        guard.step(1.0)
 
     def measured_next(self) -> None:
         """The next guarded step of every guard measures the weights and the update."""
@@ -230,19 +232,9 @@ def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
             with v.accelerator.accumulate(v.model):
                 loss = v.loss_fn(v.model)  # the forward is the user's, outside the guard
                 work.cpu, c0 = 0.0, time.thread_time()
-                if name == "plain":
-                    g = v.guard_any
-                    g.original_backward(loss)
-                    g.original_clip(v.model.parameters(), 1.0)
-                    g.control.optimizer_step()
-                    g.control.scheduler_step()
-                    v.opt.zero_grad(set_to_none=True)
-                    times[name].append(time.thread_time() - c0)
-                    continue
-                guard = v.guards[name]
-                guard.backward(loss, batch=v.batch)
-                guard.step(1.0)
-                times[name].append(time.thread_time() - c0 - work.cpu)
+                v.after_forward(name, loss)
+                spent = time.thread_time() - c0
+                times[name].append(spent if name == "plain" else spent - work.cpu)
     v.close()
     out = {}
     for name, ts in times.items():

@@ -54,6 +54,7 @@ import vidstab  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
+import oom_retry  # recipes/oom_retry.py: a step that ran out of memory, again in smaller pieces
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
@@ -146,6 +147,7 @@ def batch_stream(accelerator: Accelerator, dataloader, start: int):
 def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
     acc, model, guard, faults = ctx.accelerator, ctx.model, ctx.guard, ctx.faults
+    kept: list[oom_retry.Kept] = []  # the step's micro-batches (references), for a re-run in pieces after an OOM
     for micro_step in range(acc.gradient_accumulation_steps):
         ctx.beat(step, "data")
         faults.maybe_hang(step)
@@ -159,24 +161,38 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
             latents, _ = faults.corrupt_batch(step, batch["latents"])
             draws = ctx.objective.sample(latents, step_generator(ctx.args.seed, step, micro_step, acc.process_index, latents.device))
             captured = {"latents": latents, **draws}  # what an incident bundle stores to replay this micro-batch
+            kept.append(oom_retry.Kept(latents, draws, batch["sample_ids"]))
+            if oom_retry.remembered_size(guard, latents):  # this bucket is known not to fit whole: pieces below
+                continue
             error, per_sample = None, None
             with faults.module_fault(step, acc.unwrap_model(model)):
                 try:
                     faults.maybe_raise(step)
+                    faults.maybe_oom(step, latents.shape[0])
                     with acc.autocast():
                         per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
                     loss = per_sample.mean()
-                except RuntimeError as exc:  # e.g. a CUDA error or an injected fault: recover instead of dying
+                except RuntimeError as exc:  # e.g. a CUDA error, an OOM or an injected fault: recover instead of dying
                     error = exc
                     # Every rank must still run the same collectives: a zero loss through the wrapped model keeps
-                    # DDP's gradient all-reduce in step, and the guard turns the error into a lockstep rollback.
-                    loss = model(torch.zeros_like(latents), draws["timesteps"]).float().sum() * 0.0
+                    # DDP's gradient all-reduce in step (one sample after an OOM, its memory released first), and
+                    # the guard decides in lockstep: an OOM skips the step, another error rolls back.
+                    keep = latents.shape[0]
+                    if vidstab.oom.is_oom(exc):
+                        vidstab.oom.release(exc, latents.device)
+                        keep = 1
+                    loss = model(torch.zeros_like(latents[:keep]), draws["timesteps"][:keep]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
                                timesteps=draws["timesteps"], error=error)
                 faults.slow_down(step, time.perf_counter() - compute_started)
                 faults.maybe_kill(step)
                 ctx.beat(step, "guard")
                 result = guard.step(ctx.args.max_grad_norm)
+    size = oom_retry.remembered_size(guard, kept[0].latents)
+    if size:
+        result = oom_retry.run_in_pieces(ctx, step, kept, size)
+    if oom_retry.failed_size(result):  # every rank alike: the same batch again, in smaller pieces
+        result = oom_retry.retry_in_pieces(ctx, step, kept, result)
     if result.applied and ctx.ema is not None:
         ctx.ema.step(acc.unwrap_model(model).parameters())
     return result

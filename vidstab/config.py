@@ -29,6 +29,7 @@ from .detectors import (
     LRJumpConfig,
     NonFiniteConfig,
     NonFiniteParamsConfig,
+    OOMConfig,
     ParamGrowthConfig,
     RepeatedSpikesConfig,
     SkipRateConfig,
@@ -102,6 +103,8 @@ class GuardConfig:
     """Non-finite loss/inputs/gradient norm (default: skip)."""
     exception: ExceptionConfig = field(default_factory=ExceptionConfig)
     """Caller-reported exception in a micro-step (default: rollback)."""
+    oom: OOMConfig = field(default_factory=OOMConfig)
+    """Out of memory in a micro-step's forward or backward on some rank (default: skip, no rollback)."""
     nonfinite_params: NonFiniteParamsConfig = field(default_factory=NonFiniteParamsConfig)
     """Non-finite parameter norm (default: rollback)."""
     lr_bound: LRBoundConfig = field(default_factory=LRBoundConfig)

@@ -35,6 +35,14 @@ chosen optimizer step, the failures the seeds describe:
                 compute (the fastest: a measurement that includes waiting for a slow peer would compound)
 ==============  ==========================================================================================
 
+Out-of-memory drills (:mod:`vidstab.oom`; the trainer's forward calls :meth:`FaultInjector.maybe_oom`):
+
+===================  =====================================================================================
+``oom``              a ``torch.OutOfMemoryError`` is raised in that rank's forward, once
+``oom_batch_above``  ``=N``: from that step on, every forward of more than N samples raises one, on that rank
+                     (every rank without ``:RANK``): a device with a fixed memory budget
+===================  =====================================================================================
+
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
 does not recur after a rollback, and an injected one should not turn every retry into the same failure.
 For the same reason no fault but ``slow`` (a slow device stays slow) fires again in a torch-elastic restart
@@ -61,6 +69,7 @@ FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike
                "flaky_activation", "hang", "kill", "kill_in_save", "slow")
 # A fault on the scheduler itself, kept apart from the kinds above (vidstab/faults.py's LR block).
 FAULT_KINDS += ("lr_base",)
+FAULT_KINDS += ("oom", "oom_batch_above")  # the out-of-memory drills
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -104,6 +113,11 @@ class Fault:
             raise ValueError(f"--inject_fault {spec!r}: lr_base takes a numeric factor, got {arg!r}")
         if kind in ("hang", "kill", "kill_in_save") and arg is not None:
             raise ValueError(f"--inject_fault {spec!r}: {kind} takes no =ARG; write {kind}@STEP[:RANK]")
+        if kind == "oom_batch_above" and not (arg or "").isdigit():
+            raise ValueError(f"--inject_fault {spec!r}: oom_batch_above needs the largest micro-batch that fits, "
+                             f"e.g. oom_batch_above@5=2")
+        if kind == "oom" and arg is not None:
+            raise ValueError(f"--inject_fault {spec!r}: oom takes no =ARG; write oom@STEP[:RANK]")
         if kind == "inf_module" and not arg:
             raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
         return cls(kind=kind, step=int(match["step"]), rank=None if match["rank"] is None else int(match["rank"]), arg=arg)
@@ -159,6 +173,16 @@ class FaultInjector:
         """Raise the ``exception`` fault when due."""
         if self._take("exception", step):
             raise InjectedFault(f"injected fault: RuntimeError at step {step} on rank {self.rank}")
+
+    def maybe_oom(self, step: int, samples: int) -> None:
+        """Raise the ``oom`` fault when due, or ``oom_batch_above`` for a forward of more than its N samples."""
+        if self._take("oom", step):
+            raise torch.OutOfMemoryError(f"injected fault: out of memory at step {step} on rank {self.rank}")
+        for fault in self.faults:
+            if (fault.kind == "oom_batch_above" and step >= fault.step and fault.rank in (None, self.rank)
+                    and samples > int(fault.arg)):  # a memory budget, like a slow device, stays
+                raise torch.OutOfMemoryError(f"injected fault: out of memory: a forward of {samples} samples, over "
+                                             f"the budget of {fault.arg} (step {step}, rank {self.rank})")
 
     def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
         """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.

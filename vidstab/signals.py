@@ -17,7 +17,7 @@ Columns (float64: a hash, a rank id or a count is exact), first those summed ove
           bucket_sum[nb], bucket_count[nb]
     max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
           loss_scale, slowest (seconds and rank in one number), bucket, -bucket,
-          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown)
+          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown), oom (the largest micro-batch that ran out of memory, 0: none; vidstab.oom)
 
 ``loss_sum``/``loss_count`` are over the finite micro-step losses; the input columns over ranks whose inputs
 were finite (a non-finite value anywhere makes a rank's ``ranks_input_bad`` 1 and its input sums 0).
@@ -45,7 +45,7 @@ DEVICE_VALUES = ("loss_nonfinite", "input_nonfinite", "loss_sum", "loss_count", 
                  "param_sq", "update_sq", "loss_scale")
 """What :meth:`Window.pack` computes on the device, in its order (``input_nonfinite`` is not a column)."""
 HOST_VALUES = ("ranks_exception", "stop", "seconds", "ranks", "norm_known", "param_measured", "slowest", "bucket",
-               "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled")
+               "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled", "oom")
 """What the host knows of the step, in :meth:`Window.pack`'s order."""
 _HOST_COUNT = len(HOST_VALUES)
 _SLOWEST_SCALE = 1e6  # seconds to microseconds in the ``slowest`` column
@@ -63,7 +63,7 @@ class Layout:
                  "batch_crc", "batch_crc_ranks")
     MAX_NAMES = ("grad_norm", "norm_nan", "norm_nonfinite", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
                  "param_measured", "loss_scale", "slowest", "bucket", "neg_bucket", "micro_steps",
-                 "lr", "lr_peak", "lr_scheduled")
+                 "lr", "lr_peak", "lr_scheduled", "oom")
 
     @property
     def sum_width(self) -> int:
@@ -208,11 +208,17 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         by_device.setdefault(t.device, []).append(t)
     total = None
     for ts in by_device.values():
-        kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
-        norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
-        s = torch.dot(norms, norms)
+        s = device_sum_of_squares(ts)
         total = s if total is None else total + s.to(total.device)
     return total.float()
+
+
+def device_sum_of_squares(ts: Sequence[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of squares of non-empty tensors on one device: one ``_foreach_norm`` (float32 norms of low-precision
+    tensors); ``weights``: one factor per tensor on that device multiplying its sum of squares."""
+    kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
+    norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
+    return torch.dot(norms, norms) if weights is None else torch.dot(norms * norms, weights.to(norms.dtype))
 
 
 class StepClock:
@@ -304,6 +310,7 @@ class Window:
         self.losses: list[torch.Tensor] = []
         self.exceptions = 0
         self.exception_flags: list[bool] = []
+        self.oom_batch = 0  # the largest micro-batch of the window that ran out of memory (0: none)
         self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d each)
         # The input tensors themselves, for the cold path's exact non-finite count: references only (the
         # guard's incident capture holds the same batches until the step).
@@ -333,9 +340,10 @@ class Window:
         timesteps: torch.Tensor | None = None,
         error: bool = False,
         bucket: str | None = None,
+        oom: int = 0,
     ) -> None:
         """Fold one micro-step into the window: four reductions per input tensor, no host sync.
-        ``bucket``: its shape bucket (default: :func:`shape_bucket` of the inputs)."""
+        ``bucket``: its shape bucket (default: :func:`shape_bucket` of the inputs); ``oom``: it ran out of memory, with this many samples (1 when unknown)."""
         if loss is None or not isinstance(loss, torch.Tensor) or loss.numel() == 0:
             loss_d = self._zero
         else:
@@ -345,6 +353,7 @@ class Window:
         self.losses.append(loss_d)
         self.exceptions += bool(error)
         self.exception_flags.append(bool(error))
+        self.oom_batch = max(self.oom_batch, int(oom))
         inputs = floating_inputs(batch, self.input_keys)
         for x in inputs:
             x = x.detach()
@@ -400,7 +409,7 @@ class Window:
                                   float(grad_norm is not None), float(param_sq is not None),
                                   slowest_key(seconds, rank), key, -key, float(m),
                                   float(batch_crc or 0), float(batch_crc is not None),
-                                  *(-1.0 if v is None else float(v) for v in lr)])
+                                  *(-1.0 if v is None else float(v) for v in lr), float(self.oom_batch)])
         buckets = self._buckets() if self.bucket_parts else self._no_buckets
         src = torch.cat([device, host, buckets])
         return src.index_select(0, self._pack_index)

@@ -24,6 +24,7 @@ from .lr_bound import LRBoundConfig, LRBoundDetector
 from .lr_jump import LRJumpConfig, LRJumpDetector
 from .nonfinite import NonFiniteConfig, NonFiniteDetector
 from .nonfinite_params import NonFiniteParamsConfig, NonFiniteParamsDetector
+from .oom import OOMConfig, OOMDetector
 from .param_growth import ParamGrowthConfig, ParamGrowthDetector
 from .repeated_spikes import RepeatedSpikesConfig, RepeatedSpikesDetector
 from .skip_rate import SkipRateConfig, SkipRateDetector
@@ -35,6 +36,7 @@ from .update_ratio import UpdateRatioConfig, UpdateRatioDetector
 STEP_DETECTORS: dict[str, tuple[type[DetectorConfig], type[Detector]]] = {
     "nonfinite": (NonFiniteConfig, NonFiniteDetector),
     "exception": (ExceptionConfig, ExceptionDetector),
+    "oom": (OOMConfig, OOMDetector),
     "nonfinite_params": (NonFiniteParamsConfig, NonFiniteParamsDetector),
     "lr_bound": (LRBoundConfig, LRBoundDetector),
     "grad_spike": (GradSpikeConfig, GradSpikeDetector),
@@ -110,6 +112,6 @@ __all__ = [
     "ScaleReference", "scale_reference",
     "ClipRateConfig", "ConsecutiveSkipsConfig", "ExceptionConfig", "GradGrowthConfig", "GradSpikeConfig",
     "LossScaleConfig", "LossSpikeConfig", "LRBoundConfig", "LRJumpConfig", "UpdateRatioConfig", "InputRangeConfig",
-    "InputScaleConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "ParamGrowthConfig", "RepeatedSpikesConfig",
-    "SkipRateConfig", "StragglerConfig", "TrendConfig",
+    "InputScaleConfig", "NonFiniteConfig", "NonFiniteParamsConfig", "OOMConfig", "ParamGrowthConfig",
+    "RepeatedSpikesConfig", "SkipRateConfig", "StragglerConfig", "TrendConfig",
 ]

@@ -161,6 +161,10 @@ class StepStats:
     non-finite values."""
     exception_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
+    oom_ranks: list[int] = field(default_factory=list)
+    """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.oom`)."""
+    oom_micro_batch: int | None = None
+    """The largest micro-batch (samples) that ran out of memory on any rank (``None``: no OOM)."""
     rank_loss: list[float] = field(default_factory=list)
     """Per-rank mean finite loss (``nan`` for a rank without one). Per-rank figures are gathered only on a step
     the summary shows something on (a non-finite value, an exception, a finding); empty on the others."""

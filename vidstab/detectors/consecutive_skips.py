@@ -35,7 +35,7 @@ class ConsecutiveSkipsDetector(Detector):
         self._now: int | None = None  # the last quiet step absorbed: its expiry is still to be applied
 
     def observe(self, s: StepStats) -> Finding | None:
-        if s.verdict < Verdict.SKIP or self.count + 1 < self.config.max_consecutive:
+        if s.verdict < Verdict.SKIP or _out_of_memory_only(s) or self.count + 1 < self.config.max_consecutive:
             return None
         return self.finding(
             f"{self.count + 1} consecutive optimizer steps skipped; {self.timeline.explain_with(s.step, s.findings)}",
@@ -52,7 +52,7 @@ class ConsecutiveSkipsDetector(Detector):
         if s.verdict >= Verdict.ROLLBACK:
             self.count = 0
             self.timeline.clear()
-        elif s.verdict >= Verdict.SKIP:
+        elif s.verdict >= Verdict.SKIP and not _out_of_memory_only(s):
             self.count += 1
         elif s.applied:
             self.count = 0
@@ -66,3 +66,8 @@ class ConsecutiveSkipsDetector(Detector):
         self._now = None  # the loaded state was expired when it was saved
         self.count = int(d["count"])
         self.timeline.load_state_dict(d.get("timeline", {}))
+
+
+def _out_of_memory_only(s: StepStats) -> bool:
+    """Skipped for an OOM alone: a memory budget, not sick weights (a rollback would meet the same bucket)."""
+    return all(f.detector == "oom" for f in s.findings if f.verdict >= Verdict.SKIP)

@@ -42,6 +42,7 @@ from ..exit_fence import register_exit_fence
 from ..goodput import process_start_time
 from ..limits import read_json_file
 from ..lr import LRMultiplier
+from ..oom import is_oom, micro_batch_size, release
 from ..rerun import StepRerun
 from ..run_record import run_environment
 from .optimizer_control import OptimizerControl
@@ -188,11 +189,32 @@ class Guard:
         cover; ``batch``: what an incident bundle holds)."""
         if self.accelerator.sync_gradients:
             self.recorder.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
+        oom = self._out_of_memory(error, "forward", inputs, bucket) if is_oom(error) else 0
+        error = None if oom else error
         backward = self.deepspeed.backward if self.deepspeed is not None else self.original_backward
-        backward(loss, **(backward_kwargs or {}))  # under DeepSpeed without the engine step Accelerate chains to it
+        try:
+            backward(loss, **(backward_kwargs or {}))  # under DeepSpeed without the engine step Accelerate chains to it
+        except Exception as exc:  # with one process an OOM here is a skipped step; with more, peers wait in DDP's
+            if not is_oom(exc):   # all-reduce: the run stops (an elastic restart resumes it)
+                raise
+            oom = self._out_of_memory(exc, "backward", inputs, bucket)
+            if self.world_size > 1:
+                raise
         if self.config.enabled:
             self.recorder.record(loss, inputs, batch, sample_ids, per_sample_loss, timesteps, error,
-                                 None if bucket is None else str(bucket))
+                                 None if bucket is None else str(bucket), oom)
+
+    def _out_of_memory(self, exc: BaseException, phase: str, inputs: Any, bucket: Any) -> int:
+        """A micro-step ran out of memory in ``phase``: its memory released (the exception's frames, the gradients
+        after a backward, the allocator's cache), an ``oom`` event; returns its micro-batch size (1: unknown)."""
+        if phase == "backward":
+            self.optimizer.zero_grad(set_to_none=True)
+        release(exc, self.accelerator.device)
+        data = signals.floating_inputs(inputs, self.config.input_keys)
+        size = micro_batch_size(data) or 1
+        self.events.log("oom", self.step_count, phase=phase, micro_batch=size, error=str(exc)[:500],
+                        bucket=str(bucket) if bucket is not None else signals.shape_bucket(data))
+        return size
 
     def data_wait(self, seconds: float) -> None:
         """Seconds this rank waited for data in the current step (summed over its micro-steps): the step's

@@ -38,11 +38,11 @@ class StepRecorder:
     def record(self, loss: torch.Tensor, inputs: "Mapping[str, Any] | list[torch.Tensor] | None",
                batch: Mapping[str, Any] | None, sample_ids: Any = None, per_sample_loss: torch.Tensor | None = None,
                timesteps: torch.Tensor | None = None, error: BaseException | None = None,
-               bucket: Any = None) -> None:
+               bucket: Any = None, oom: int = 0) -> None:
         """One micro-step after its backward: ``inputs`` are what its input statistics cover, ``batch`` what an
-        incident bundle would hold."""
+        incident bundle would hold; ``oom``: it ran out of memory with this many samples (``error`` is then None)."""
         self.micro_batches.append(MicroBatch(batch if self.capture else None, host_ids(sample_ids), error))
-        self.window.record(loss, inputs, per_sample_loss, timesteps, error is not None, bucket)
+        self.window.record(loss, inputs, per_sample_loss, timesteps, error is not None, bucket, oom)
 
     @property
     def empty(self) -> bool:

@@ -16,6 +16,7 @@ from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
+from ..oom import resident_mib
 from ..quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
@@ -57,6 +58,7 @@ class Reporter:
             metrics.update(published(detectors))  # the thresholds of the next judgement, on logged lines only
             if self.data_seconds:
                 metrics["data_seconds"] = round(self.data_seconds, 6)
+            metrics["rss_mib"] = resident_mib()  # this rank's host memory, read only on logged lines
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},
@@ -85,7 +87,9 @@ class Reporter:
         """Write incident bundles for this rank's bad micro-batches if this rank is named by a finding."""
         if not self.config.capture_incidents:
             return []
-        finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks), None)
+        # An OOM's record is its ``oom`` event (shapes, phase, micro-batch): its batches are not written out.
+        finding = next((f for f in s.findings if f.verdict >= Verdict.SKIP and self.rank in f.ranks
+                        and f.detector != "oom"), None)
         if finding is None or not micro_batches:
             return []
         micro = window.micro_flags()  # cold path: one more host read, on this rank only

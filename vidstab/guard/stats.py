@@ -13,11 +13,11 @@ from ..detectors.running import MIXED_BUCKET
 
 
 def anomalous(summary: Sequence[float], layout: S.Layout) -> bool:
-    """Whether the summary shows a rank with a non-finite value or an exception, or a non-finite norm: every rank's
-    vector is then gathered to name them (the same answer on every rank)."""
+    """Whether the summary shows a rank with a non-finite value, an exception or an out-of-memory, or a non-finite
+    norm: every rank's vector is then gathered to name them (the same answer on every rank)."""
     L = layout
     return bool(summary[L.ranks_loss_bad] or summary[L.ranks_input_bad] or summary[L.ranks_exception]
-                or summary[L.norm_nonfinite])
+                or summary[L.norm_nonfinite] or _oom(summary, L))
 
 
 def build_stats(
@@ -78,14 +78,22 @@ def build_stats(
         s.nonfinite_loss_ranks = [r for r, v in enumerate(rows) if v[L.ranks_loss_bad] > 0]
         s.nonfinite_input_ranks = [r for r, v in enumerate(rows) if v[L.ranks_input_bad] > 0]
         s.exception_ranks = [r for r, v in enumerate(rows) if v[L.ranks_exception] > 0]
-        s.first_bad_rank = min(s.nonfinite_loss_ranks + s.nonfinite_input_ranks + s.exception_ranks, default=None)
+        s.oom_ranks = [r for r, v in enumerate(rows) if _oom(v, L)]
+        s.oom_micro_batch = int(x[L.oom]) if s.oom_ranks else None
+        s.first_bad_rank = min(s.nonfinite_loss_ranks + s.nonfinite_input_ranks + s.exception_ranks + s.oom_ranks,
+                               default=None)
         s.rank_loss = [v[L.loss_sum] / v[L.loss_count] if v[L.loss_count] > 0 else math.nan for v in rows]
         s.rank_input_absmax = [math.nan if v[L.ranks_input_bad] > 0 else v[L.in_absmax] if v[L.in_numel] > 0 else 0.0
                                for v in rows]
         s.rank_seconds = [v[L.seconds] if S.decode_slowest(v[L.slowest]) else -1.0 for v in rows]
     s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
-                      and not (x[L.ranks_loss_bad] or x[L.ranks_input_bad] or x[L.ranks_exception]))
+                      and not (x[L.ranks_loss_bad] or x[L.ranks_input_bad] or x[L.ranks_exception] or _oom(x, L)))
     return s
+
+
+def _oom(x: Sequence[float], layout: S.Layout) -> bool:
+    """The out-of-memory column (a vector recorded before it existed is one shorter: none)."""
+    return len(x) > layout.oom and x[layout.oom] > 0
 
 
 def _known(v: float) -> float | None:

@@ -91,6 +91,7 @@ TURN: dict[str, str] = {
     "GuardConfig.localize_every_step": "true: name the module for every non-finite incident (a forward+backward each)",
     "GuardConfig.custom": "one entry per detector you registered, at the top level of the YAML",
     # RecoveryConfig
+    "OOMConfig.advise_after": "lower: name the micro-batch to use after fewer OOMs in one bucket; higher: fewer such lines",
     "RecoveryConfig.reset": "true once, on the launch after you fixed the cause: the LR multiplier and retry budget carried over start afresh",
     "RecoveryConfig.max_retries": "higher: more rollbacks for one incident before the run stops; 0: stop at once",
     "RecoveryConfig.lr_backoff": "lower: a larger LR cut per rollback; 1: never lower the LR",

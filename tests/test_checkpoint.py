@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from vidstab import statedict_io as sio
+from vidstab.run_dir import RUN_ID_FILE
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, verify_checkpoint_files
 from trainer_utils import torchrun_cmd
 
@@ -449,6 +451,9 @@ def test_replicated_state_is_identical_on_every_rank_after_a_load(tmp_path):
     """Node-local folders whose guard state differs (a stale copy on one node) give every
     rank rank 0's state, or a clear refusal; never replicas that decide differently."""
     for node, mult in (("node0", 0.25), ("node1", 1.0)):
+        if node == "node1":  # one run on two nodes: the same run id (node-local storage under one run folder)
+            (tmp_path / node).mkdir()
+            shutil.copy(tmp_path / "node0" / RUN_ID_FILE, tmp_path / node / RUN_ID_FILE)
         AcceleratorState._reset_state(True)
         acc = Accelerator(cpu=True)
         guard = GuardStandIn()

@@ -32,4 +32,6 @@ def test_fsdp2_grad_and_param_norms_match_unsharded(tmp_path):
         assert r["clipped_pre"] == pytest.approx(r["ref_norm"], rel=1e-5)  # pre-clip norm is returned
         assert r["after_clip"] == pytest.approx(0.01 * r["ref_norm"], rel=1e-3)  # and clipping took effect
         assert r["probe_param"] == pytest.approx(r["ref_param_after"], rel=1e-5)  # the weight probe on shards
-        assert r["probe_update"] == pytest.approx(r["ref_update"], rel=1e-4) and r["ref_update"] > 0
+        # the update's norm is estimated from a systematic sample (one element in 16, no copy of the weights): on
+        # this tiny model's shards it is within 20%; update_ratio judges 3x jumps against its own average
+        assert r["probe_update"] == pytest.approx(r["ref_update"], rel=0.2) and r["ref_update"] > 0

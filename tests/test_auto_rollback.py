@@ -15,8 +15,9 @@ import vidstab
 from vidstab.events import iter_event_file
 
 
-def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
-    """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``."""
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4, nan_steps=(), **attach_kwargs):
+    """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``; the inputs of the
+    steps in ``nan_steps`` are NaN."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 1)
@@ -31,7 +32,7 @@ def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
         if global_step in bad_lr_steps:
             for group in opt.param_groups:
                 group["lr"] = sched.get_last_lr()[0] * 1e4
-        loss = model(batch["x"]).pow(2).mean()
+        loss = model(batch["x"] * float("nan") if global_step in nan_steps else batch["x"]).pow(2).mean()
         acc.backward(loss)
         acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -25,13 +25,13 @@ class StepConsole:
         self.skipped = 0
         self.rollbacks = 0
 
-    def say(self, line: str, here: bool | None = None) -> None:
-        """``line`` on stderr: on the main process, or where ``here`` says."""
-        if self.main if here is None else here:
+    def say(self, line: str) -> None:
+        """``line`` on stderr, on the main process."""
+        if self.main:
             print(line, file=sys.stderr, flush=True)
 
     def label(self, step: int) -> str:
-        """``step N`` (event-log numbering), ``(trajectory step T)`` beside it after in-place rollbacks."""
+        """``step N`` (the script's), ``(trajectory step T)`` beside it after in-place rollbacks."""
         return self.guard.numbering.label(step)
 
     def after_step(self, result: Any) -> None:
@@ -65,7 +65,7 @@ class StepConsole:
         return [tuple(x) for x in gather_object(mine)]
 
     def rolled_back(self, step: int, info: dict) -> None:
-        """One in-place rollback at the loop's ``step`` (event-log numbering), to the checkpoint ``info``."""
+        """One in-place rollback at the script's ``step``, to the checkpoint ``info``."""
         self.rollbacks += 1
         rec = info.get("_recovery", {})
         ckpt = info.get("_checkpoint", {})

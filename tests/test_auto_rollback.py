@@ -131,3 +131,6 @@ def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(
     err = capsys.readouterr().err
     assert "vidstab: step 14: a rollback is asked for (consecutive_skips: " in err
     assert "attach(..., rollback_every=N) rolls back in place" in err
+    # The summary says it too: the run's last line does not read as if every rollback asked for was made.
+    assert err.splitlines()[-1].startswith("vidstab: 16 optimizer steps guarded, 6 skipped (1 of them asked for a "
+                                           "rollback this guard could not make: attach(..., rollback_every=N)), 0 rolled")

@@ -24,6 +24,7 @@ class StepConsole:
         self.main = bool(guard.accelerator.is_main_process)
         self.skipped = 0
         self.rollbacks = 0
+        self.rollbacks_not_kept = 0  # rollback requests a guard without rollback checkpoints could only skip
 
     def say(self, line: str) -> None:
         """``line`` on stderr, on the main process."""
@@ -40,6 +41,7 @@ class StepConsole:
             return
         if result.rollback is not None and self.guard.auto_rollback is None:
             self.skipped += 1
+            self.rollbacks_not_kept += 1
             self.say(f"vidstab: {self.label(result.step)}: a rollback is asked for ({result.rollback}); this guard "
                      f"keeps no rollback checkpoints, so the step was only skipped: attach(..., rollback_every=N) rolls "
                      f"back in place")
@@ -77,5 +79,7 @@ class StepConsole:
     def summary(self) -> None:
         """The last line of the run (main process)."""
         g = self.guard
-        self.say(f"vidstab: {g.step_count} optimizer steps guarded, {self.skipped} skipped, {self.rollbacks} rolled "
-                 f"back in place; events: vidstab events {g.run_dir}; incident bundles: vidstab incidents {g.run_dir}")
+        not_kept = (f" ({self.rollbacks_not_kept} of them asked for a rollback this guard could not make: "
+                    f"attach(..., rollback_every=N))" if self.rollbacks_not_kept else "")
+        self.say(f"vidstab: {g.step_count} optimizer steps guarded, {self.skipped} skipped{not_kept}, {self.rollbacks} "
+                 f"rolled back in place; events: vidstab events {g.run_dir}; incident bundles: vidstab incidents {g.run_dir}")

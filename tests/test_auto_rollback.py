@@ -15,9 +15,9 @@ import vidstab
 from vidstab.events import iter_event_file
 
 
-def _loop(out, bad_lr_steps, steps=40, rollback_every=4, nan_steps=(), **attach_kwargs):
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4, nan_steps=(), before_step=None, **attach_kwargs):
     """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``; the inputs of the
-    steps in ``nan_steps`` are NaN."""
+    steps in ``nan_steps`` are NaN; ``before_step(global_step, guard)``: what else happens to the run then."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 1)
@@ -29,6 +29,8 @@ def _loop(out, bad_lr_steps, steps=40, rollback_every=4, nan_steps=(), **attach_
     seen = []
     global_step = 0
     for batch in loader:
+        if before_step is not None:
+            before_step(global_step, guard)
         if global_step in bad_lr_steps:
             for group in opt.param_groups:
                 group["lr"] = sched.get_last_lr()[0] * 1e4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,25 @@ def test_a_rollback_with_no_healthy_checkpoint_stops_with_exit_code_3(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("vidstab: run aborted: rollback after the failure at step 4 impossible: no healthy checkpoint "
                      "yet") == 1
+
+
+def test_a_rollback_checkpoint_that_cannot_be_written_is_said_and_the_run_goes_on(tmp_path, capsys):
+    rollback_dir = tmp_path / "vidstab" / "rollback"
+
+    def break_the_folder(step, guard):  # from step 6 on the rollback folder is a file: no save can succeed
+        if step == 6:
+            guard.auto_rollback.ckpt.wait()
+            shutil.rmtree(rollback_dir)
+            rollback_dir.write_text("not a folder")
+
+    guard = _loop(tmp_path, bad_lr_steps=set(), steps=10, before_step=break_the_folder)[4]
+    guard.close()
+    err = capsys.readouterr().err
+    assert err.count("the rollback checkpoint of trajectory step 8 was not written (") == 1, err[-2000:]
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("vidstab: 10 optimizer steps guarded, 0 skipped")
+    warns = [e for e in iter_event_file(tmp_path / "vidstab" / "events-rank0.jsonl")
+             if e["kind"] == "warn" and e["detector"] == "rollback_every"]
+    assert [e["step"] for e in warns] == [7]
 
 
 def test_advice_names_the_form_the_user_is_in(tmp_path):

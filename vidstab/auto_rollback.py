@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any
 
-from .checkpoint import CheckpointConfig, CheckpointManager
+from .checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
 from .checkpoint_interval import auto_interval
 from .lr import torch_scheduler
@@ -106,9 +106,15 @@ class AutoRollback:
         self.recovery.on_step(trajectory, skipped=bool(result.skipped))
         due = self.interval.due(trajectory) if self.interval is not None else trajectory % self.every == 0
         if due or not self._saved_this_launch:
-            path = self.ckpt.save(trajectory, healthy=guard.healthy)
-            self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             self._saved_this_launch = True
+            try:
+                path = self.ckpt.save(trajectory, healthy=guard.healthy)
+            except CheckpointError as e:  # every rank learns it together; the older rollback targets stay
+                self._say(f"vidstab: {guard.numbering.label(result.step)}: the rollback checkpoint of trajectory step "
+                          f"{trajectory} was not written ({e}); a rollback goes to an older one, the next interval "
+                          f"tries again", "warn", result.step, detector="rollback_every", figures={}, bad_ranks=[])
+                return
+            self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             if self.interval is not None:
                 self.interval.saved(guard.events, trajectory)
 

@@ -48,7 +48,7 @@ logger = logging.getLogger("vidstab.checkpoint")
 UNVERIFIED_ADVICE = (" Restore their manifests (or the files that disagree), or start over with --overwrite_output_dir "
                      "and without --resume_from_checkpoint (overwrite=True: the earlier run, these folders included, is "
                      "moved to previous-runs/, not deleted)")
-"""What a launch can do about unverifiable checkpoints (an in-place rollback, mid-run, can do neither: it drops it)."""
+"""What a launch can do about unverifiable checkpoints; a rollback's abort leaves it out (a running loop can do neither)."""
 
 
 class CheckpointManager:

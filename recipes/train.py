@@ -279,7 +279,7 @@ class Run:
         if self.ema is not None:
             self.checkpoints.register("ema", self.ema)
         self.recovery = Recovery(acc, self.checkpoints, self.guard, RecoveryConfig(max_retries=args.max_retries, skip_data=not args.replay_data_after_rollback), run_dir=out,
-                                 reset=args.reset_recovery)
+                                 reset=args.reset_recovery, form="trainer")
         self.goodput = GoodputLog(acc, out, args.goodput_steps)
         self.auto_interval = None if args.checkpointing_steps != "auto" else auto_interval(
             acc, out, expected_mtbf_hours=args.expected_mtbf_hours)

@@ -15,8 +15,9 @@ import vidstab
 from vidstab.events import iter_event_file
 
 
-def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
-    """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``."""
+def _loop(out, bad_lr_steps, steps=40, rollback_every=4, nan_steps=(), before_step=None, **attach_kwargs):
+    """A plain Accelerate loop; a bug writes the LR x10^4 before each step in ``bad_lr_steps``; the inputs of the
+    steps in ``nan_steps`` are NaN; ``before_step(global_step, guard)``: what else happens to the run then."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 1)
@@ -28,10 +29,12 @@ def _loop(out, bad_lr_steps, steps=40, rollback_every=4, **attach_kwargs):
     seen = []
     global_step = 0
     for batch in loader:
+        if before_step is not None:
+            before_step(global_step, guard)
         if global_step in bad_lr_steps:
             for group in opt.param_groups:
                 group["lr"] = sched.get_last_lr()[0] * 1e4
-        loss = model(batch["x"]).pow(2).mean()
+        loss = model(batch["x"] * float("nan") if global_step in nan_steps else batch["x"]).pow(2).mean()
         acc.backward(loss)
         acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -130,3 +133,6 @@ def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(
     err = capsys.readouterr().err
     assert "vidstab: step 14: a rollback is asked for (consecutive_skips: " in err
     assert "attach(..., rollback_every=N) rolls back in place" in err
+    # The summary says it too: the run's last line does not read as if every rollback asked for was made.
+    assert err.splitlines()[-1].startswith("vidstab: 16 optimizer steps guarded, 6 skipped (1 of them asked for a "
+                                           "rollback this guard could not make: attach(..., rollback_every=N)), 0 rolled")

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any
 
-from .checkpoint import CheckpointConfig, CheckpointManager
+from .checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from .checkpoint.full_state import rng_state, set_rng_state
 from .checkpoint_interval import auto_interval
 from .lr import torch_scheduler
@@ -78,12 +78,15 @@ class AutoRollback:
         why = self.script_state.unrestorable()
         if why is not None:
             self._say(f"vidstab: rollback_every={self.every}: {why}", "warn", guard.global_step, detector="rollback_every")
-        self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig())
+        self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig(), form="attached")
         self._saved_this_launch = False
-        self.steps_lost = 0
-        """Optimizer steps the in-place rollbacks undid: the loop's count minus the trajectory's."""
         if guard.checkpoint_fn is None:  # incident bundles name the checkpoint their replay starts from
             guard.checkpoint_fn = self.ckpt.latest_path_str
+
+    @property
+    def steps_lost(self) -> int:
+        """Optimizer steps the in-place rollbacks undid: the loop's count minus the trajectory's."""
+        return self.guard.numbering.lost
 
     def after_step(self) -> None:
         """Roll back in place when the step asked for it, else keep the books and save on the interval."""
@@ -94,7 +97,7 @@ class AutoRollback:
         step = guard.global_step  # the loop's count of optimizer steps, this one included
         # Recovery and the rollback checkpoints count the trajectory's steps: after an in-place rollback the loop's
         # count goes on, but the run must get past the failure point again before the incident is over.
-        trajectory = step - self.steps_lost
+        trajectory = self.guard.numbering.trajectory(step)
         if result.rollback is not None:
             self._roll_back(result, step, trajectory)
             return
@@ -103,9 +106,15 @@ class AutoRollback:
         self.recovery.on_step(trajectory, skipped=bool(result.skipped))
         due = self.interval.due(trajectory) if self.interval is not None else trajectory % self.every == 0
         if due or not self._saved_this_launch:
-            path = self.ckpt.save(trajectory, healthy=guard.healthy)
-            self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             self._saved_this_launch = True
+            try:
+                path = self.ckpt.save(trajectory, healthy=guard.healthy)
+            except CheckpointError as e:  # every rank learns it together; the older rollback targets stay
+                self._say(f"vidstab: {guard.numbering.label(result.step)}: the rollback checkpoint of trajectory step "
+                          f"{trajectory} was not written ({e}); a rollback goes to an older one, the next interval "
+                          f"tries again", "warn", result.step, detector="rollback_every", figures={}, bad_ranks=[])
+                return
+            self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             if self.interval is not None:
                 self.interval.saved(guard.events, trajectory)
 
@@ -121,18 +130,16 @@ class AutoRollback:
             state = self.recovery.after_step(result, trajectory)
             if state is not None:  # what the script's own hooks saved beside that checkpoint (its EMA)
                 self.script_state.load(state["_checkpoint"]["path"])
-        except RunAborted as e:
-            where = (f" [the script's step {result.step}; recovery counts the steps of the trajectory the in-place "
-                     f"rollbacks kept: {trajectory - 1}]" if self.steps_lost else "")
-            raise self._abort(f"{e}{where}", step) from None
+        except RunAborted as e:  # its message states the steps as the script numbers them (guard.numbering)
+            raise self._abort(str(e), step) from None
         except OSError as e:
-            raise self._abort(f"vidstab: run aborted: the rollback after step {step} could not be carried out: {e}",
-                              step) from None
+            raise self._abort(f"vidstab: run aborted: the rollback after {self.guard.numbering.label(result.step)} "
+                              f"could not be carried out: {e}", step) from None
         guard.global_step = step  # the loop's counter goes on: the lost steps are not taken again
         if state is not None:
             if guard.console is not None:  # the failing step as numbered before this rollback
                 guard.console.rolled_back(result.step, state)
-            self.steps_lost += trajectory - int(state["_checkpoint"]["step"])
+            self.guard.numbering.lost += trajectory - int(state["_checkpoint"]["step"])
         set_rng_state(rng)
         # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule
         # goes on from where it is now, on the base LRs the rollback restored (with its back-off).

@@ -1,17 +1,19 @@
 """The attached form's console: what vidstab did to the user's unmodified loop, said as it happens.
 
 In the attached form (``vidstab.attach``) the loop's own code prints nothing about vidstab, so the guard says it:
-one line per skipped step (an update refused) on the main process, one line per incident bundle on the rank that
-wrote it (with the command that replays it; only that rank knows its path without a collective), one line per
-in-place rollback (:mod:`vidstab.auto_rollback`) and a summary at ``guard.close()`` on the main process. Steps
-are numbered as in the event log (the guard's count of the loop's optimizer steps), with the trajectory step beside
-it where in-place rollbacks made the two differ. The explicit form and the reference trainer print their own.
+on the main process only, one line per skipped step (an update refused), one line per incident bundle of any rank
+(with the command that replays it; the ranks' paths are gathered on the skipped steps, which every rank judges in
+lockstep), one line per in-place rollback (:mod:`vidstab.auto_rollback`) and a summary at ``guard.close()``. Steps
+are the script's (:mod:`vidstab.step_numbering`), with the trajectory step beside them where in-place rollbacks made
+the two differ. The explicit form and the reference trainer print their own.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+from .detectors import Verdict
 
 
 class StepConsole:
@@ -22,17 +24,16 @@ class StepConsole:
         self.main = bool(guard.accelerator.is_main_process)
         self.skipped = 0
         self.rollbacks = 0
+        self.rollbacks_not_kept = 0  # rollback requests a guard without rollback checkpoints could only skip
 
-    def say(self, line: str, here: bool | None = None) -> None:
-        """``line`` on stderr: on the main process, or where ``here`` says."""
-        if self.main if here is None else here:
+    def say(self, line: str) -> None:
+        """``line`` on stderr, on the main process."""
+        if self.main:
             print(line, file=sys.stderr, flush=True)
 
     def label(self, step: int) -> str:
-        """``step N`` (event-log numbering), ``(trajectory step T)`` beside it after in-place rollbacks."""
-        auto = self.guard.auto_rollback
-        lost = getattr(auto, "steps_lost", 0) if auto is not None else 0
-        return f"step {step}" + (f" (trajectory step {step - lost})" if lost else "")
+        """``step N`` (the script's), ``(trajectory step T)`` beside it after in-place rollbacks."""
+        return self.guard.numbering.label(step)
 
     def after_step(self, result: Any) -> None:
         """The lines of one judged step of the loop."""
@@ -40,6 +41,7 @@ class StepConsole:
             return
         if result.rollback is not None and self.guard.auto_rollback is None:
             self.skipped += 1
+            self.rollbacks_not_kept += 1
             self.say(f"vidstab: {self.label(result.step)}: a rollback is asked for ({result.rollback}); this guard "
                      f"keeps no rollback checkpoints, so the step was only skipped: attach(..., rollback_every=N) rolls "
                      f"back in place")
@@ -48,20 +50,36 @@ class StepConsole:
             worst = max(result.findings, key=lambda f: f.verdict, default=None)
             why = f"{worst.detector}: {worst.message}" if worst is not None else "skipped"
             self.say(f"vidstab: {self.label(result.step)}: update refused, step skipped ({why})")
-        for bundle in result.incidents:
-            self.say(f"vidstab: {self.label(result.step)}, rank {self.guard.rank}: incident bundle {bundle}; "
-                     f"replay it with: vidstab replay {bundle}", here=True)
+        for rank, bundle in self.bundles(result):
+            self.say(f"vidstab: {self.label(result.step)}: rank {rank} wrote incident bundle {bundle}; "
+                     f"replay it with: vidstab replay {bundle}")
+
+    def bundles(self, result: Any) -> list[tuple[int, str]]:
+        """``(rank, path)`` of every rank's incident bundles of this step, on every rank. A collective on the steps
+        that may write one (a skip, judged in lockstep, as the reporter captures), so the main process says them all."""
+        g = self.guard
+        mine = [(g.rank, str(p)) for p in result.incidents]
+        if (g.world_size <= 1 or not g.config.capture_incidents or result.verdict < Verdict.SKIP
+                or getattr(result, "overflow", False)):
+            return mine
+        from accelerate.utils import gather_object
+
+        return [tuple(x) for x in gather_object(mine)]
 
     def rolled_back(self, step: int, info: dict) -> None:
-        """One in-place rollback at the loop's ``step`` (event-log numbering), to the checkpoint ``info``."""
+        """One in-place rollback at the script's ``step``, to the checkpoint ``info``."""
         self.rollbacks += 1
         rec = info.get("_recovery", {})
         ckpt = info.get("_checkpoint", {})
+        budget = self.guard.auto_rollback.recovery.config.max_retries
         self.say(f"vidstab: {self.label(step)}: rolled back in place to {ckpt.get('path')} (trajectory step "
-                 f"{ckpt.get('step')}), cause {rec.get('cause')}, LR multiplier x{rec.get('lr_multiplier', 1.0):.4g}")
+                 f"{ckpt.get('step')}), rollback {rec.get('retries')}/{budget} of this incident, cause "
+                 f"{rec.get('cause')}, LR multiplier x{rec.get('lr_multiplier', 1.0):.4g}")
 
     def summary(self) -> None:
         """The last line of the run (main process)."""
         g = self.guard
-        self.say(f"vidstab: {g.step_count} optimizer steps guarded, {self.skipped} skipped, {self.rollbacks} rolled "
-                 f"back in place; events: vidstab events {g.run_dir}; incident bundles: vidstab incidents {g.run_dir}")
+        not_kept = (f" ({self.rollbacks_not_kept} of them asked for a rollback this guard could not make: "
+                    f"attach(..., rollback_every=N))" if self.rollbacks_not_kept else "")
+        self.say(f"vidstab: {g.step_count} optimizer steps guarded, {self.skipped} skipped{not_kept}, {self.rollbacks} "
+                 f"rolled back in place; events: vidstab events {g.run_dir}; incident bundles: vidstab incidents {g.run_dir}")

@@ -40,10 +40,13 @@ from typing import Any
 
 from .atomic import write_json_atomic
 from .checkpoint import CheckpointError, CheckpointManager
+from .checkpoint.manager import UNVERIFIED_ADVICE
 from .capture import incident_step, list_incidents
 from .events import log_event
+from .form_advice import recovery_setting
 from .limits import read_json_file
 from .resume_check import ResumeCheck
+from .step_numbering import numbering_of
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
@@ -142,11 +145,17 @@ class Recovery:
         config_hash: fingerprint of the run's configuration (default: ``ckpt.config_hash``). When it
             differs from the one stored with the state, the open incident's retry budget starts afresh
             (the LR multiplier is kept), and that is said.
+        form: the form the run is in, for the advice messages give: ``"explicit"`` (this class used directly),
+            ``"attached"`` (``vidstab.attach(..., rollback_every=N)``) or ``"trainer"`` (``recipes/train.py``).
     """
 
     def __init__(self, accelerator, ckpt: CheckpointManager, guard: Any = None, config: RecoveryConfig | None = None,
-                 run_dir: str | None = None, *, reset: bool = False, config_hash: str | None = None) -> None:
+                 run_dir: str | None = None, *, reset: bool = False, config_hash: str | None = None,
+                 form: str = "explicit") -> None:
         self.accelerator = accelerator
+        self.form = form
+        recovery_setting(form)  # an unknown form fails here, not in a message
+        self.numbering = numbering_of(guard)  # the steps messages and events state (vidstab.step_numbering)
         self.ckpt = ckpt
         self.guard = guard
         self.config = config or RecoveryConfig()
@@ -160,9 +169,12 @@ class Recovery:
         # The multiplier recovery.json recorded (1 after a reset): newer than any checkpoint's, so it replaces the
         # loaded checkpoint's once, at the resume (see apply_carried_over).
         self._carried_multiplier: float | None = None
-        # The first and latest skipped step of the current run of skips (event-log numbering): skips fewer than the
+        # The first and latest skipped step of the current run of skips (the script's numbering): skips fewer than the
         # guard's health_window steps apart belong together (what the health gate itself treats as one trouble).
         self._skips: tuple[int, int] | None = None
+        # The first and latest step of the current run of skips in a row: the failure a rollback or an abort is
+        # about (its bundles, its replay command), apart from earlier trouble the incident took in.
+        self._run: tuple[int, int] | None = None
         # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/resume_check.py)
         self.resume_check = ResumeCheck(self.run_dir, self.rank, accelerator.num_processes,
                                         complete=(lambda: guard.detectors) if hasattr(guard, "detectors") else None)
@@ -214,18 +226,18 @@ class Recovery:
         changed = (d.get("config_hash") not in (None, self.config_hash) and self.config_hash is not None) or (
             d.get("recovery_config") not in (None, _config_dict(self.config)))
         if incident:
+            last = step_of_failure(incident)
             if changed:
-                parts.append(f"the incident from step {incident['last_failure'] - 1} with its retry budget started "
+                parts.append(f"the incident from step {last} with its retry budget started "
                              f"afresh because the run's configuration changed ({incident['retries']} of "
                              f"{self.config.max_retries} rollbacks had been used)")
                 incident = dict(incident, retries=0)
                 self.state["incident"] = incident
             else:
-                parts.append(f"an open incident (last failure at step {incident['last_failure'] - 1}, "
+                parts.append(f"an open incident (last failure at step {last}, "
                              f"{incident['retries']} of {self.config.max_retries} rollbacks used)")
         self.carried_over = (f"carried over from {STATE_FILE}: " + "; ".join(parts) +
-                             ". To start fresh: attach(..., recovery=RecoveryConfig(reset=True)), Recovery(..., reset=True) or "
-                             "recipes/train.py --reset_recovery")
+                             f". To start fresh: {recovery_setting(self.form, reset=True)}")
         self._announce("carried_over", self.carried_over, lr_multiplier=multiplier, incident=incident,
                        config_changed=bool(changed))
         if changed:
@@ -315,15 +327,19 @@ class Recovery:
         self.resume_check.after_step(step)
         if skipped:
             st["stable_since"] = step
-            self._skips = self._count_skip(step - 1)  # the skipped step as the event log numbers it
+            skipped_step = self.numbering.script(step - 1)  # the skipped step as the script numbers it
+            self._skips = self._count_skip(skipped_step)
+            self._run = (self._run[0], skipped_step) if self._run and skipped_step - self._run[1] == 1 else (
+                skipped_step, skipped_step)
         inc = st.get("incident")
         changed = False
         if inc and step > inc["last_failure"] + self.config.incident_window:
             st["incident"] = None
             st["stable_since"] = max(st["stable_since"], step)
             past = f" by {self.config.incident_window} steps" if self.config.incident_window else ""
-            self._announce("incident_over", f"the run got past the failure at step {inc['last_failure'] - 1}{past}: "
-                           "the next failure is a new incident with a full retry budget", step=step, incident=inc)
+            self._announce("incident_over", f"the run got past the failure at {self._failure_label(inc)}{past}: "
+                           "the next failure is a new incident with a full retry budget", step=self.numbering.script(step),
+                           incident=inc)
             changed = True
         every = self.config.lr_restore_every
         if (st.get("incident") is None and every > 0 and self.lr_multiplier < 1.0
@@ -334,7 +350,7 @@ class Recovery:
             st["stable_since"] = step
             self._set_lr_multiplier(new)
             self._announce("lr_restore", f"{every} stable steps: LR multiplier x{old:.4g} -> x{new:.4g}",
-                           step=step, old_multiplier=old, lr_multiplier=new)
+                           step=self.numbering.script(step), old_multiplier=old, lr_multiplier=new)
             changed = True
         if changed:
             self._persist()
@@ -370,9 +386,14 @@ class Recovery:
         if cause not in CAUSES:
             raise ValueError(f"rollback cause must be one of {CAUSES}, not {cause!r}")
         step = int(step)
-        failed = step - 1  # the failing step, numbered as in the event log
+        failed = step - 1  # the failing step of the trajectory (what recovery counts to get past the failure)
+        failed_step = self.numbering.script(failed)  # and as the script numbers it (messages, events, bundles)
+        where = self.numbering.label(failed_step)
         skips, self._skips = self._skips, None
-        first = min(skips[0], failed) if skips and failed - skips[1] <= self._skip_gap() else failed  # the skips before it
+        run, self._run = self._run, None
+        first = (min(skips[0], failed_step) if skips and failed_step - skips[1] <= self._skip_gap()
+                 else failed_step)  # the skips before it
+        run_first = run[0] if run and failed_step - run[1] == 1 else failed_step  # this failure's own skips
         open_incident = self.state.get("incident")
         if open_incident and step > open_incident["last_failure"] + self.config.incident_window:
             open_incident = None  # the loop never reported the steps in between (no after_step): over anyway
@@ -381,31 +402,35 @@ class Recovery:
             spent = (f"{open_incident['retries']} rollback(s)" if budget == "retries" else
                      f"{open_incident['transient']} rollback(s) for failures the rerun did not reproduce")
             what = (f"still failing after {spent} for the incident that began at step "
-                    f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at step "
-                    f"{failed} ({cause}): {reason_text}")
+                    f"{open_incident['first_step']} (max_retries={self.config.max_retries}); last failure at {where}, "
+                    f"cause {cause}: {reason_text}")
             # The script's own `latest` must not resume the failing trajectory either: keep only what is not newer
             # than vidstab's last healthy checkpoint.
             good = self.ckpt.last_good()
             good_step = next((i.step for i in self.ckpt.list() if good and os.path.samefile(i.path, good)), None)
             discarded = self._discard_own_checkpoints(good_step) if good_step is not None else []
-            log_event(self.run_dir, self.rank, "recovery", step, action="abort", message=what, cause=cause,
-                      last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident)
+            log_event(self.run_dir, self.rank, "recovery", failed_step + 1, action="abort", message=what, cause=cause,
+                      last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident,
+                      failed_step=failed_step, **self.numbering.fields(failed_step))
             if discarded:
                 what += f"; removed the script's own {', '.join(discarded)} (newer than the last good step {good_step})"
+            what += (f". To allow more rollbacks per incident: "
+                     f"{recovery_setting(self.form, max_retries=self.config.max_retries + 1)}")
             raise RunAborted(self._abort_message(what, incident, min(open_incident["first_step"], first),
-                                                 max(open_incident["last_failure"] - 1, failed)))
+                                                 failed_step, run_first))
         # Every rank decides from the same files before any rank changes a pointer (load synchronises them).
         choice = self._target(step)
         old_multiplier = self.lr_multiplier  # in effect at the failure
         try:
             state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
         except CheckpointError as e:
-            raise RunAborted(self._abort_message(f"rollback after the failure at step {failed} impossible: {e}",
-                                                 incident, first, failed)) from e
+            why = str(e).replace(UNVERIFIED_ADVICE, "").rstrip(".")  # a launch's way out, not a running loop's
+            raise RunAborted(self._abort_message(f"rollback after the failure at {where} impossible: {why}",
+                                                 incident, first, failed_step, run_first)) from e
         if state is None:
             raise RunAborted(self._abort_message(
-                f"rollback after the failure at step {failed} impossible: no healthy checkpoint yet ({reason_text})",
-                incident, first, failed))
+                f"rollback after the failure at {where} impossible: no healthy checkpoint yet ({reason_text})",
+                incident, first, failed_step, run_first))
         backoff = self.config.lr_backoff if cause in self.config.lr_backoff_causes else 1.0
         self._carried_multiplier = None
         self._set_lr_multiplier(old_multiplier * backoff)  # the load brought back the checkpoint's
@@ -418,32 +443,35 @@ class Recovery:
         discarded = self._discard_own_checkpoints(int(info["step"]))
         if open_incident:
             open_incident = dict(open_incident, last_failure=max(open_incident["last_failure"], step),
-                                 first_step=min(open_incident["first_step"], first))
+                                 first_step=min(open_incident["first_step"], first), last_failed_step=failed_step)
             open_incident[budget] = open_incident.get(budget, 0) + 1
         else:
-            # first_step: the incident's first failing (or skipped) step, as the event log numbers it;
-            # last_failure: the loop's count after the latest failing step (the point the run must get past).
-            open_incident = {"first_step": first, "last_failure": step, "retries": int(budget == "retries"),
-                             "transient": int(budget == "transient"), "cause": cause}
+            # first_step, last_failed_step: the incident's first and latest failing (or skipped) step, as the script
+            # numbers them; last_failure: the trajectory's count after the latest failing step (the point the run
+            # must get past).
+            open_incident = {"first_step": first, "last_failure": step, "last_failed_step": failed_step,
+                             "retries": int(budget == "retries"), "transient": int(budget == "transient"),
+                             "cause": cause}
         self.state.update(incident=open_incident, stable_since=int(info["step"]),
                           rollbacks_total=self.rollbacks_total + 1)
         # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
         self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
-                                lr_ratio=multiplier / old_multiplier, until=open_incident["first_step"])
+                                lr_ratio=multiplier / old_multiplier, until=self.numbering.trajectory(first))
         self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "cause": cause, "lr_multiplier": multiplier})
         self._persist()
-        log_event(self.run_dir, self.rank, "rollback", step, reason=reason_text, checkpoint=info["path"],
+        # to_step: the checkpoint's step, which is the trajectory's (its folder is named after it).
+        log_event(self.run_dir, self.rank, "rollback", failed_step + 1, reason=reason_text, checkpoint=info["path"],
                   to_step=info["step"], retries=self.retries, max_retries=self.config.max_retries, cause=cause,
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
-                  failed_step=failed, incident_first_step=open_incident["first_step"],
-                  transient=open_incident.get("transient", 0))
-        if self.accelerator.is_main_process:  # one line per rollback, not one per rank
-            logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
-                           "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
-                           open_incident["first_step"], failed, info["path"], info["step"], cause, multiplier,
+                  failed_step=failed_step, incident_first_step=open_incident["first_step"],
+                  transient=open_incident.get("transient", 0), **self.numbering.fields(failed_step, failed))
+        if self.accelerator.is_main_process and self.form != "attached":  # one line per rollback, not one per rank
+            logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (trajectory step "
+                           "%d), cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
+                           open_incident["first_step"], where, info["path"], info["step"], cause, multiplier,
                            "" if backoff != 1.0 else " (not lowered for this cause)",
                            "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
@@ -468,8 +496,9 @@ class Recovery:
         older = [i for i in self.ckpt.list() if i.healthy and i.step < good_step]
         if not older:
             return "last_good"
-        logger.warning("step_%06d failed again before step %d: rolling back further, to %s", good_step, last["step"],
-                       older[-1].name)
+        if self.accelerator.is_main_process:
+            logger.warning("step_%06d failed again before the run got past the failure it was rolled back for: "
+                           "rolling back further, to %s", good_step, older[-1].name)
         return older[-1].path
 
     def _discard_own_checkpoints(self, target_step: int) -> list[str]:
@@ -517,8 +546,13 @@ class Recovery:
             step = int(getattr(self.guard, "step_count", 0) or 0)
         log_event(self.run_dir, self.rank, "recovery", step, action=action, message=message, **fields)
 
+    def _failure_label(self, incident: dict) -> str:
+        """The incident's latest failing step, as the script numbers it (with the trajectory's where they differ)."""
+        step = step_of_failure(incident)
+        return self.numbering.label(step, incident["last_failure"] - 1)
+
     def incident_bundles(self, first_step: int, last_step: int, incident: str | None = None) -> list[str]:
-        """The incident bundles on disk whose step lies in ``[first_step, last_step]`` (event-log numbering),
+        """The incident bundles on disk whose step lies in ``[first_step, last_step]`` (the script's numbering),
         ``incident`` (this rank's bundle of the failure) first when it exists."""
         found = [str(p) for p in list_incidents(self.run_dir)
                  if (s := incident_step(p)) is not None and first_step <= s <= last_step]
@@ -526,14 +560,21 @@ class Recovery:
             found = [incident] + [p for p in found if not os.path.samefile(p, incident)]
         return found
 
-    def _abort_message(self, what: str, incident: str | None, first_step: int, last_step: int) -> str:
-        bundles = self.incident_bundles(first_step, last_step, incident)
+    def _abort_message(self, what: str, incident: str | None, first_step: int, last_step: int, run_first: int) -> str:
+        """The abort's message: ``what``, then the replay command of the failure itself (its run of skips
+        ``run_first``-``last_step``), never of earlier trouble the incident took in (``first_step`` on)."""
+        bundles = self.incident_bundles(run_first, last_step, incident)
+        earlier = self.incident_bundles(first_step, run_first - 1) if first_step < run_first else []
         if bundles:
-            more = f" (and {len(bundles) - 1} more bundle(s) of this incident: vidstab incidents {self.run_dir})" if len(bundles) > 1 else ""
-            how = f"Reproduce the failing batch with:\n  vidstab replay {bundles[0]}{more}"
+            more = len(bundles) - 1 + len(earlier)
+            more_text = f" (and {more} more bundle(s) of this incident: vidstab incidents {self.run_dir})" if more else ""
+            how = f"Reproduce the failing batch with:\n  vidstab replay {bundles[0]}{more_text}"
         else:
-            how = (f"No incident bundle was written for steps {first_step}-{last_step} (the findings that skipped them "
-                   f"capture none: a learning rate or a divergence is not in one batch). The evidence is in the event log:\n"
+            span = f"step {last_step}" if run_first == last_step else f"steps {run_first}-{last_step}"
+            also = (f" ({len(earlier)} bundle(s) of earlier steps of this incident, not of this failure: vidstab "
+                    f"incidents {self.run_dir})" if earlier else "")
+            how = (f"No incident bundle was written for {span} (the findings that skipped them capture none: a "
+                   f"learning rate or a divergence is not in one batch){also}. The evidence is in the event log:\n"
                    f"  vidstab events {self.run_dir} --kind skip --kind rollback --kind recovery")
         return f"vidstab: run aborted: {what}. {how}\nWhat to do next: docs/runbook.md, 'The run stopped'."
 
@@ -544,6 +585,12 @@ class Recovery:
         self.state["recovery_config"] = _config_dict(self.config)
         # The owner's value as of this decision: a relaunch before the next checkpoint keeps the back-off.
         write_json_atomic(os.path.join(self.run_dir, STATE_FILE), dict(self.state, lr_multiplier=self.lr_multiplier))
+
+
+def step_of_failure(incident: dict) -> int:
+    """The incident's latest failing step as the script numbers it (a state written before it was kept: the
+    trajectory's, which the explicit form's and the trainer's are)."""
+    return int(incident.get("last_failed_step", incident["last_failure"] - 1))
 
 
 def _config_dict(config: RecoveryConfig) -> dict:

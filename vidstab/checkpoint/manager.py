@@ -45,6 +45,12 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger("vidstab.checkpoint")
 
 
+UNVERIFIED_ADVICE = (" Restore their manifests (or the files that disagree), or start over with --overwrite_output_dir "
+                     "and without --resume_from_checkpoint (overwrite=True: the earlier run, these folders included, is "
+                     "moved to previous-runs/, not deleted)")
+"""What a launch can do about unverifiable checkpoints; a rollback's abort leaves it out (a running loop can do neither)."""
+
+
 class CheckpointManager:
     """Atomic, validated, rotated checkpoints of everything registered, plus scaler and RNG states.
 
@@ -526,10 +532,7 @@ class CheckpointManager:
         sub = rel(self.root, self.output_dir)
         listed = "; ".join(f"{n}: {why}" for n, why in unverified)
         return (f"nothing to load for {which!r}: {sub} holds {len(unverified)} checkpoint folder(s) that cannot be "
-                f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten. Restore their "
-                f"manifests (or the files that disagree), or start over with --overwrite_output_dir and without "
-                f"--resume_from_checkpoint "
-                f"(overwrite=True: the earlier run, these folders included, is moved to previous-runs/, not deleted)")
+                f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten.{UNVERIFIED_ADVICE}")
 
     # ------------------------------------------------------------------ load
     def load(self, which: str = "latest", resume_event: bool = True) -> dict | None:

@@ -46,16 +46,23 @@ class ConsecutiveSkipsDetector(Detector):
         if not s.findings:  # a quiet step: no skip, and the timeline's expiry waits for its next use
             self._now = s.step
             if s.applied:
-                self.count = 0
+                self._run_over()
             return
+        if s.applied and s.verdict < Verdict.SKIP:
+            self._run_over()
         self.timeline.add(s.step, s.findings)
         if s.verdict >= Verdict.ROLLBACK:
             self.count = 0
             self.timeline.clear()
         elif s.verdict >= Verdict.SKIP and not _out_of_memory_only(s):
             self.count += 1
-        elif s.applied:
-            self.count = 0
+
+    def _run_over(self) -> None:
+        """An applied step: the run of skips, if any, is over, and so is its diagnosis (an earlier trouble the run
+        got past must not be named as the cause of the next one)."""
+        if self.count:
+            self.timeline.clear()
+        self.count = 0
 
     def state_dict(self) -> dict:
         if self._now is not None:

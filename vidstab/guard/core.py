@@ -45,6 +45,7 @@ from ..lr import LRMultiplier
 from ..oom import is_oom, micro_batch_size, release
 from ..rerun import StepRerun
 from ..run_record import run_environment
+from ..step_numbering import StepNumbering
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
 from .reporting import Reporter
@@ -132,6 +133,8 @@ class Guard:
         """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
         self.console = None
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
+        self.numbering = StepNumbering()
+        """The script's step and the trajectory's (they differ after in-place rollbacks): every stated step's producer."""
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
                         run=run_environment(accelerator), process_started=process_start_time())
 

@@ -272,6 +272,7 @@ class Run:
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))
         self.checkpoints.after_files_written = self.faults.maybe_kill_in_save  # the kill_in_save drill
+        self.faults.arm_optimizer_step(self.optimizer, lambda: self.guard.global_step)  # the oom_in_step drill
         self.checkpoints.register("model", self.model)
         self.checkpoints.register("optimizer", self.optimizer)
         self.checkpoints.register("lr_scheduler", self.lr_scheduler)

@@ -64,3 +64,40 @@ def resident_mib() -> float | None:
             return round(int(f.read().split()[1]) * _PAGE / 2**20, 1)
     except (OSError, ValueError, IndexError):
         return None
+
+
+# ---------------------------------------------------------------- an OOM inside optimizer.step()
+_VERSION = torch.Tensor._version.__get__  # a tensor's in-place modification counter (bumped under no_grad too)
+
+
+class StepMarks:
+    """What an ``optimizer.step()`` that raised has touched, from the tensors' in-place version counters.
+
+    Taken before the step (one counter read per weight and state tensor, no device work); after an exception,
+    :meth:`judge` says whether any weight or any state tensor that existed was modified, and drops the state the
+    step created lazily (the first step's moments), so an untouched optimizer is exactly as it was. Fused kernels
+    (``fused=True``) do not bump the counters: a failed fused step counts as touched (the safe side: a rollback).
+    """
+
+    def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
+        state = self.optimizer.state
+        self.keys = set(state)
+        self.tensors = list(params) + [t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        self.total = sum(map(_VERSION, self.tensors))
+        self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
+
+    def judge(self) -> bool:
+        """Whether the failed step modified a weight or existing optimizer state (versions only grow); when it did
+        not, the state entries it created are removed."""
+        touched = self.opaque or sum(map(_VERSION, self.tensors)) != self.total
+        if not touched:
+            state = self.optimizer.state
+            for key in [k for k in state if k not in self.keys]:
+                del state[key]
+        return touched
+
+
+class OptimizerStateDiverged(RuntimeError):
+    """The optimizer ran out of memory after updating part of the weights (or on some ranks only) and no rollback
+    checkpoint is kept: training on would silently continue from an inconsistent state."""

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xdist_group("oom_attached")
 
 @pytest.fixture(scope="module")
 def drilled(tmp_path_factory):
-    """Attached (rollback_every=2; buckets of 2 and 4 samples take turns): rank 1's forward OOMs at step 1; every
+    """Attached (rollback_every=100: one rollback checkpoint; buckets of 2 and 4 samples take turns): rank 1's forward OOMs at step 1; every
     rank's optimizer fails before touching anything at step 2; rank 1's fails half-way at step 4; from step 5 on
     every forward of more than 2 samples fails. Explicit: every rank's optimizer fails untouched at step 1; rank 0's
     alone at step 3."""

@@ -1,5 +1,5 @@
 """Launched by tests/test_oom_attached.py on 2 CPU processes (DDP over gloo): a user's own loop, unchanged but for
-``vidstab.attach(..., rollback_every=2)``, whose model runs out of memory as the ``--inject_fault`` drills say
+``vidstab.attach(..., rollback_every=100)  # its one checkpoint: the first step``, whose model runs out of memory as the ``--inject_fault`` drills say
 (``oom@STEP[:RANK]`` and ``oom_batch_above@STEP=N`` in the model's forward, ``oom_in_step@STEP[:RANK][=...]``
 inside ``optimizer.step()``). Two shape buckets take turns: 2 samples of 2 frames on even steps, 4 samples of 4
 frames on odd ones. Then, in the same processes, the explicit form (``guard.backward`` / ``guard.step``) on a
@@ -49,7 +49,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     config = vidstab.GuardConfig.from_dict({"oom": {"advise_after": 2}})
-    guard = vidstab.attach(accelerator, model, optimizer, config=config, run_dir=args.out, rollback_every=2)
+    guard = vidstab.attach(accelerator, model, optimizer, config=config, run_dir=args.out, rollback_every=100)  # its one checkpoint: the first step
     rank = accelerator.process_index
     faults = FaultInjector(args.inject_fault, rank)
     accelerator.unwrap_model(model).memory = lambda samples: faults.maybe_oom(guard.global_step, samples)

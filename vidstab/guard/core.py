@@ -190,6 +190,8 @@ class Guard:
         cover; ``batch``: what an incident bundle holds)."""
         if self.accelerator.sync_gradients:
             self.recorder.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
+        if error is None and self.patches.forward_oom is not None:  # attach: the model's forward ran out of memory
+            error = self.patches.forward_oom.take()
         oom = self._out_of_memory(error, "forward", inputs, bucket) if is_oom(error) else 0
         error = None if oom else error
         backward = self.deepspeed.backward if self.deepspeed is not None else self.original_backward

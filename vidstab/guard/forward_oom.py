@@ -4,8 +4,8 @@ The user's own code calls ``model(batch)`` and builds the loss from what it retu
 code, but it owns the model's ``forward`` (wrapped on the instance by ``attach``). When the forward runs out of
 memory with grad enabled, its memory is released and a stand-in output is returned: the model run again on one
 zero sample (with the same non-floating inputs), times zero, repeated to the batch's size, in the structure the
-forward returns. The loop's loss and ``accelerator.backward`` then run as always: the gradients are zero, the
-collectives of a DDP backward match the other ranks', and the guard records the micro-step as an OOM, so the
+forward returns. The loop's loss and ``accelerator.backward`` (or ``guard.backward``) then run as always: the gradients are zero,
+the collectives of a DDP backward match the other ranks', and the guard records the micro-step as an OOM, so the
 ``oom`` detector skips the step on every rank (no rollback) and after a few OOMs in one bucket names the
 micro-batch to use. A forward that runs out of memory on one sample re-raises (nothing smaller to run).
 
@@ -15,9 +15,10 @@ the ranks in different collectives, so this only holds where the OOM strikes bef
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree
@@ -34,11 +35,22 @@ class ForwardOOM:
     def __init__(self, guard: "Guard", forward: Callable[..., Any]) -> None:
         self.guard, self.forward = guard, forward
         self.pending: BaseException | None = None
+        self.active = True
+        """False inside :meth:`off`: an OOM reaches the caller (a preflight measuring whether a bucket fits)."""
         functools.update_wrapper(self, forward)  # inspect.signature(model.forward) still reads the model's
 
     def __deepcopy__(self, memo: dict) -> Any:
         """A copy of the model (an EMA, a validation copy) gets the model's own forward, not the guard."""
         return copy.deepcopy(self.forward, memo)
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Let an OOM in the forward reach the caller while inside (``vidstab audit``'s preflight, for one)."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
 
     def take(self) -> BaseException | None:
         """The OOM of a forward since the last backward (``None``: none), once."""
@@ -46,7 +58,7 @@ class ForwardOOM:
         return error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.guard.config.enabled and torch.is_grad_enabled()):
+        if not (self.active and self.guard.config.enabled and torch.is_grad_enabled()):
             return self.forward(*args, **kwargs)
         error = None
         try:

@@ -105,8 +105,7 @@ class UserLoopPatches:
         else:  # per-sample scalars (timesteps, sigmas: [B] up to 1000) are not data: they would hide the latents' scale
             data = [t for t in named.values() if t.dim() >= 2]
         last = g.accelerator.sync_gradients
-        error = self.forward_oom.take() if self.forward_oom is not None else None  # the forward ran out of memory
-        g.record_backward(loss, data, named, self.sample_ids, error=error, backward_kwargs=kwargs)
+        g.record_backward(loss, data, named, self.sample_ids, backward_kwargs=kwargs)
         ds = g.deepspeed
         if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
             self.judged_step(ds.pre_step_norm(), ds.max_grad_norm)

@@ -81,16 +81,23 @@ class StepMarks:
 
     def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
-        state = self.optimizer.state
-        self.keys = set(state)
-        self.tensors = list(params) + [t for s in state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        self.keys = set(self.optimizer.state)
+        self.values = self._values()
+        self.tensors = list(params) + [v for v in self.values if isinstance(v, torch.Tensor)]
         self.total = sum(map(_VERSION, self.tensors))
         self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
 
+    def _values(self) -> list[Any]:
+        """The state's values of the parameters that had state before the step, in order."""
+        state = self.optimizer.state
+        return [v for k in self.keys for v in state[k].values()]
+
     def judge(self) -> bool:
-        """Whether the failed step modified a weight or existing optimizer state (versions only grow); when it did
-        not, the state entries it created are removed."""
-        touched = self.opaque or sum(map(_VERSION, self.tensors)) != self.total
+        """Whether the failed step modified a weight or existing optimizer state: a tensor changed in place
+        (versions only grow) or a state value replaced (``state["step"] += 1`` on a number). When it did not, the
+        state entries it created are removed."""
+        touched = (self.opaque or sum(map(_VERSION, self.tensors)) != self.total
+                   or list(map(id, self._values())) != list(map(id, self.values)))
         if not touched:
             state = self.optimizer.state
             for key in [k for k in state if k not in self.keys]:

@@ -2,7 +2,11 @@
 
 An OOM in the forward or the backward leaves the weights untouched: the step is skipped on every rank together
 (the ``oom`` detector; no rollback, no LR change), its gradients are dropped, the references it held are freed
-and the allocator's cache is emptied, so the next step starts from the memory a healthy step starts from.
+and the allocator's cache is emptied, so the next step starts from the memory a healthy step starts from. In the
+unmodified attached loop the model's forward is wrapped so that an OOM there becomes such a step
+(:mod:`vidstab.guard.forward_oom`). Inside ``optimizer.step()`` the judge is whether the update was applied
+(:class:`StepMarks`): untouched on every rank, a skip; touched, or applied on some ranks only, a rollback at the
+next step on every rank (the ``oom`` detector).
 """
 
 from __future__ import annotations

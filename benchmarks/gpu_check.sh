@@ -12,6 +12,8 @@
 #   model          benchmarks/bench_model.py --device cuda: step time vs Wan, achieved TFLOP/s and MFU
 #   fp16_overflow  a real fp16 GradScaler overflow (initial scale 2^30), end to end through the guard
 #   async_stall    the async checkpoint's stall of the training loop with pinned host buffers vs a sync save
+#   cuda_oom       a real CUDA OOM (set_per_process_memory_fraction) in an attached loop's forward: the step
+#                  skipped, the memory released, the next step applied (a dry run: "skipped", no CUDA)
 # A dry run measures nothing about a GPU: its JSON says "dry_run": true and every piece "cuda": false.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +42,7 @@ if [[ $DRY_RUN == 1 ]]; then
   piece model 240 python benchmarks/bench_model.py --quick --no_factorized &
   piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run &
   piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run &
+  piece cuda_oom 240 python benchmarks/gpu_check_pieces.py cuda_oom --dry-run &
   wait
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
@@ -47,6 +50,7 @@ else
   piece model 180 python benchmarks/bench_model.py --device cuda
   piece fp16_overflow 60 python benchmarks/gpu_check_pieces.py fp16_overflow
   piece async_stall 60 python benchmarks/gpu_check_pieces.py async_stall
+  piece cuda_oom 60 python benchmarks/gpu_check_pieces.py cuda_oom
 fi
 
 python - "$LOGS" "$DRY_RUN" "$(( $(date +%s) - STARTED ))" <<'PY'
@@ -55,7 +59,7 @@ from pathlib import Path
 
 logs, dry_run, seconds = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
 pieces = {}
-for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall"):
+for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom"):
     lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
     rc = int((logs / f"{name}.rc").read_text())
     result = None

@@ -4,6 +4,7 @@
     python benchmarks/gpu_check_pieces.py sync_debug     [--dry-run]  # the trainer's guarded step: host syncs per step
     python benchmarks/gpu_check_pieces.py fp16_overflow  [--dry-run]  # a real GradScaler overflow, end to end
     python benchmarks/gpu_check_pieces.py async_stall    [--dry-run]  # async checkpoint: loop stall, pinned buffers
+    python benchmarks/gpu_check_pieces.py cuda_oom       [--dry-run]  # a real CUDA OOM in the attached loop's forward
 
 ``--dry-run`` runs the same code tiny on the CPU (so the kit does not rot where no GPU is): there is no
 CUDA sync debug mode and no GradScaler there, and the JSON says so (``"cuda": false``) instead of
@@ -221,7 +222,64 @@ def async_stall(dry_run: bool) -> dict:
     return out
 
 
-PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall": async_stall}
+def cuda_oom(dry_run: bool) -> dict:
+    """A real CUDA out-of-memory in the forward of an unmodified attached loop: the per-process memory fraction
+    set to what is allocated plus 512 MiB, then a batch whose first layer's output alone is 1 GiB. The step must be
+    skipped (an ``oom`` event, no rollback), the memory allocated after it back where it was before the batch, and
+    the next (small) step applied. A CPU cannot run out of device memory: without CUDA the piece says so and
+    measures nothing."""
+    if dry_run or not torch.cuda.is_available():
+        return {"piece": "cuda_oom", "cuda": False, "ok": True,
+                "skipped": "no CUDA device: a real device OOM (torch.cuda.set_per_process_memory_fraction) cannot be "
+                           "provoked on a CPU; nothing measured"}
+    from accelerate import Accelerator
+
+    import vidstab
+
+    out = tempfile.mkdtemp(prefix="vidstab-cuda-oom-")
+    acc = Accelerator()
+    torch.manual_seed(0)
+    width = 1024
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    guard = vidstab.attach(acc, model, opt, run_dir=out)
+
+    def step(x: torch.Tensor) -> bool:
+        loss = model(x).float().square().mean()  # the user's loop, unchanged
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return bool(guard.last_result.applied)
+
+    MiB = 2**20
+    first = step(torch.randn(64, width, device=acc.device))  # the optimizer's state exists from here on
+    big = torch.randn(262144, width, device=acc.device)  # 1 GiB of input; each layer's output as much again
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(acc.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + 512 * MiB) / total))
+    try:
+        big_applied = step(big)
+        after = torch.cuda.memory_allocated()
+        reserved_after = torch.cuda.memory_reserved()
+        del big
+        next_applied = step(torch.randn(64, width, device=acc.device))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    guard.close()
+    ooms = [{k: e.get(k) for k in ("step", "phase", "micro_batch")} for e in vidstab.read_events(out, "oom")]
+    rollbacks = vidstab.read_events(out, ("rollback_request", "rollback"))
+    released = after <= before + 8 * MiB  # the stand-in's one-sample graph aside, the failed forward's memory is gone
+    ok = first and not big_applied and next_applied and released and [o["phase"] for o in ooms] == ["forward"] \
+        and not rollbacks
+    return {"piece": "cuda_oom", "cuda": True, "ok": bool(ok), "oom_events": ooms, "big_step_applied": big_applied,
+            "next_step_applied": next_applied, "allocated_before_mib": round(before / MiB, 1),
+            "allocated_after_skip_mib": round(after / MiB, 1), "reserved_after_skip_mib": round(reserved_after / MiB, 1),
+            "released": released, "rollbacks": len(rollbacks)}
+
+
+PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall": async_stall, "cuda_oom": cuda_oom}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,7 @@ from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
 import oom_retry  # recipes/oom_retry.py: a step that ran out of memory, again in smaller pieces
+import preflight  # recipes/preflight.py: --audit's memory per bucket
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
@@ -272,6 +273,7 @@ class Run:
         )
         self.guard.set_replay_fn(lambda b: self.objective.per_sample_loss(unwrapped, b["latents"], b["noise"], b["timesteps"]))
         self.checkpoints.after_files_written = self.faults.maybe_kill_in_save  # the kill_in_save drill
+        self.faults.arm_optimizer_step(self.optimizer, lambda: self.guard.global_step)  # the oom_in_step drill
         self.checkpoints.register("model", self.model)
         self.checkpoints.register("optimizer", self.optimizer)
         self.checkpoints.register("lr_scheduler", self.lr_scheduler)
@@ -490,6 +492,7 @@ def train(run: Run) -> int:
 
         sample = next(iter(run.dataloader))
         report = audit_before_training(acc.unwrap_model(run.model), sample["latents"], sample["sample_ids"], vars(args), None)
+        report.extend(preflight.bucket_memory(run, sample))  # the bucket's peak memory and headroom
         acc.print(report.format_table())
         if report.blocking:
             acc.print("audit found blocking problems; not training (see the table above)")

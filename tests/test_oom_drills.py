@@ -54,11 +54,15 @@ def _weights(out):
 
 def test_the_update_in_pieces_is_the_whole_batchs(tmp_path):
     """One process, 2 micro-batches of 4 per step, a budget of 1 sample from step 1 on: pieces of 2 fail, pieces of 1
-    fit, later steps start there; the run ends on the weights of the run without an OOM, up to rounding."""
+    fit, later steps start there; the run ends on the weights of the run without an OOM, up to rounding. The
+    budget run starts with ``--audit`` (its memory preflight takes one step and must leave nothing behind)."""
     flags = ("--max_train_steps", "4", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "4")
     plain, budget = tmp_path / "plain", tmp_path / "budget"
-    runs = run_trainers((plain, *flags), (budget, *flags, "--inject_fault", "oom_batch_above@1=1"), timeout=400)
+    runs = run_trainers((plain, *flags), (budget, *flags, "--inject_fault", "oom_batch_above@1=1", "--audit"),
+                        timeout=400)
     assert all(r.returncode == 0 for r in runs)
+    # --audit's preflight of the run's one bucket (before the budget: it fits), a step that leaves no trace
+    assert "memory.bucket           bucket 4x4x3x4x4 at a micro-batch of 4: peak " in runs[1].stdout
     assert [(e["step"], e["micro_batch"], e["applied"]) for e in vidstab.read_events(budget, "oom_retry")] == [
         (1, 1, True)]
     # 2 micro-batches of 4, then 4 pieces of 2: all too many; the pieces of 1 fit, and steps 2 and 3 start there

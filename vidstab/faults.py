@@ -41,6 +41,9 @@ Out-of-memory drills (:mod:`vidstab.oom`; the trainer's forward calls :meth:`Fau
 ``oom``              a ``torch.OutOfMemoryError`` is raised in that rank's forward, once
 ``oom_batch_above``  ``=N``: from that step on, every forward of more than N samples raises one, on that rank
                      (every rank without ``:RANK``): a device with a fixed memory budget
+``oom_in_step``      one is raised inside ``optimizer.step()`` (:meth:`FaultInjector.arm_optimizer_step`), once:
+                     ``=before`` (default) before any weight or state is touched, ``=partway`` after the first
+                     half of each parameter group's weights were updated
 ===================  =====================================================================================
 
 Without ``:RANK`` a fault fires on every rank. Each fault fires once per process: a real transient fault
@@ -59,7 +62,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -69,7 +72,7 @@ FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike
                "flaky_activation", "hang", "kill", "kill_in_save", "slow")
 # A fault on the scheduler itself, kept apart from the kinds above (vidstab/faults.py's LR block).
 FAULT_KINDS += ("lr_base",)
-FAULT_KINDS += ("oom", "oom_batch_above")  # the out-of-memory drills
+FAULT_KINDS += ("oom", "oom_batch_above", "oom_in_step")  # the out-of-memory drills
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -118,6 +121,8 @@ class Fault:
                              f"e.g. oom_batch_above@5=2")
         if kind == "oom" and arg is not None:
             raise ValueError(f"--inject_fault {spec!r}: oom takes no =ARG; write oom@STEP[:RANK]")
+        if kind == "oom_in_step" and arg not in (None, "before", "partway"):
+            raise ValueError(f"--inject_fault {spec!r}: oom_in_step takes =before or =partway, got {arg!r}")
         if kind == "inf_module" and not arg:
             raise ValueError(f"--inject_fault {spec!r}: inf_module needs a module name, e.g. inf_module@5=blocks.0.attn")
         return cls(kind=kind, step=int(match["step"]), rank=None if match["rank"] is None else int(match["rank"]), arg=arg)
@@ -183,6 +188,33 @@ class FaultInjector:
                     and samples > int(fault.arg)):  # a memory budget, like a slow device, stays
                 raise torch.OutOfMemoryError(f"injected fault: out of memory: a forward of {samples} samples, over "
                                              f"the budget of {fault.arg} (step {step}, rank {self.rank})")
+
+    def arm_optimizer_step(self, optimizer: object, step_of: Callable[[], int]) -> object | None:
+        """The ``oom_in_step`` drill: a step pre-hook on ``optimizer`` (torch's, inside Accelerate's wrapper) that
+        raises an OOM when due at ``step_of()``; ``=partway`` first updates the first half of each parameter group
+        (a real partial step). Returns the hook's handle, or None when no such fault is planned."""
+        if not any(f.kind == "oom_in_step" for f in self.faults):
+            return None
+        inner = getattr(optimizer, "optimizer", optimizer)
+
+        def raise_in_step(opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+            step = step_of()
+            fault = self._take("oom_in_step", step)
+            if fault is None:
+                return
+            if fault.arg == "partway":  # the step's first half, for real (the fault has fired: no recursion)
+                groups = [g["params"] for g in opt.param_groups]
+                try:
+                    for g in opt.param_groups:
+                        g["params"] = g["params"][:max(1, len(g["params"]) // 2)]
+                    opt.step()
+                finally:
+                    for g, params in zip(opt.param_groups, groups):
+                        g["params"] = params
+            raise torch.OutOfMemoryError(f"injected fault: out of memory inside optimizer.step() "
+                                         f"({fault.arg or 'before'}; step {step}, rank {self.rank})")
+
+        return inner.register_step_pre_hook(raise_in_step)
 
     def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
         """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.

@@ -2,7 +2,11 @@
 
 An OOM in the forward or the backward leaves the weights untouched: the step is skipped on every rank together
 (the ``oom`` detector; no rollback, no LR change), its gradients are dropped, the references it held are freed
-and the allocator's cache is emptied, so the next step starts from the memory a healthy step starts from.
+and the allocator's cache is emptied, so the next step starts from the memory a healthy step starts from. In the
+unmodified attached loop the model's forward is wrapped so that an OOM there becomes such a step
+(:mod:`vidstab.guard.forward_oom`). Inside ``optimizer.step()`` the judge is whether the update was applied
+(:class:`StepMarks`): untouched on every rank, a skip; touched, or applied on some ranks only, a rollback at the
+next step on every rank (the ``oom`` detector).
 """
 
 from __future__ import annotations
@@ -64,3 +68,47 @@ def resident_mib() -> float | None:
             return round(int(f.read().split()[1]) * _PAGE / 2**20, 1)
     except (OSError, ValueError, IndexError):
         return None
+
+
+# ---------------------------------------------------------------- an OOM inside optimizer.step()
+_VERSION = torch.Tensor._version.__get__  # a tensor's in-place modification counter (bumped under no_grad too)
+
+
+class StepMarks:
+    """What an ``optimizer.step()`` that raised has touched, from the tensors' in-place version counters.
+
+    Taken before the step (one counter read per weight and state tensor, no device work); after an exception,
+    :meth:`judge` says whether any weight or any state tensor that existed was modified, and drops the state the
+    step created lazily (the first step's moments), so an untouched optimizer is exactly as it was. Fused kernels
+    (``fused=True``) do not bump the counters: a failed fused step counts as touched (the safe side: a rollback).
+    """
+
+    def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
+        self.keys = set(self.optimizer.state)
+        self.values = self._values()
+        self.tensors = list(params) + [v for v in self.values if isinstance(v, torch.Tensor)]
+        self.total = sum(map(_VERSION, self.tensors))
+        self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
+
+    def _values(self) -> list[Any]:
+        """The state's values of the parameters that had state before the step, in order."""
+        state = self.optimizer.state
+        return [v for k in self.keys for v in state[k].values()]
+
+    def judge(self) -> bool:
+        """Whether the failed step modified a weight or existing optimizer state: a tensor changed in place
+        (versions only grow) or a state value replaced (``state["step"] += 1`` on a number). When it did not, the
+        state entries it created are removed."""
+        touched = (self.opaque or sum(map(_VERSION, self.tensors)) != self.total
+                   or list(map(id, self._values())) != list(map(id, self.values)))
+        if not touched:
+            state = self.optimizer.state
+            for key in [k for k in state if k not in self.keys]:
+                del state[key]
+        return touched
+
+
+class OptimizerStateDiverged(RuntimeError):
+    """The optimizer ran out of memory after updating part of the weights (or on some ranks only) and no rollback
+    checkpoint is kept: training on would silently continue from an inconsistent state."""

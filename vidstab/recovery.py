@@ -110,7 +110,7 @@ class RecoveryConfig:
 
 def rollback_cause(reason: Any, findings: Any = (), rerun: Any = None) -> str:
     """The cause of a rollback request: ``"transient"`` (the in-job rerun of the step did not reproduce it),
-    ``"exception"`` (the step raised), ``"data"`` (the step that escalated had non-finite *inputs*: bad
+    ``"exception"`` (the step raised, or ran out of memory inside the optimizer step), ``"data"`` (the step that escalated had non-finite *inputs*: bad
     samples, not a sick model) or ``"divergence"`` (anything else).
 
     ``reason`` is ``StepResult.rollback`` (``"detector: message"``) or a Finding; ``findings`` the step's
@@ -121,7 +121,7 @@ def rollback_cause(reason: Any, findings: Any = (), rerun: Any = None) -> str:
     if verdict == "transient":
         return "transient"
     detector = getattr(reason, "detector", None) or str(reason).split(":", 1)[0].strip()
-    if detector == "exception":
+    if detector in ("exception", "oom"):  # an optimizer step cut short by an OOM: the state, not the LR, is at fault
         return "exception"
     for f in findings or ():
         if getattr(f, "detector", None) == "nonfinite" and (getattr(f, "figures", None) or {}).get("input_nonfinite", 0) > 0:

@@ -17,7 +17,9 @@ Columns (float64: a hash, a rank id or a count is exact), first those summed ove
           bucket_sum[nb], bucket_count[nb]
     max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
           loss_scale, slowest (seconds and rank in one number), bucket, -bucket,
-          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown), oom (the largest micro-batch that ran out of memory, 0: none; vidstab.oom)
+          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown), oom (the largest micro-batch that ran out of memory, 0: none; vidstab.oom),
+          oom_in_step, neg_oom_in_step (the previous optimizer step ran out of memory on a rank: 1 before touching
+          its state, 2 after; the maximum and the negated minimum over ranks)
 
 ``loss_sum``/``loss_count`` are over the finite micro-step losses; the input columns over ranks whose inputs
 were finite (a non-finite value anywhere makes a rank's ``ranks_input_bad`` 1 and its input sums 0).
@@ -45,7 +47,8 @@ DEVICE_VALUES = ("loss_nonfinite", "input_nonfinite", "loss_sum", "loss_count", 
                  "param_sq", "update_sq", "loss_scale")
 """What :meth:`Window.pack` computes on the device, in its order (``input_nonfinite`` is not a column)."""
 HOST_VALUES = ("ranks_exception", "stop", "seconds", "ranks", "norm_known", "param_measured", "slowest", "bucket",
-               "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled", "oom")
+               "neg_bucket", "micro_steps", "batch_crc", "batch_crc_ranks", "lr", "lr_peak", "lr_scheduled", "oom",
+               "oom_in_step", "neg_oom_in_step")
 """What the host knows of the step, in :meth:`Window.pack`'s order."""
 _HOST_COUNT = len(HOST_VALUES)
 _SLOWEST_SCALE = 1e6  # seconds to microseconds in the ``slowest`` column
@@ -63,7 +66,7 @@ class Layout:
                  "batch_crc", "batch_crc_ranks")
     MAX_NAMES = ("grad_norm", "norm_nan", "norm_nonfinite", "norm_known", "in_absmax", "param_sq_max", "update_sq_max",
                  "param_measured", "loss_scale", "slowest", "bucket", "neg_bucket", "micro_steps",
-                 "lr", "lr_peak", "lr_scheduled", "oom")
+                 "lr", "lr_peak", "lr_scheduled", "oom", "oom_in_step", "neg_oom_in_step")
 
     @property
     def sum_width(self) -> int:
@@ -311,6 +314,7 @@ class Window:
         self.exceptions = 0
         self.exception_flags: list[bool] = []
         self.oom_batch = 0  # the largest micro-batch of the window that ran out of memory (0: none)
+        self.oom_in_step = 0  # the previous optimizer step ran out of memory here: 1 untouched, 2 touched (vidstab.oom)
         self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d each)
         # The input tensors themselves, for the cold path's exact non-finite count: references only (the
         # guard's incident capture holds the same batches until the step).
@@ -409,7 +413,8 @@ class Window:
                                   float(grad_norm is not None), float(param_sq is not None),
                                   slowest_key(seconds, rank), key, -key, float(m),
                                   float(batch_crc or 0), float(batch_crc is not None),
-                                  *(-1.0 if v is None else float(v) for v in lr), float(self.oom_batch)])
+                                  *(-1.0 if v is None else float(v) for v in lr), float(self.oom_batch),
+                                  float(self.oom_in_step), -float(self.oom_in_step)])
         buckets = self._buckets() if self.bucket_parts else self._no_buckets
         src = torch.cat([device, host, buckets])
         return src.index_select(0, self._pack_index)

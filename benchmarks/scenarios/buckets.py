@@ -335,3 +335,15 @@ def bucket_figures(records: list[RunRecord]) -> dict[str, dict]:
                     "clip_rate": sum(x > 1.0 for x in xs) / len(xs)}
     return out
 
+
+
+def audit_factory() -> dict:
+    """``vidstab audit --model benchmarks.scenarios.buckets:audit_factory --memory``: the workload's model and one
+    batch of each bucket (its micro-batch), as the model's keyword inputs."""
+    data = BucketData(BUCKETS, TUNING_SEEDS[0])
+    buckets = {}
+    for i, bucket in enumerate(BUCKETS):
+        batch = data.batch(i)
+        buckets[bucket.key] = {"hidden_states": batch["latents"], "timestep": batch["t"] * 1000,
+                               "encoder_hidden_states": batch["text"], "return_dict": False}
+    return {"model": build_model(TUNING_SEEDS[0]), "example_inputs": buckets[BUCKETS[-1].key], "buckets": buckets}

@@ -165,6 +165,12 @@ class StepStats:
     """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.oom`)."""
     oom_micro_batch: int | None = None
     """The largest micro-batch (samples) that ran out of memory on any rank (``None``: no OOM)."""
+    optimizer_oom: str | None = None
+    """The previous optimizer step ran out of memory inside ``optimizer.step()`` on some rank: ``"skipped"`` (on
+    every rank, before any weight or state was touched: skipped everywhere alike), ``"touched"`` (a rank had
+    updated part of it) or ``"partial"`` (some ranks applied it, some did not); ``None``: no such OOM."""
+    optimizer_oom_ranks: list[int] = field(default_factory=list)
+    """The ranks whose previous optimizer step ran out of memory (gathered like ``oom_ranks``)."""
     rank_loss: list[float] = field(default_factory=list)
     """Per-rank mean finite loss (``nan`` for a rank without one). Per-rank figures are gathered only on a step
     the summary shows something on (a non-finite value, an exception, a finding); empty on the others."""

@@ -1,11 +1,16 @@
 """A rank ran out of memory in a micro-step's forward or backward -> SKIP on every rank (no rollback: the weights
-were not touched). After ``advise_after`` OOMs in one shape bucket the finding says which micro-batch to use."""
+were not touched). After ``advise_after`` OOMs in one shape bucket the finding says which micro-batch to use.
+
+Inside ``optimizer.step()`` the judge is whether the update was applied (:class:`vidstab.oom.StepMarks`): a rank
+that failed before touching its weights and optimizer state skipped the step; when every rank did, the step was
+skipped everywhere alike and nothing more is needed. When a rank had updated part of its state, or some ranks
+applied the update and others did not, the ranks no longer agree: ROLLBACK at the next step, on every rank."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Detector, DetectorConfig, Finding, StepStats, check
+from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
 
 
 @dataclass
@@ -27,7 +32,7 @@ class OOMDetector(Detector):
     to fit there (both in its state: a resume keeps them)."""
 
     name = "oom"
-    needs = "oom_ranks"
+    needs = None  # forward/backward OOMs (oom_ranks) and the previous step's optimizer OOM (optimizer_oom)
 
     def __init__(self, config: OOMConfig) -> None:
         super().__init__(config)
@@ -40,6 +45,8 @@ class OOMDetector(Detector):
         self.fits[str(bucket)] = int(size)
 
     def observe(self, s: StepStats) -> Finding | None:
+        if s.optimizer_oom in ("touched", "partial"):
+            return self.diverged(s)
         if not s.oom_ranks:
             return None
         count = self.per_bucket.get(s.bucket, 0) + 1
@@ -48,10 +55,21 @@ class OOMDetector(Detector):
                    + (f" at a micro-batch of {size}" if size > 1 else "")
                    + ": step skipped on every rank, its memory released, the weights untouched")
         if count >= self.config.advise_after:
-            smaller = (f"a micro-batch of at most {max(size // 2, 1)} samples for it (gradient accumulation keeps "
-                       f"the batch)" if size > 1 else "a smaller resolution or frame count for it")
+            smaller = (f"a micro-batch of at most {max(size // 2, 1)} samples for it (the data loader's batch size "
+                       f"for that bucket; raise gradient accumulation to keep the batch)" if size > 1
+                       else "a smaller resolution or frame count for it")
             message += f"; {count} OOMs in bucket {s.bucket}: use {smaller}"
         return self.finding(message, {"ooms_in_bucket": float(count), "micro_batch": float(size)}, s.oom_ranks)
+
+    def diverged(self, s: StepStats) -> Finding:
+        """The previous optimizer step ran out of memory and left the ranks' weights or optimizer state unlike a
+        whole step's: roll back (``warn`` keeps its verdict: the user chose to be told only)."""
+        how = ("after updating part of the weights or optimizer state" if s.optimizer_oom == "touched" else
+               "on some ranks only, while the others applied the update")
+        message = (f"out of memory inside optimizer.step() of step {s.step - 1} on rank(s) {s.optimizer_oom_ranks}, "
+                   f"{how}: the model and optimizer state are no longer one consistent step")
+        verdict = self.verdict if self.verdict <= Verdict.WARN else Verdict.ROLLBACK
+        return Finding(self.name, verdict, message, {"optimizer_oom": 1.0}, s.optimizer_oom_ranks)
 
     def update(self, s: StepStats) -> None:
         if s.oom_ranks:
@@ -61,5 +79,7 @@ class OOMDetector(Detector):
         return {"per_bucket": dict(self.per_bucket), "fits": dict(self.fits)}
 
     def load_state_dict(self, d: dict) -> None:
-        self.per_bucket = {str(k): int(v) for k, v in d.get("per_bucket", {}).items()}
-        self.fits = {str(k): int(v) for k, v in d.get("fits", {}).items()}
+        # What a run learned about its memory outlives a rollback to an older checkpoint (a new process has none).
+        per_bucket = {str(k): int(v) for k, v in d.get("per_bucket", {}).items()}
+        self.per_bucket = {k: max(v, self.per_bucket.get(k, 0)) for k, v in (per_bucket | self.per_bucket).items()}
+        self.fits = {str(k): int(v) for k, v in d.get("fits", {}).items()} | self.fits

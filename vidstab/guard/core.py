@@ -34,7 +34,7 @@ import torch
 from .. import deepspeed_support, signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
-from ..detectors import Detector, StepStats, Verdict
+from ..detectors import Detector, Finding, StepStats, Verdict
 from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
@@ -115,6 +115,7 @@ class Guard:
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
+        self._oom_in_step = 0  # this step's optimizer ran out of memory: 1 untouched, 2 touched (vidstab.oom)
         self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
         self.last_result: StepResult | None = None
         """The result of the last optimizer step (the unmodified loop's way to read it)."""
@@ -192,6 +193,8 @@ class Guard:
         cover; ``batch``: what an incident bundle holds)."""
         if self.accelerator.sync_gradients:
             self.recorder.clock.mark()  # DDP all-reduces inside this backward: the rank's own time ends here
+        if error is None and self.patches.forward_oom is not None:  # attach: the model's forward ran out of memory
+            error = self.patches.forward_oom.take()
         oom = self._out_of_memory(error, "forward", inputs, bucket) if is_oom(error) else 0
         error = None if oom else error
         backward = self.deepspeed.backward if self.deepspeed is not None else self.original_backward
@@ -218,6 +221,22 @@ class Guard:
         self.events.log("oom", self.step_count, phase=phase, micro_batch=size, error=str(exc)[:500],
                         bucket=str(bucket) if bucket is not None else signals.shape_bucket(data))
         return size
+
+    def _optimizer_oom(self, stats: StepStats) -> bool:
+        """``optimizer.step()`` ran out of memory on this rank: the step is skipped here (its memory released), an
+        ``oom`` event; every rank judges it at the next step (the ``oom`` detector: a rollback unless every rank
+        failed before touching anything). Returns True (skipped)."""
+        exc, touched = self.control.step_oom
+        self.control.step_oom = None
+        self._oom_in_step = 2 if touched else 1
+        self.lr.restore_schedule()
+        self.events.log("oom", stats.step, phase="optimizer", touched=touched, error=str(exc)[:500], bucket=stats.bucket)
+        how = "after touching part of the weights or optimizer state" if touched else "before touching any weight"
+        stats.findings.append(Finding("oom", Verdict.SKIP, f"out of memory inside optimizer.step() on rank {self.rank}, "
+                                      f"{how}: the step is skipped here; every rank judges it at the next step",
+                                      {"touched": float(touched)}, [self.rank]))
+        stats.verdict = max(stats.verdict, Verdict.SKIP)
+        return True
 
     def data_wait(self, seconds: float) -> None:
         """Seconds this rank waited for data in the current step (summed over its micro-steps): the step's
@@ -264,6 +283,7 @@ class Guard:
             self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.lr)
         else:
             stats.applied = self.control.apply(measure, step_scheduler)
+            skipped = self.control.step_oom is not None and self._optimizer_oom(stats)
         # 4. After the step: counters and detector statistics (they absorb applied steps only), then evidence.
         self._count(stats, skipped)
         absorb(self.detectors, stats)
@@ -275,6 +295,7 @@ class Guard:
             result.rerun = self.rerun.check(stats, result.incidents, self.recorder.micro_batches,
                                             self.reporter.replay_fn, dict)
         self.recorder.reset()
+        self.recorder.window.oom_in_step, self._oom_in_step = self._oom_in_step, 0  # judged by every rank next step
         self.step_count += 1
         self.last_result = result
         return result

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..oom import StepMarks, is_oom, release
 from .param_probe import ParamProbe
 
 
@@ -31,6 +32,10 @@ class OptimizerControl:
         self.probe = ParamProbe(engine_step.master_partitions() if engine_step is not None
                                 else [p for p in params if p.requires_grad])
         self.param_norm_every = param_norm_every
+        self.trainable = [p for p in params if p.requires_grad]
+        self.step_oom: tuple[BaseException, bool] | None = None
+        """The last ``apply`` ran out of memory inside the optimizer step: the error and whether the step had
+        touched a weight or the optimizer's state (:class:`vidstab.oom.StepMarks`); the guard takes it."""
         self.scheduler_held = False
         """A step was skipped: the user's next ``lr_scheduler.step()`` does nothing."""
         self.param_sums: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
@@ -61,7 +66,17 @@ class OptimizerControl:
         self.scheduler_held = False
         before = self.probe.snapshot() if measure else None
         _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
-        self.optimizer_step()
+        # DeepSpeed's step gathers partitions across ranks: an OOM there leaves the peers waiting, nothing to judge.
+        marks = StepMarks(opt, self.trainable) if self.engine_step is None else None
+        try:
+            self.optimizer_step()
+        except Exception as exc:
+            if marks is None or not is_oom(exc):
+                raise
+            self.step_oom = (exc, marks.judge())
+            release(exc, self.accelerator.device)
+            self.skip(measure)  # the gradients dropped, the schedule held: the rank did not take the step
+            return False
         applied = not bool(getattr(opt, "step_was_skipped", False))
         if step_scheduler:
             if applied and self.scheduler_step is not None:

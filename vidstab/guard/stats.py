@@ -17,7 +17,7 @@ def anomalous(summary: Sequence[float], layout: S.Layout) -> bool:
     norm: every rank's vector is then gathered to name them (the same answer on every rank)."""
     L = layout
     return bool(summary[L.ranks_loss_bad] or summary[L.ranks_input_bad] or summary[L.ranks_exception]
-                or summary[L.norm_nonfinite] or _oom(summary, L))
+                or summary[L.norm_nonfinite] or _oom(summary, L) or _oom_in_step(summary, L) is not None)
 
 
 def build_stats(
@@ -80,12 +80,14 @@ def build_stats(
         s.exception_ranks = [r for r, v in enumerate(rows) if v[L.ranks_exception] > 0]
         s.oom_ranks = [r for r, v in enumerate(rows) if _oom(v, L)]
         s.oom_micro_batch = int(x[L.oom]) if s.oom_ranks else None
+        s.optimizer_oom_ranks = [r for r, v in enumerate(rows) if len(v) > L.oom_in_step and v[L.oom_in_step] > 0]
         s.first_bad_rank = min(s.nonfinite_loss_ranks + s.nonfinite_input_ranks + s.exception_ranks + s.oom_ranks,
                                default=None)
         s.rank_loss = [v[L.loss_sum] / v[L.loss_count] if v[L.loss_count] > 0 else math.nan for v in rows]
         s.rank_input_absmax = [math.nan if v[L.ranks_input_bad] > 0 else v[L.in_absmax] if v[L.in_numel] > 0 else 0.0
                                for v in rows]
         s.rank_seconds = [v[L.seconds] if S.decode_slowest(v[L.slowest]) else -1.0 for v in rows]
+    s.optimizer_oom = _oom_in_step(x, L)
     s.overflow = bool(has_scaler and norm_known and not math.isfinite(grad_norm)
                       and not (x[L.ranks_loss_bad] or x[L.ranks_input_bad] or x[L.ranks_exception] or _oom(x, L)))
     return s
@@ -94,6 +96,16 @@ def build_stats(
 def _oom(x: Sequence[float], layout: S.Layout) -> bool:
     """The out-of-memory column (a vector recorded before it existed is one shorter: none)."""
     return len(x) > layout.oom and x[layout.oom] > 0
+
+
+def _oom_in_step(x: Sequence[float], layout: S.Layout) -> str | None:
+    """:attr:`StepStats.optimizer_oom` from the maximum and the negated minimum of the ranks' codes (1: the
+    optimizer step ran out of memory untouched, 2: touched; a vector recorded before the columns existed: none)."""
+    if len(x) <= layout.neg_oom_in_step or x[layout.oom_in_step] <= 0:
+        return None
+    if x[layout.oom_in_step] >= 2:
+        return "touched"
+    return "skipped" if -x[layout.neg_oom_in_step] >= 1 else "partial"
 
 
 def _known(v: float) -> float | None:

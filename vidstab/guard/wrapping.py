@@ -1,6 +1,7 @@
 """The unmodified loop: patches on the user's own instances (what ``vidstab.attach`` does).
 
-``accelerator.backward(loss)`` records the micro-step with the model's inputs (seen by a forward pre-hook);
+``accelerator.backward(loss)`` records the micro-step with the model's inputs (seen by a forward pre-hook); an
+out-of-memory in the model's forward becomes a skipped step (:mod:`vidstab.guard.forward_oom`);
 ``accelerator.clip_grad_norm_`` hands over the global pre-clip norm; ``optimizer.step()`` runs the guarded step
 on the last micro-step; ``lr_scheduler.step()`` is held right after a skipped step. The instances are wrapped,
 not the classes; :meth:`UserLoopPatches.remove` undoes it all.
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import signals
+from ..oom import OptimizerStateDiverged
+from .forward_oom import ForwardOOM
 
 if TYPE_CHECKING:
     from .core import Guard
@@ -32,6 +35,7 @@ class UserLoopPatches:
         self.model_inputs: tuple[tuple, dict] | None = None  # (args, kwargs) of the latest forward with grad
         self.user_norm: tuple[torch.Tensor | None, float] | None = None  # from the user's clip_grad_norm_
         self.sample_ids: list[str] | None = None  # the current batch's, from guard.track_samples(loader)
+        self.forward_oom: ForwardOOM | None = None  # the model's forward, an OOM in it a skipped step (install)
         forward = getattr(guard.accelerator.unwrap_model(guard.model), "forward", None)
         try:
             self.forward_names = [n for n, p in inspect.signature(forward).parameters.items()
@@ -47,6 +51,9 @@ class UserLoopPatches:
         if g.lr_scheduler is not None:
             self._patch(g.lr_scheduler, "step", self.scheduler_step)
         self.handles.append(g.model.register_forward_pre_hook(self.see_model_inputs, with_kwargs=True))
+        inner = g.accelerator.unwrap_model(g.model)  # inside DDP's forward: its collectives already ran as usual
+        self.forward_oom = ForwardOOM(g, inner.forward)
+        self._patch(inner, "forward", self.forward_oom)
         setattr(g.optimizer, ATTACHED_ATTR, g)
 
     def remove(self) -> None:
@@ -131,6 +138,12 @@ class UserLoopPatches:
         path of every engine (DeepSpeed's comes from ``backward``, the others' from ``optimizer.step()``)."""
         g = self.guard
         result = g.guarded_step(norm, max_norm, step_scheduler=False)
+        if result.rollback is not None and g.auto_rollback is None:
+            diverged = next((f for f in result.findings if f.figures.get("optimizer_oom")), None)
+            if diverged is not None:  # skipping is no answer: the ranks' states are no longer one step
+                raise OptimizerStateDiverged(
+                    f"vidstab: step {result.step}: {diverged.message}, but this guard keeps no rollback checkpoints: "
+                    f"stopping here. Resume from your last checkpoint; attach(..., rollback_every=N) rolls back in place")
         if g.console is not None:
             g.console.after_step(result)
         if g.auto_rollback is not None:

@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--precision", choices=("no", "bf16", "fp16"), help="mixed precision (default: from --config)")
     audit.add_argument("--absmax-threshold", type=float, default=None,
                        help="|value| above which a data sample blocks (default 20, for normalised latents)")
+    audit.add_argument("--memory", action="store_true",
+                       help="with --model: one forward, backward and AdamW step per shape bucket at its largest "
+                            "micro-batch (the factory's 'buckets': {name: example inputs}; else its example inputs), "
+                            "and its peak memory and headroom (GPU: the allocator's peak; CPU: the profiler's count)")
+    audit.add_argument("--inject_fault", action="append", metavar="KIND@STEP=N",
+                       help="a drill for --memory: oom_batch_above@0=N, a device that fits at most N samples")
     audit.add_argument("--json", metavar="OUT", help="also write the findings as JSON")
 
     report = sub.add_parser("report", help="write the HTML dashboard of a run", description="Write RUN_DIR/report.html.")
@@ -117,10 +123,12 @@ def _audit(args: argparse.Namespace) -> int:
 
     # --model and --loss are named by the user on this command line: that is what trusts them. The
     # current folder is not added to sys.path; the modules must be importable (installed or on PYTHONPATH).
-    model, example_inputs = None, None
+    model, example_inputs, buckets = None, None, None
     if args.model:
         factory = resolve(args.model, "--model", trust=[args.model])
-        model, example_inputs = _model_from_factory(factory())
+        made = factory()
+        model, example_inputs = _model_from_factory(made)
+        buckets = made.get("buckets") if isinstance(made, dict) else None
     loss_fn = resolve(args.loss, "--loss", trust=[args.loss]) if args.loss else None
     report = run_audit(
         latents=args.latents, data_dir=args.data_dir, video_reader=_video_reader() if args.data_dir else None,
@@ -129,6 +137,8 @@ def _audit(args: argparse.Namespace) -> int:
         resolution=args.resolution,
         absmax_threshold=args.absmax_threshold if args.absmax_threshold is not None else DEFAULT_ABSMAX_THRESHOLD,
     )
+    if args.memory:
+        report.extend(_bucket_memory(args, model, buckets or ({"example": example_inputs} if example_inputs else None)))
     print(report.format_table())
     if args.json:
         report.to_json(args.json)
@@ -138,6 +148,18 @@ def _audit(args: argparse.Namespace) -> int:
             print(f"vidstab audit: error: {f['message']}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_BLOCKED if report.blocking else EXIT_OK
+
+
+def _bucket_memory(args: argparse.Namespace, model: Any, buckets: Any) -> list[dict]:
+    """``--memory``: the per-bucket preflight (:mod:`vidstab.tools.audit.memory`)."""
+    if model is None or not buckets:
+        raise ValueError("--memory needs --model MODULE:FACTORY returning the model with its example inputs, or a "
+                         "dict {'model': ..., 'buckets': {name: example inputs at the bucket's largest micro-batch}}")
+    from vidstab.faults import FaultInjector
+    from vidstab.tools.audit.memory import audit_model_memory
+
+    faults = FaultInjector(args.inject_fault, rank=0)
+    return audit_model_memory(model, buckets, before_forward=lambda samples: faults.maybe_oom(0, samples))
 
 
 def _video_reader():

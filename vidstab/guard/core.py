@@ -235,7 +235,7 @@ class Guard:
         stats.findings.append(Finding("oom", Verdict.SKIP, f"out of memory inside optimizer.step() on rank {self.rank}, "
                                       f"{how}: the step is skipped here; every rank judges it at the next step",
                                       {"touched": float(touched)}, [self.rank]))
-        stats.verdict = max(stats.verdict, Verdict.SKIP)
+        # stats.verdict stays the one every rank took: the collectives of a judged skip (bundles, rerun) must not run
         return True
 
     def data_wait(self, seconds: float) -> None:
@@ -276,7 +276,7 @@ class Guard:
             rows = signals.gather_rows(local, self.world_size)
             stats = judge(self.detectors, self._stats(step, summary, rows, max_grad_norm, scale is not None))
         # 3. Apply or skip: nothing else runs between the read and the optimizer step.
-        skipped = stats.verdict >= Verdict.SKIP
+        skipped = judged_skip = stats.verdict >= Verdict.SKIP
         measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
             self.control.skip(measure)
@@ -291,7 +291,7 @@ class Guard:
             stats, mine, self.layout, clip_rate=self._clip_flags.rate(), skipped_total=self.skipped_total,
             overflow_total=self.overflow_total, detectors=self.detectors, stop=stats_stop(summary, self.layout),
             skipped=skipped, micro_batches=self.recorder.micro_batches, window=self.recorder.window)
-        if skipped and self.config.rerun_suspect_steps:  # every rank together: data, numerics or a flaky device?
+        if judged_skip and self.config.rerun_suspect_steps:  # every rank together: data, numerics or a flaky device?
             result.rerun = self.rerun.check(stats, result.incidents, self.recorder.micro_batches,
                                             self.reporter.replay_fn, dict)
         self.recorder.reset()

@@ -18,7 +18,9 @@ class StepResult:
     applied: bool
     """The optimizer step changed the weights."""
     skipped: bool
-    """vidstab skipped the step (SKIP/ROLLBACK verdict). An fp16 overflow is ``applied=False, skipped=False``."""
+    """vidstab skipped the step (SKIP/ROLLBACK verdict, or this rank's optimizer ran out of memory: then the verdict
+    is still every rank's and the others judge it at the next step). An fp16 overflow is ``applied=False,
+    skipped=False``."""
     micro: bool
     """A non-sync micro-step: nothing was judged or applied."""
     verdict: Verdict = Verdict.OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ def test_a_steady_host_memory_climb_warns_once_with_the_slope_and_the_time_to_th
 
 
 class KilledAt(torch.utils.data.Dataset):
-    """Eight samples; loading ``index`` kills the worker that loads it with SIGKILL."""
+    """Eight samples; loading ``index`` kills the worker that loads it with SIGKILL. (PyTorch's SIGCHLD handler
+    raises in the main thread wherever it is: only an error raised in the loader's ``next()`` is recorded.)"""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -76,6 +78,7 @@ class KilledAt(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == self.index and torch.utils.data.get_worker_info() is not None:
+            time.sleep(1.0)  # the loop is back in the loader's next() when the signal's SIGCHLD reaches it
             os.kill(os.getpid(), signal.SIGKILL)
         return torch.full((4,), float(i))
 

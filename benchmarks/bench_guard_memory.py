@@ -25,7 +25,8 @@ replaced; kept here only as the baseline):
   as above.
 
     python benchmarks/bench_guard_memory.py           # CPU, a few minutes
-    python benchmarks/bench_guard_memory.py --quick   # smoke run (CI)
+    python benchmarks/bench_guard_memory.py --quick   # fewer cycles, smaller models
+    python benchmarks/bench_guard_memory.py --smoke   # seconds: every part runs, the figures mean nothing (CI)
 
 Last line: one JSON object (``extra_peak_over_param_bytes``: the larger of the two models';
 ``host_time_ratio_5000_vs_50``; the same for the full copy under ``baseline``).
@@ -244,7 +245,7 @@ def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
 
 
 def host_time_of(n: int, args, run_dir: str) -> dict:
-    elements = 50_000 if args.quick else 400_000
+    elements = 500 if args.smoke else 50_000 if args.quick else 400_000
     model = ManyTensors(n, elements)
     x = torch.randn(elements)
     v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, f"tensors{n}"), args.device)
@@ -262,12 +263,14 @@ def unet_step_ratio(args, run_dir: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models, few steps (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="small models, few steps")
+    parser.add_argument("--smoke", action="store_true", help="every part on tiny sizes, one cycle (CI: seconds)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--cycles", type=int, default=None,
                         help=f"measured cycles of {PARAM_NORM_EVERY} steps per tensor count (default 12; --quick 2)")
     args = parser.parse_args()
-    args.cycles = args.cycles or (2 if args.quick else 12)
+    args.quick = args.quick or args.smoke
+    args.cycles = args.cycles or (1 if args.smoke else 2 if args.quick else 12)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
         memory = {kind: memory_of(kind, args, run_dir) for kind in ("dit", "unet")}
@@ -277,7 +280,8 @@ def main() -> None:
                   f"{m['extra_peak_guarded_bytes'] / 2**20:+.3f} MiB = {m['extra_peak_guarded_over_param_bytes']:.3f}x the "
                   f"weights, full copy (today's) {m['extra_peak_full_copy_bytes'] / 2**20:+.3f} MiB = "
                   f"{m['extra_peak_full_copy_over_param_bytes']:.3f}x", flush=True)
-        host = {n: host_time_of(n, args, run_dir) for n in (50, 500, 5000)}
+        counts = (5, 50, 500) if args.smoke else (50, 500, 5000)
+        host = {n: host_time_of(n, args, run_dir) for n in counts}
         for n, h in host.items():
             print(f"{n:>5} tensors of {h['elements'] // n:,} elements: the guard's own host time per step: "
                   f"sampled {h['guarded_ms']:.3f} ms, full copy (today's) {h['full_copy_ms']:.3f} ms", flush=True)
@@ -287,8 +291,8 @@ def main() -> None:
               f"{unet_time['guarded_ms']:.3f} ms = {unet_time['guarded_ratio']:.3f}x, full copy (today's) "
               f"{unet_time['full_copy_ms']:.3f} ms = {unet_time['full_copy_ratio']:.3f}x", flush=True)
 
-    def ratio(name: str) -> float:
-        return round(host[5000][f"{name}_ms"] / host[50][f"{name}_ms"], 3)
+    def ratio(name: str) -> float | None:
+        return None if args.smoke else round(host[5000][f"{name}_ms"] / host[50][f"{name}_ms"], 3)
 
     result = {
         "extra_peak_over_param_bytes": max(m["extra_peak_guarded_over_param_bytes"] for m in memory.values()),
@@ -299,6 +303,7 @@ def main() -> None:
                      "unet_step_ratio": unet_time["full_copy_ratio"]},
         "unet_step_ratio": unet_time["guarded_ratio"], "memory": memory, "host_time": list(host.values()),
         "unet_step": unet_time, "device": args.device, "quick": args.quick,
+        "smoke": args.smoke,
     }
     print(json.dumps(result))
 

@@ -12,7 +12,6 @@ next step on every rank (the ``oom`` detector).
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import torch
@@ -57,17 +56,6 @@ def micro_batch_size(inputs: Any) -> int | None:
             best = t
     return int(best.shape[0]) if best is not None else None
 
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def resident_mib() -> float | None:
-    """This process's resident memory in MiB (Linux ``/proc/self/statm``; ``None`` where it cannot be read)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return round(int(f.read().split()[1]) * _PAGE / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # ---------------------------------------------------------------- an OOM inside optimizer.step()

@@ -178,7 +178,7 @@ def global_grad_norm(accelerator: Any, params: Iterable[torch.nn.Parameter], max
     computation is done directly. Under DeepSpeed Accelerate returns the engine's norm of the step it
     already applied, a float, or ``None``: returned as a tensor or None. No host sync.
     """
-    params = list(params)
+    params = params if type(params) is list else list(params)  # the guard's own list: not copied every step
     limit = float("inf") if max_norm is None else float(max_norm)
     if clip is not None:
         norm = clip(params, limit)

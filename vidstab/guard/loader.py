@@ -14,7 +14,8 @@ changing a batch the loop sees:
   that sample once, under the substitute's id.
 
 Refused with a message: an iterable data set (no indices), a loader that dispatches batches from rank 0, a loader
-that may reorder batches. A loader rebuilt from this one (``accelerator.skip_first_batches``) is not tracked:
+that may reorder batches. A worker killed by a signal (the kernel's OOM killer) is logged as a
+``dataloader_worker_killed`` event with the memory history (:mod:`vidstab.host_memory`). A loader rebuilt from this one (``accelerator.skip_first_batches``) is not tracked:
 skip batches by iterating (``continue``), as diffusers' scripts do.
 """
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from ..host_memory import ChildrenMemory, record_worker_killed
 from ..quarantine import QuarantinedDataset
 
 if TYPE_CHECKING:
@@ -72,11 +74,26 @@ class TrackedLoader:
             sampler._vidstab_drawn = deque()
             sampler.__class__ = _recording(type(sampler))  # still the user's class for isinstance and accelerate
         self.drawn: deque = sampler._vidstab_drawn
+        self.workers = ChildrenMemory()
+        """The workers' resident memory, read every few batches (:mod:`vidstab.host_memory`)."""
 
     def __iter__(self) -> Iterator[Any]:
         self.drawn.clear()  # what an earlier epoch drew and the loop never took
         patches = self.guard.patches
-        for batch in self.loader:
+        batches = iter(self.loader)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except RuntimeError as exc:  # a worker killed by a signal: recorded with the memory history
+                g = self.guard
+                error = record_worker_killed(exc, g.events, g.step_count, g.rank, g.reporter.host_memory,
+                                             self.workers.history)
+                if error is None:
+                    raise
+                raise error from exc
+            self.workers.sample()
             patches.sample_ids = self.drawn.popleft() if self.drawn else None
             yield batch
         patches.sample_ids = None

@@ -96,7 +96,7 @@ class ParamProbe:
         if self.params is None:
             self.params = [p for p in self.all_params if p.numel() > 0]
             self._sharded = any(is_dtensor(p) for p in self.params)
-        storages = None if self._sharded else [p.data_ptr() for p in self.params]
+        storages = None if self._sharded else list(map(torch.Tensor.data_ptr, self.params))
         if storages is not None and storages == self._storages:
             return self._groups
         by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -6,6 +6,7 @@ the offending ranks incident bundles (:mod:`vidstab.capture`) with the non-finit
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,7 @@ from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
-from ..oom import resident_mib
+from ..host_memory import HostMemoryWatch, climb_line, resident_mib
 from ..quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
@@ -44,6 +45,8 @@ class Reporter:
         self.replay_fn: Callable[[dict], torch.Tensor] | None = None
         self.output_gradients = None
         """:class:`vidstab.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
+        self.host_memory = HostMemoryWatch()
+        """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.host_memory`)."""
 
     def tracked(self, step: int) -> bool:
         """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""
@@ -58,7 +61,11 @@ class Reporter:
             metrics.update(published(detectors))  # the thresholds of the next judgement, on logged lines only
             if self.data_seconds:
                 metrics["data_seconds"] = round(self.data_seconds, 6)
-            metrics["rss_mib"] = resident_mib()  # this rank's host memory, read only on logged lines
+            metrics["rss_mib"] = rss = resident_mib()  # this rank's host memory, read only on logged lines
+            climb = self.host_memory.observe(s.step, rss)
+            if climb is not None:
+                self.events.log("host_memory_climb", s.step, **climb)
+                print(climb_line(self.rank, s.step, climb), file=sys.stderr, flush=True)
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},

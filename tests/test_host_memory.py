@@ -1,0 +1,103 @@
+"""Host memory (vidstab/host_memory.py): a steady climb of a rank's resident memory warns once, with the slope and
+the projected time to the limit; a data-loader worker killed by a signal is recorded as such.
+
+Real components: a real Accelerator and attached guard whose loop keeps allocating host memory each step; a real
+DataLoader with one worker that is sent SIGKILL (what the kernel's OOM killer sends) while loading a chosen sample.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+import vidstab
+from vidstab.host_memory import DataLoaderWorkerKilled, HostMemoryWatch, memory_limit_mib, resident_mib
+
+
+def _attached(tmp_path):
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt, vidstab.attach(acc, model, opt, run_dir=tmp_path)
+
+
+def _step(acc, model, opt, x):
+    acc.backward(model(x).square().mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def test_readings_that_do_not_climb_steadily_never_warn():
+    noisy = HostMemoryWatch()
+    for i in range(200):  # a run that breathes: up and down by hundreds of MiB, no trend
+        assert noisy.observe(i, 2000 + (300 if i % 2 else 0), when=float(i)) is None
+    assert len(noisy.history) <= noisy.keep
+    small = HostMemoryWatch()
+    for i in range(200):  # a climb smaller than the floor
+        assert small.observe(i, 2000 + 0.1 * i, when=float(i)) is None
+
+
+def test_a_steady_host_memory_climb_warns_once_with_the_slope_and_the_time_to_the_limit(tmp_path, capfd):
+    acc, model, opt, guard = _attached(tmp_path)
+    kept, x = [], torch.randn(2, 4)
+    for _ in range(14):  # a loop that keeps 32 MiB more each step (a leak)
+        kept.append(torch.ones(8 * 2**20))
+        _step(acc, model, opt, x)
+    guard.close()
+    climbs = vidstab.read_events(tmp_path, "host_memory_climb")
+    assert len(climbs) == 1, climbs
+    c = climbs[0]
+    assert c["growth_mib"] >= 64 and c["slope_mib_per_step"] > 8 and c["slope_mib_per_s"] > 0
+    limit, source = memory_limit_mib()
+    assert c["limit_mib"] == round(limit, 1) and c["limit_source"] == source
+    assert c["projected_seconds_to_limit"] > 0 and len(c["history"]) >= 8
+    rss = [e["rss_mib"] for e in vidstab.read_events(tmp_path, "metrics")]
+    assert rss[-1] - rss[0] >= 64 * 3 and resident_mib() >= rss[-1] - 1
+    err = capfd.readouterr().err
+    assert err.count("host memory climbing steadily") == 1 and f"step {c['step']}, rank 0" in err
+
+
+class KilledAt(torch.utils.data.Dataset):
+    """Eight samples; loading ``index`` kills the worker that loads it with SIGKILL. (PyTorch's SIGCHLD handler
+    raises in the main thread wherever it is: only an error raised in the loader's ``next()`` is recorded.)"""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.index and torch.utils.data.get_worker_info() is not None:
+            time.sleep(1.0)  # the loop is back in the loader's next() when the signal's SIGCHLD reaches it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((4,), float(i))
+
+
+def test_a_data_loader_worker_killed_by_a_signal_is_recorded_with_the_memory_history(tmp_path, capfd):
+    acc, model, opt, guard = _attached(tmp_path)
+    loader = torch.utils.data.DataLoader(KilledAt(5), batch_size=2, num_workers=1, prefetch_factor=1)
+    steps = 0
+    with pytest.raises(DataLoaderWorkerKilled) as caught:
+        for x in guard.track_samples(loader):
+            _step(acc, model, opt, x)
+            steps += 1
+    guard.close()
+    assert steps == 2  # batches [0, 1] and [2, 3]; the worker died loading sample 5
+    (event,) = vidstab.read_events(tmp_path, "dataloader_worker_killed")
+    assert event["signal"] == "Killed" and len(event["worker_pids"]) == 1
+    pid = event["worker_pids"][0]
+    assert str(pid) in event["worker_rss_history"] and event["worker_rss_history"][str(pid)], event
+    assert event["rss_mib"] > 0 and event["rss_history"] and event["limit_mib"] > 0
+    message = str(caught.value)
+    assert "SIGKILL" in message and "out-of-memory killer" in message and str(pid) in message
+    assert message in capfd.readouterr().err

@@ -63,7 +63,7 @@ def run_matrix(out: Path, ranks16: bool = False) -> tuple[dict, dict]:
 
 
 def table(results: dict) -> str:
-    mark = {"pass": "pass", "fail": "**fail**", "refused": "refused at attach"}
+    mark = {"pass": "pass", "fail": "**fail**", "refused": "refused at setup", "warned": "fails, warned at attach"}
     lines = ["| form | engine | " + " | ".join(drill.DRILLS) + " |", "|---|---|" + "---|" * len(drill.DRILLS)]
     notes = []
     for cell, row in results.items():

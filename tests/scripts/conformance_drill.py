@@ -482,6 +482,20 @@ def _ema(traces: dict) -> str | None:
 
 
 def evaluate_kill(cell: Path, world: int) -> dict:
+    result = _kill(cell, world)
+    warned = attach_warnings(cell / "kill")
+    if result["status"] == "fail" and warned:  # said at attach: not silent, still not a pass
+        return {"status": "warned", "why": f"{result['why']}; said at attach: {warned[0]}"}
+    return result
+
+
+def attach_warnings(folder: Path) -> list[str]:
+    """What the attached form's setup warned of (``warn`` events of detector ``rollback_every``), main process."""
+    events = _lines(folder / "vidstab" / "events-rank0.jsonl")
+    return [e["message"] for e in events if e["kind"] == "warn" and e.get("detector") == "rollback_every"]
+
+
+def _kill(cell: Path, world: int) -> dict:
     skip = ("ema", "ema_steps") if "ema" in refusals(cell / "kill") else ()
     for rank in range(world):
         log = _lines(cell / "kill" / f"kill-rank{rank}.jsonl")

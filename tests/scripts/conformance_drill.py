@@ -16,10 +16,11 @@ form, registered with the ``CheckpointManager`` in the explicit one: each form's
 its own (``register_for_checkpointing`` / ``ckpt.register``). Each rank appends one line per iteration to
 ``trace-rank{R}.jsonl``: what the guard decided and a digest of each piece of state before and after the step.
 
-``--launch kill``: under ``torchrun --max_restarts len(cells)``: attempt ``a`` resumes cell ``a - 1`` (the form's own
-resume: ``accelerator.load_state`` of the script's newest ``checkpoint-N`` in the attached form, ``recovery.resume``
-in the explicit one) and trains it to :data:`KILL_TOTAL` steps, then starts cell ``a`` fresh, checkpoints it and
-SIGKILLs the last rank at :data:`KILL_AT`. ``kill-rank{R}.jsonl``: the digests saved and those resumed.
+``--launch kill``: under ``torchrun --max_restarts`` (torch elastic restarts every rank after the kill), each attempt
+resumes the cell killed last, once (the form's own resume: ``accelerator.load_state`` of the script's newest
+``checkpoint-N`` in the attached form, ``recovery.resume`` in the explicit one) and trains it to :data:`KILL_TOTAL`
+steps, then starts the next cell fresh, checkpoints it and SIGKILLs the last rank at :data:`KILL_AT` (markers in
+each cell's folder say where the launch stands). ``kill-rank{R}.jsonl``: the digests saved and those resumed.
 """
 
 from __future__ import annotations

@@ -6,11 +6,6 @@ overwritten with NaN or 1e30 before each step (DeepSpeed leaves it uninitialised
 ``padding-rank{R}.json``: per step the norm of the module's weights gathered from the partitions (DeepSpeed's own
 all-gather, in float64), and what the guard decided.
 
-``lr_fault:STAGE``: from ``--fault_step`` on the loop writes the LR x1e4 into the optimizer before every
-step (a persistent bug). Nothing catches anything: the script ends as vidstab ends it. Each rank appends one line
-per step to ``lr_fault-rank{R}.jsonl``: the loop's step count, whether the step asked for a rollback, and a digest of everything a step can change (fp32
-partitions, optimizer moments, module weights).
-
 ``readme:STAGE``: the guarded side of the README's diff (``attach-diff``), as it stands there, with its own
 ``accelerator.save_state`` every 4 steps and a NaN sample, on the DeepSpeed engine. Each rank writes
 ``readme-rank{R}.json``: the step it finished at and whether the weights are finite.
@@ -28,7 +23,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from ds_common import batch, build, digest, user_step
+from ds_common import batch, build, user_step
 
 import vidstab
 
@@ -73,10 +68,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", required=True, help="JOB:STAGE[,...] one engine after another, each in OUT/JOB-STAGE "
-                    "(JOB: padding, readme or lr_fault; an lr_fault job ends the script)")
+                    "(JOB: padding or readme)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rollback_every", type=int, default=3)
-    ap.add_argument("--fault_step", type=int, default=5)
     args = ap.parse_args()
     for spec in args.jobs.split(","):
         job, stage = spec.split(":")
@@ -116,24 +110,14 @@ def run_job(args: argparse.Namespace, job: str, stage: int, out: Path) -> None:
     guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, config=config, run_dir=out,
                            rollback_every=args.rollback_every)
     record: dict = {"padding_written": [], "norms": [], "steps": []}
-    steps = args.steps if job == "padding" else 10 * args.steps  # a persistent fault: until vidstab ends the run
-    for step in range(steps):
-        if job == "padding":
-            record["padding_written"].append(fill_padding(model, math.nan if step % 2 else 1e30))
-        if job == "lr_fault" and step >= args.fault_step:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_scheduler.get_last_lr()[0] * 1e4
+    for step in range(args.steps):
+        record["padding_written"].append(fill_padding(model, math.nan if step % 2 else 1e30))
         x, y = batch(step, 0, rank, dtype)
         loss = F.mse_loss(model(x).float(), y)
         result = user_step(accelerator, model, optimizer, lr_scheduler, loss)
         record["steps"].append({"step": result.step, "verdict": result.verdict.name, "skipped": result.skipped,
                                 "detectors": sorted({f.detector for f in result.findings})})
-        if job == "padding":
-            record["norms"].append(gathered_norm(model))
-        else:
-            with open(out / f"{job}-rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"count": guard.global_step, "rollback": result.rollback is not None,
-                                    "digest": digest(model)}) + "\n")
+        record["norms"].append(gathered_norm(model))
     guard.close()
     Path(out, f"{job}-rank{rank}.json").write_text(json.dumps(record, indent=1))
 

@@ -177,6 +177,14 @@ class CheckpointManager:
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name!r}: object needs state_dict() and load_state_dict()")
         _refuse_unsupported_object(name, obj)
+        if self.deepspeed is not None and _zero_stage(self.accelerator) == 3:
+            from ..script_state import is_ema
+
+            if is_ema(obj):
+                raise CheckpointError(
+                    f"cannot register {name!r}: an EMA under DeepSpeed ZeRO-3 holds this rank's partition of the "
+                    "weights, and a registered object is kept once for all ranks; use ZeRO-1 or -2 with an EMA, or "
+                    "save it per rank in your own save/load-state hooks with vidstab.attach(..., rollback_every=N)")
         self._objects[name] = obj
 
     @property
@@ -748,6 +756,11 @@ def _refuse_unsupported(accelerator) -> None:
     if plugin is not None and int(getattr(plugin, "fsdp_version", 1) or 1) < 2:
         raise CheckpointError("vidstab checkpoints serve FSDP2 (DTensor parameters, saved with DCP), not FSDP1: "
                               "launch with --fsdp_version 2")
+
+
+def _zero_stage(accelerator: Any) -> int | None:
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return getattr(plugin, "zero_stage", None)
 
 
 def _refuse_unsupported_object(name: str, obj: Any) -> None:

@@ -1,0 +1,128 @@
+"""The conformance matrix (benchmarks/conformance.py writes its table into benchmarks/RESULTS.md): every form x
+engine cell through the same drills and the same assertions (tests/scripts/conformance_drill.py), a cell's drills
+sharing one launch per world size:
+
+- a NaN on the last rank, a gradient spike, an LR bug for 3 steps: skipped on every rank, the weights, optimizer
+  state, EMA and the script's counter bitwise unchanged; no rollback for the LR bug;
+- a persistent LR fault: 3 in-place rollbacks, each restoring the weights, optimizer, the guard's detectors, the
+  script's registered counter and its EMA (through its own save/load-state hooks in the attached form, registered
+  in the explicit one) bitwise as they were at the checkpoint, the LR halved each time; then the abort
+  (``RunAborted``; the attached form's exit code 3, the launch's own exit code for its last cell);
+- the EMA takes no skipped step;
+- SIGKILL of the last rank and the form's own resume (under torch elastic restarts): the state resumed bitwise.
+
+Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import conformance_drill as drill  # noqa: E402
+
+FORMS = ("explicit", "attached")  # the attached form last: the launch ends with its abort
+TWO = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+FAULT_DRILLS = ("nan", "spike", "lr_bug", "persistent", "ema")
+KILL_CELLS = {2: ["attached:zero3"]}
+"""SIGKILL + resume in CI: each cell costs a torch elastic restart (~20 s); benchmarks/conformance.py runs every cell."""
+
+
+def _cells(world: int) -> list[str]:
+    return [f"{f}:{e}" for e in (("single",) if world == 1 else TWO) for f in FORMS]
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("conformance")
+    return {world: (drill.launch(_cells(world), "faults", out / f"w{world}", world), out / f"w{world}")
+            for world in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def kills(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("conformance_kill")
+    return {world: (drill.launch(cells, "kill", out / f"w{world}", world), out / f"w{world}")
+            for world, cells in KILL_CELLS.items()}
+
+
+def _ok(result: dict, drill_name: str, cell: str) -> None:
+    if result["status"] == "refused":  # refused with its reason, never silently degraded
+        assert result["why"].startswith("cannot register"), (cell, result)
+        return
+    assert result["status"] == "pass", (cell, drill_name, result.get("why"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", _cells(1) + _cells(2))
+def test_every_cell_passes_the_same_fault_drills(faults, cell):
+    form, engine = cell.split(":")
+    world = 1 if engine == "single" else 2
+    proc, out = faults[world]
+    results = drill.evaluate_faults(out / f"{form}-{engine}", form, world)
+    for name in FAULT_DRILLS:
+        _ok(results[name], name, cell)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_last_cell_ends_the_launch_with_the_attached_forms_exit_code_and_no_traceback(faults, world):
+    proc, _ = faults[world]
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == drill.ABORT_EXIT_CODE if world == 1 else proc.returncode != 0, log[-3000:]
+    if world > 1:  # the launcher names the first rank to end and its code
+        assert f"exitcode  : {drill.ABORT_EXIT_CODE}" in log, log[-3000:]
+    # No rank's traceback (the launcher's own report of the failed child aside).
+    assert not [x for x in log.splitlines() if x.startswith("[rank") and "Traceback" in x], log[-3000:]
+    assert world > 1 or "Traceback" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_attached_form_says_each_refusal_rollback_and_abort_once_on_the_main_process(faults, world):
+    proc, out = faults[world]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    attached = [c for c in _cells(world) if c.startswith("attached:")]
+    skips = 0  # refused updates: the LR-bound skips, but those whose step asked for a rollback (said as one)
+    for cell in attached:
+        events = drill._lines(out / cell.replace(":", "-") / "faults" / "vidstab" / "events-rank0.jsonl")
+        rolled = {e["step"] for e in events if e["kind"] == "rollback_request"}
+        skips += len([e for e in events if e["kind"] == "skip" and "lr_bound" in e["detector"]
+                      and e["step"] not in rolled])
+    refused = [x for x in lines if x.startswith("vidstab: step") and "update refused" in x and "lr_bound" in x]
+    assert skips and len(refused) == skips  # one line per refused update: the main process's, not one per rank
+    rolled = [x for x in lines if x.startswith("vidstab: step") and "rolled back in place to" in x]
+    assert len(rolled) == drill.MAX_RETRIES * len(attached)
+    aborted = [x for x in lines if x.startswith(f"vidstab: run aborted: still failing after {drill.MAX_RETRIES}")]
+    assert len(aborted) == len(attached)
+
+
+@pytest.mark.slow
+def test_the_attached_form_on_a_model_sharded_outside_accelerate_says_its_own_resume_cannot_work(faults):
+    _, out = faults[2]
+    (warned,) = drill.attach_warnings(out / "attached-fsdp2" / "faults")
+    assert "sharded with fully_shard outside Accelerate" in warned and "explicit form" in warned
+    assert not drill.attach_warnings(out / "attached-ddp" / "faults")
+
+
+@pytest.mark.slow
+def test_an_ema_registered_under_zero3_is_refused_with_what_to_use_instead(faults):
+    _, out = faults[2]
+    why = drill.refusals(out / "explicit-zero3" / "faults")["ema"]
+    assert "ZeRO-3" in why and "ZeRO-1 or -2" in why and "rollback_every" in why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [c for cells in KILL_CELLS.values() for c in cells])
+def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
+    form, engine = cell.split(":")
+    world = 1 if engine == "single" else 2
+    proc, out = kills[world]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = drill.evaluate_kill(out / f"{form}-{engine}", world)
+    assert result["status"] == "pass", (cell, result.get("why"))

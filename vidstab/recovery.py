@@ -398,7 +398,7 @@ class Recovery:
         choice = self._target(step)
         old_multiplier = self.lr_multiplier  # in effect at the failure
         try:
-            state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
+            state = self.ckpt.load(choice, resume_event=False, from_memory=True)  # logged below as a rollback
         except CheckpointError as e:
             raise RunAborted(self._abort_message(f"rollback after the failure at step {failed} impossible: {e}",
                                                  incident, first, failed)) from e
@@ -439,7 +439,8 @@ class Recovery:
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed, incident_first_step=open_incident["first_step"],
-                  transient=open_incident.get("transient", 0))
+                  transient=open_incident.get("transient", 0), source=info.get("source"),
+                  restore_seconds=info.get("seconds"))
         if self.accelerator.is_main_process:  # one line per rollback, not one per rank
             logger.warning("rollback %d/%d of the incident that began at step %d (failure at step %d) -> %s (step %d), "
                            "cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,

@@ -225,7 +225,10 @@ def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_fo
     first = changes[0]
     assert first["interval_seconds"] == pytest.approx(
         optimal_interval_seconds(first["save_seconds"], first["mtbf_seconds"], first["restart_seconds"]))
-    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 10), 10_000) > 10
+    # The floor: the detectors' lead time (the guard's health_window), a rollback target must be older than it.
+    assert first["lead_steps"] == 50 and first["lead_from"] == "health_window" and first["floor_configured"] == 10
+    assert first["floor"] == 50
+    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 50), 10_000) > 10
     assert first["failures"] == 0 and first["expected_mtbf_hours"] == 24.0
 
 
@@ -233,13 +236,16 @@ def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the
     """attach(..., rollback_every="auto"): rollback checkpoints on the first step and 10 steps later (the first
     one's asynchronous write, and so its stall, is known by then); the interval is then re-chosen from the
     ledger (logged) and no third checkpoint comes 10 steps after the second."""
+    import vidstab
     from test_auto_rollback import _loop
 
-    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto")[4].close()
+    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto",
+          config=vidstab.GuardConfig(health_window=12))[4].close()
     lines = raw_lines(tmp_path, 0)
     assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [1, 11]
     (change,) = [e for e in lines if e["kind"] == "checkpoint_interval"]
     assert change["step"] == 11 and change["previous"] == 10 and change["steps"] > 14 and change["save_seconds"] > 0
+    assert change["floor"] == change["lead_steps"] == 12 and change["steps"] >= 12  # GuardConfig(health_window=12)
     with pytest.raises(ValueError, match="rollback_every must be"):
         _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")
 

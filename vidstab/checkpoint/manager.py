@@ -219,17 +219,19 @@ class CheckpointManager:
         finite_here = self._params_finite_here() if self.config.check_params_finite and not check_staged else True
         files = []
         error: Exception | None = None
-        keep_copy = self.memory is not None and backend is self.full_state
+        # The copy kept for rollbacks is the snapshot's own host copy: full state, or an async sharded save's staging.
+        keep_copy = self.memory is not None and (backend is self.full_state or (backend is self.sharded and copy))
         if self.memory is not None and not keep_copy:
-            self.memory.decline(f"{backend.name} checkpoints roll back from their files")
+            self.memory.decline(f"{backend.name} checkpoints roll back from their files"
+                                + (" (a synchronous sharded save stages no host copy)" if backend is self.sharded else ""))
+        kept: list = []
         if prev_err is None:  # a failed previous save is reported below: no snapshot for a save that won't happen
             try:
                 os.makedirs(self.root, exist_ok=True)  # an unwritable folder fails here, where every rank learns of it
-                if keep_copy:  # staged in host buffers on every rank, the kept copy's excepted
+                if keep_copy:  # in host buffers on every rank (the kept copy's excepted), replicated files included
                     self.full_state._host_buffers = self.memory.reuse(self.full_state._host_buffers)
-                    files = self.full_state.snapshot(self._objects, True, trainer_state or {}, mirror=True)
-                    self.memory.offer(name, files)
-                    files = [f for f in files if f.write]
+                    kept = backend.snapshot(self._objects, True, trainer_state or {}, mirror=True)
+                    files = [f for f in kept if f.write]
                 else:
                     files = backend.snapshot(self._objects, copy, trainer_state or {})
             except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
@@ -260,8 +262,13 @@ class CheckpointManager:
             job.check_staged = [n for n, o in self._objects.items() if isinstance(o, torch.nn.Module)]
         for spec in [f for f in files if f.sharded is not None]:
             # dcp.async_save stages its host copy here (the stall) and writes in its own thread.
+            if keep_copy:
+                self.sharded.stage_into(self.memory.reuse_staged)
             job.sharded_write = self.sharded.start_write(spec, tmp_dir, self.group, copy)
             job.files.remove(spec)
+        if keep_copy:
+            self.memory.offer(name, [f for f in kept if f.sharded is None],
+                              staged=self.sharded.staged() if backend is self.sharded else None)
         if copy:
             self._job, self._job_done = job, threading.Event()
             if self._writer is None:
@@ -313,7 +320,9 @@ class CheckpointManager:
         err = job.error if job is not None else None
         if isinstance(err, _PeerLost):
             raise err  # the default group has lost the same peer: another collective would fail or hang
-        if self.memory is not None and job is not None:  # taken back below if another rank failed it
+        # Taken back below if another rank failed it. (An async sharded save's staged-parameter check is the main
+        # process's to know: the ranks may hold different saves, and a load uses the copy only when all hold its.)
+        if self.memory is not None and job is not None:
             self.memory.settled(job.name, job.healthy and job.params_finite, err is None)
         return job, err
 
@@ -669,8 +678,9 @@ class CheckpointManager:
         raw = self.memory.payload(cands[0]) if cands else None
         if raw is not None:
             try:
-                payload = {"manifest": layout.read_manifest(cands[0]),
-                           **self.full_state.decode(os.path.basename(os.path.normpath(cands[0])), raw, self._objects)}
+                man = layout.read_manifest(cands[0])
+                payload = {"manifest": man, "staged": self.memory.staged,
+                           **self._backend_of(man).decode(os.path.basename(os.path.normpath(cands[0])), raw, self._objects)}
             except CheckpointError as e:
                 logger.warning("the in-memory copy of %s is not used: %s", cands[0], e)
                 payload = None

@@ -9,8 +9,10 @@ relaunch) has no copy and reads them.
 
 Every rank keeps its own copy (at world size > 1 the snapshot gives non-publishing ranks the replicated files too,
 not written by them), so a rollback needs no transfer; the ranks agree (one all-reduce) on whether every one of them
-holds the target before any uses it. Full-state checkpoints only (single process, DDP): sharded (DCP) and DeepSpeed
-checkpoints roll back from their files, said once.
+holds the target before any uses it. Full-state checkpoints (single process, DDP) and async sharded ones (FSDP2:
+the shards ``dcp.async_save`` staged on each rank, copied back into the same local shards; in-process, the sharding
+is the same); synchronous sharded saves stage nothing and DeepSpeed checkpoints are its engine's: those roll back
+from their files, said once.
 
 The kept copy costs one more host copy of the state beside the async save's reused buffers: the two sets of buffers
 take turns (the snapshot after a kept save writes into the buffers the copy before it let go).
@@ -69,10 +71,21 @@ def default_budget_bytes() -> int:
 
 
 def _nbytes(files: list[FileSpec]) -> int:
+    from ..signals import local_tensor
+
     n = 0
     for f in files:
-        n += len(f.data or b"") + sum(t.numel() * t.element_size() for t in (f.tensors or {}).values())
+        n += len(f.data or b"") + sum(local_tensor(t).numel() * t.element_size() for t in (f.tensors or {}).values())
     return n
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    """``(key, tensor)`` of a nested state dict."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
 
 
 class MemoryCopy:
@@ -87,8 +100,11 @@ class MemoryCopy:
         """The folder name of the checkpoint held (None: nothing held)."""
         self.bytes = 0
         self._files: dict[str, Any] = {}
-        self._pending: tuple[str, list[FileSpec], int] | None = None
+        self.staged: dict | None = None
+        """A sharded save's staged state (``{object: {key: tensor or DTensor of this rank's shards}}``), held."""
+        self._pending: tuple[str, list[FileSpec], dict | None, int] | None = None
         self._spare: dict = {}  # the buffers of the copy let go: the next snapshot's
+        self._spare_staged: dict | None = None
         self.declined: str | None = None
         """Why the newest healthy save is not held (the first rollback says it once)."""
         self._said = False
@@ -100,15 +116,20 @@ class MemoryCopy:
             return self._spare
         return buffers
 
-    def offer(self, name: str, files: list[FileSpec]) -> None:
-        """A save's files as staged in host buffers the loop does not change; held once :meth:`settled`."""
+    def reuse_staged(self, cache: dict | None) -> dict | None:
+        """The staging buffers the next sharded save may write into (None: new ones): never the held copy's."""
+        return self._spare_staged if cache is not None and cache is self.staged else cache
+
+    def offer(self, name: str, files: list[FileSpec], staged: dict | None = None) -> None:
+        """A save's files (and a sharded save's ``staged`` state) in host buffers the loop does not change; held
+        once :meth:`settled`."""
         self._pending = None
-        size = _nbytes(files)
+        size = _nbytes(files) + _nbytes([FileSpec("", tensors=dict(_leaves(staged)))] if staged else [])
         if size > self.budget:
             self.decline(f"the state is {size / 2**20:.0f} MiB on this process, more than "
                          f"rollback_memory_budget_bytes={self.budget} ({self.budget / 2**20:.0f} MiB)")
             return
-        self._pending = (name, list(files), size)
+        self._pending = (name, list(files), staged, size)
 
     def decline(self, why: str) -> None:
         """The newest save is not kept (``why``): a rollback to it reads its files."""
@@ -120,8 +141,9 @@ class MemoryCopy:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != name or not (healthy and written):
             return
-        name, files, size = pending
+        name, files, staged, size = pending
         old = self._files
+        self._spare_staged, self.staged = self.staged, staged
         self._files = {f.name: (HeldTensors(f.tensors, f.metadata) if f.tensors is not None else f.data)
                        for f in files}
         self._spare = {(fn, k): t for fn, spec in old.items() if isinstance(spec, HeldTensors)
@@ -131,7 +153,7 @@ class MemoryCopy:
     def drop(self, name: str) -> None:
         """The save ``name`` failed on some rank: it is not a rollback target from memory."""
         if self.name == name:
-            self.name, self._files, self.bytes = None, {}, 0
+            self.name, self._files, self.staged, self.bytes = None, {}, None, 0
             self.declined = f"its save {name} failed"
 
     def payload(self, path: str) -> dict[str, Any] | None:

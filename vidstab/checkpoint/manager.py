@@ -221,7 +221,8 @@ class CheckpointManager:
         error: Exception | None = None
         # The copy kept for rollbacks is the snapshot's own host copy: full state, or an async sharded save's staging.
         keep_copy = self.memory is not None and (backend is self.full_state or (backend is self.sharded and copy))
-        if self.memory is not None and not keep_copy:
+        keep_copy = keep_copy and not self.memory.over_budget  # declined, said at the first rollback
+        if self.memory is not None and not keep_copy and not self.memory.over_budget:
             self.memory.decline(f"{backend.name} checkpoints roll back from their files"
                                 + (" (a synchronous sharded save stages no host copy)" if backend is self.sharded else ""))
         kept: list = []

@@ -107,6 +107,8 @@ class MemoryCopy:
         self._spare_staged: dict | None = None
         self.declined: str | None = None
         """Why the newest healthy save is not held (the first rollback says it once)."""
+        self.over_budget = False
+        """A save's state did not fit the budget: later saves (the same state) are not staged for a copy at all."""
         self._said = False
 
     def reuse(self, buffers: dict) -> dict:
@@ -126,6 +128,7 @@ class MemoryCopy:
         self._pending = None
         size = _nbytes(files) + _nbytes([FileSpec("", tensors=dict(_leaves(staged)))] if staged else [])
         if size > self.budget:
+            self.over_budget = True
             self.decline(f"the state is {size / 2**20:.0f} MiB on this process, more than "
                          f"rollback_memory_budget_bytes={self.budget} ({self.budget / 2**20:.0f} MiB)")
             return

@@ -46,8 +46,27 @@ def raw_lines(run, rank):
     return out
 
 
-def expected_buckets(run):
-    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then."""
+def assert_the_launcher_restarted_in_the_downtime(run, launcher_log: str, exitcode: int) -> None:
+    """The launcher's log names one failure with ``exitcode``, and the time on its line (its own clock) lies in the
+    downtime the ledger counts: after the failed rank's last line, before the restarted attempt's processes began."""
+    import datetime
+    import re
+
+    (noticed,) = [x for x in launcher_log.splitlines() if f"exitcode: {exitcode})" in x]
+    when = re.search(r"[EWI](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ", noticed)
+    assert when, noticed
+    r1 = raw_lines(run, 1)  # rank 1 failed in both drills
+    again = [e for e in r1 if e["kind"] == "start"][1]
+    last_words = max(e["time"] for e in r1 if e["time"] < again["time"])
+    seen = datetime.datetime(datetime.datetime.fromtimestamp(last_words).year, *map(int, when.groups())).timestamp()
+    began = min(again["process_started"], [e for e in raw_lines(run, 0) if e["kind"] == "start"][1]["process_started"])
+    assert last_words <= seen <= began, (noticed, last_words, began)
+
+
+def expected_buckets(run, schedules=(ATTEMPT0, ATTEMPT1)):
+    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then
+    (``schedules``: what each metrics line of each of the two attempts is; the kill drill of
+    tests/test_resilience.py passes its own)."""
     r0, r1 = raw_lines(run, 0), raw_lines(run, 1)
     starts = [e for e in r0 if e["kind"] == "start"]
     assert len(starts) == 2
@@ -60,7 +79,7 @@ def expected_buckets(run):
     totals = dict.fromkeys(["productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang",
                             "startup", "data", "validation", "other"], 0.0)
     ends = []
-    for attempt, schedule in ((0, ATTEMPT0), (1, ATTEMPT1)):
+    for attempt, schedule in enumerate(schedules):
         mine = [e for e in r0 if (e["time"] < second) == (attempt == 0)]
         last_words = [e for e in r1 if e["kind"] in ("hang", "crash") and (e["time"] < second) == (attempt == 0)]
         marks = sorted([e for e in mine if e["kind"] in label or e["kind"] == "metrics"] + last_words,
@@ -98,6 +117,7 @@ def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_
 
     run, stderr = drill
     assert "exitcode: 75" in stderr  # the launcher restarted the group after the watchdog ended the hung rank
+    assert_the_launcher_restarted_in_the_downtime(run, stderr, 75)
     led = ledger(run)
     want, wall = expected_buckets(run)
     assert led["wall_seconds"] == pytest.approx(wall, abs=1e-6)

@@ -225,6 +225,8 @@ class CheckpointManager:
         if self.memory is not None and not keep_copy and not self.memory.over_budget:
             self.memory.decline(f"{backend.name} checkpoints roll back from their files"
                                 + (" (a synchronous sharded save stages no host copy)" if backend is self.sharded else ""))
+        if self.memory is not None:  # this save replaces the held folder of the same step (after a rollback)
+            self.memory.drop(name)
         kept: list = []
         if prev_err is None:  # a failed previous save is reported below: no snapshot for a save that won't happen
             try:

@@ -154,10 +154,11 @@ class MemoryCopy:
         self.name, self.bytes, self.declined = name, size, None
 
     def drop(self, name: str) -> None:
-        """The save ``name`` failed on some rank: it is not a rollback target from memory."""
+        """The folder ``name`` is no longer what the copy holds (its save failed on some rank, or a save of the same
+        step replaces it): not a rollback target from memory."""
         if self.name == name:
             self.name, self._files, self.staged, self.bytes = None, {}, None, 0
-            self.declined = f"its save {name} failed"
+            self.declined = f"{name} changed on disk after it was kept"
 
     def payload(self, path: str) -> dict[str, Any] | None:
         """The kept files of the checkpoint folder ``path`` (``{file: bytes | HeldTensors}``), or None."""

@@ -284,7 +284,7 @@ class Run:
                                  reset=args.reset_recovery, form="trainer")
         self.goodput = GoodputLog(acc, out, args.goodput_steps)
         self.auto_interval = None if args.checkpointing_steps != "auto" else auto_interval(
-            acc, out, expected_mtbf_hours=args.expected_mtbf_hours)
+            acc, out, expected_mtbf_hours=args.expected_mtbf_hours, guard_config=guard_config)
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None

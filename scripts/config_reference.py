@@ -109,6 +109,8 @@ TURN: dict[str, str] = {
     "CheckpointConfig.pin_memory": "false: pageable host buffers (less pinned memory, slower copy from GPU)",
     "CheckpointConfig.check_params_finite": "false: skip the NaN/Inf check before a save (not advised)",
     "CheckpointConfig.reuse_buffers": "false: frees the host copy after each save (less memory between saves)",
+    "CheckpointConfig.rollback_memory_budget_bytes": "0 to spare the host memory (rollbacks read the files); higher "
+                                                      "when the state is larger than the default allows",
     "CheckpointConfig.remove_stale": "false for a tool that opens a folder whose run is still saving",
     "CheckpointConfig.allow_world_size_change": "true to resume on another number of processes, when your loop re-derives "
                                                "data positions and the LR schedule (FSDP2: docs/sharded.md)",

@@ -429,9 +429,10 @@ def _launch_two(script: str, out, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_two_processes_save_load_and_a_failure_on_one_rank(tmp_path):
-    """Real 2-process DDP on CPU: per-rank RNG files, and a write error on rank 1 raises on both ranks."""
+    """Real 2-process DDP on CPU: per-rank RNG files, and a write error on rank 1 raises on both ranks; a rollback
+    from the in-memory copy restores the same bits as one from the files on both ranks."""
     r = _launch_two("ckpt_ddp.py", tmp_path)
-    for mode in ("async", "sync"):
+    for mode in ("async", "sync", "memory"):  # memory: tests/test_rollback_memory.py
         assert f"OK rank 0 {mode}" in r.stdout and f"OK rank 1 {mode}" in r.stdout, r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 0 got: checkpoint step_000004 could not be written: rank 1 failed" in r.stdout

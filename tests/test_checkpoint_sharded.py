@@ -47,6 +47,7 @@ def assert_no_pickle_or_zip(folder: Path) -> list[Path]:
 def test_fsdp2_sharded_checkpoints_round_trip_and_reshard_2_to_1_and_back(tmp_path):
     r = run_procs(2, "fsdp_ckpt.py", "save2", str(tmp_path))
     assert "OK save2 rank 0" in r.stdout and "OK save2 rank 1" in r.stdout, r.stdout + r.stderr[-4000:]
+    assert "OK memory rank 0" in r.stdout and "OK memory rank 1" in r.stdout  # tests/test_rollback_memory.py
     # The mismatch names the parameter, on both ranks.
     assert r.stdout.count("model.blocks.0.weight has shape (12, 6) in the checkpoint, this run has (10, 6)") == 2
     r = run_procs(1, "fsdp_ckpt.py", "load1", str(tmp_path))

@@ -46,8 +46,27 @@ def raw_lines(run, rank):
     return out
 
 
-def expected_buckets(run):
-    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then."""
+def assert_the_launcher_restarted_in_the_downtime(run, launcher_log: str, exitcode: int) -> None:
+    """The launcher's log names one failure with ``exitcode``, and the time on its line (its own clock) lies in the
+    downtime the ledger counts: after the failed rank's last line, before the restarted attempt's processes began."""
+    import datetime
+    import re
+
+    (noticed,) = [x for x in launcher_log.splitlines() if f"exitcode: {exitcode})" in x]
+    when = re.search(r"[EWI](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ", noticed)
+    assert when, noticed
+    r1 = raw_lines(run, 1)  # rank 1 failed in both drills
+    again = [e for e in r1 if e["kind"] == "start"][1]
+    last_words = max(e["time"] for e in r1 if e["time"] < again["time"])
+    seen = datetime.datetime(datetime.datetime.fromtimestamp(last_words).year, *map(int, when.groups())).timestamp()
+    began = min(again["process_started"], [e for e in raw_lines(run, 0) if e["kind"] == "start"][1]["process_started"])
+    assert last_words <= seen <= began, (noticed, last_words, began)
+
+
+def expected_buckets(run, schedules=(ATTEMPT0, ATTEMPT1)):
+    """The buckets from the raw lines: each interval between two timed marks goes to what the drill did then
+    (``schedules``: what each metrics line of each of the two attempts is; the kill drill of
+    tests/test_resilience.py passes its own)."""
     r0, r1 = raw_lines(run, 0), raw_lines(run, 1)
     starts = [e for e in r0 if e["kind"] == "start"]
     assert len(starts) == 2
@@ -60,7 +79,7 @@ def expected_buckets(run):
     totals = dict.fromkeys(["productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang",
                             "startup", "data", "validation", "other"], 0.0)
     ends = []
-    for attempt, schedule in ((0, ATTEMPT0), (1, ATTEMPT1)):
+    for attempt, schedule in enumerate(schedules):
         mine = [e for e in r0 if (e["time"] < second) == (attempt == 0)]
         last_words = [e for e in r1 if e["kind"] in ("hang", "crash") and (e["time"] < second) == (attempt == 0)]
         marks = sorted([e for e in mine if e["kind"] in label or e["kind"] == "metrics"] + last_words,
@@ -98,6 +117,7 @@ def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_
 
     run, stderr = drill
     assert "exitcode: 75" in stderr  # the launcher restarted the group after the watchdog ended the hung rank
+    assert_the_launcher_restarted_in_the_downtime(run, stderr, 75)
     led = ledger(run)
     want, wall = expected_buckets(run)
     assert led["wall_seconds"] == pytest.approx(wall, abs=1e-6)
@@ -225,7 +245,10 @@ def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_fo
     first = changes[0]
     assert first["interval_seconds"] == pytest.approx(
         optimal_interval_seconds(first["save_seconds"], first["mtbf_seconds"], first["restart_seconds"]))
-    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 10), 10_000) > 10
+    # The floor: the detectors' lead time (the guard's health_window), a rollback target must be older than it.
+    assert first["lead_steps"] == 50 and first["lead_from"] == "health_window" and first["floor_configured"] == 10
+    assert first["floor"] == 50
+    assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 50), 10_000) > 10
     assert first["failures"] == 0 and first["expected_mtbf_hours"] == 24.0
 
 
@@ -233,13 +256,16 @@ def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the
     """attach(..., rollback_every="auto"): rollback checkpoints on the first step and 10 steps later (the first
     one's asynchronous write, and so its stall, is known by then); the interval is then re-chosen from the
     ledger (logged) and no third checkpoint comes 10 steps after the second."""
+    import vidstab
     from test_auto_rollback import _loop
 
-    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto")[4].close()
+    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto",
+          config=vidstab.GuardConfig(health_window=12))[4].close()
     lines = raw_lines(tmp_path, 0)
     assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [1, 11]
     (change,) = [e for e in lines if e["kind"] == "checkpoint_interval"]
     assert change["step"] == 11 and change["previous"] == 10 and change["steps"] > 14 and change["save_seconds"] > 0
+    assert change["floor"] == change["lead_steps"] == 12 and change["steps"] >= 12  # GuardConfig(health_window=12)
     with pytest.raises(ValueError, match="rollback_every must be"):
         _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")
 

@@ -120,6 +120,21 @@ def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equ
     assert r["restart_count"] == 1 and r["cause"] == "killed" and r["culprit_ranks"] == [1], (case, r)
     assert r["step"] == step - step % 2, case  # resumed from the latest checkpoint without --resume_from_checkpoint
     assert_same_weights(out, reference, case)
+    # The goodput ledger of a kill: bucket by bucket as read off the raw event lines (tests/test_goodput.py), the
+    # launcher's log saw the kill within the restart downtime, and the buckets tile the wall time.
+    from test_goodput import assert_the_launcher_restarted_in_the_downtime, expected_buckets
+
+    from vidstab.goodput import ledger
+
+    led, resumed = ledger(out), step - step % 2
+    want, wall = expected_buckets(out, ([(s, "rework" if s >= resumed else "productive") for s in range(step)],
+                                        [(s, "productive") for s in range(resumed, STEPS)]))
+    assert led["restarts"] == 1, case
+    assert_the_launcher_restarted_in_the_downtime(out, proc.stdout + proc.stderr, -9)
+    assert led["wall_seconds"] == pytest.approx(wall, abs=1e-6), case
+    for bucket, seconds in want.items():
+        assert led["buckets"][bucket] == pytest.approx(seconds, abs=1e-6), (case, bucket)
+    assert led["buckets"]["restart"] > 0 and abs(sum(led["buckets"].values()) - wall) <= 0.01 * wall, case
 
 
 def assert_hang_restarted(out, step: int, rank: int, case: str, stderr: str) -> None:

@@ -63,7 +63,7 @@ class AutoRollback:
 
     def __init__(self, guard: Any, every: int | str, recovery: RecoveryConfig | None = None, keep: int = 2) -> None:
         acc = guard.accelerator
-        self.interval = auto_interval(acc, guard.run_dir) if every == "auto" else None
+        self.interval = auto_interval(acc, guard.run_dir, guard_config=guard.config) if every == "auto" else None
         if self.interval is None and (isinstance(every, (bool, float, str)) or int(every) < 1):
             raise ValueError(f"rollback_every must be a number of optimizer steps >= 1 or \"auto\", not {every!r}")
         self.guard = guard
@@ -136,7 +136,7 @@ class AutoRollback:
         # Loads in place, backs the LR off for a divergence, or raises RunAborted once the budget is spent.
         try:
             state = self.recovery.after_step(result, trajectory)
-            if state is not None:  # what the script's own hooks saved beside that checkpoint (its EMA)
+            if state is not None:  # the script's own hooks wrote files (its EMA): only they can restore them
                 self.script_state.load(state["_checkpoint"]["path"])
         except RunAborted as e:  # its message states the steps as the script numbers them (guard.numbering)
             raise self._abort(str(e), step) from None

@@ -54,17 +54,24 @@ class AutoInterval:
     The main process reads the ledger (``goodput``: a :class:`vidstab.goodput.GoodputLog`, incremental) and every
     rank takes its answer (``share``: a function sending rank 0's integer to every rank, since a save is
     collective); the interval stays within ``[floor, ceiling]`` steps and every change is logged as a
-    ``checkpoint_interval`` event with its inputs and the formula's value."""
+    ``checkpoint_interval`` event with its inputs and the formula's value.
+
+    ``lead_steps``: how many steps before a failure the detectors fire (``lead_from`` says where the figure comes
+    from). A rollback target must be older than that -- a checkpoint taken after the first warning is not healthy,
+    one taken just before it is already on the failing trajectory -- so the re-chosen interval is never shorter:
+    the floor is ``max(floor, lead_steps)`` (the first save, which measures the stall, comes after ``first``)."""
 
     def __init__(self, goodput: Any, share: Any, *, first: int, floor: int, ceiling: int,
-                 expected_mtbf_hours: float = 24.0) -> None:
+                 expected_mtbf_hours: float = 24.0, lead_steps: int = 0, lead_from: str | None = None) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"checkpoint interval bounds [{floor}, {ceiling}]: need 1 <= floor <= ceiling")
         if not expected_mtbf_hours > 0:
             raise ValueError(f"expected_mtbf_hours {expected_mtbf_hours}: must be > 0")
         self.goodput, self.share = goodput, share
-        self.floor, self.ceiling, self.expected_mtbf_hours = int(floor), int(ceiling), float(expected_mtbf_hours)
-        self.steps = min(max(int(first), self.floor), self.ceiling)
+        self.steps = min(max(int(first), int(floor)), int(ceiling))
+        self.lead_steps, self.lead_from, self.floor_configured = max(0, int(lead_steps)), lead_from, int(floor)
+        self.floor, self.ceiling, self.expected_mtbf_hours = (min(max(int(floor), self.lead_steps), int(ceiling)),
+                                                              int(ceiling), float(expected_mtbf_hours))
         self.last_saved = 0
 
     def due(self, step: int) -> bool:
@@ -84,14 +91,17 @@ class AutoInterval:
         if chosen != self.steps:
             if advice is not None:
                 events.log("checkpoint_interval", step, steps=chosen, previous=self.steps, floor=self.floor,
-                           ceiling=self.ceiling, **advice)
+                           ceiling=self.ceiling, floor_configured=self.floor_configured, lead_steps=self.lead_steps,
+                           lead_from=self.lead_from, **advice)
             self.steps = chosen
         return self.steps
 
 
 def auto_interval(accelerator: Any, run_dir: Any, *, first: int = 10, floor: int = 10, ceiling: int = 10_000,
-                  expected_mtbf_hours: float = 24.0) -> AutoInterval:
-    """An :class:`AutoInterval` over the run's ledger, rank 0's answer broadcast to every rank."""
+                  expected_mtbf_hours: float = 24.0, guard_config: Any = None) -> AutoInterval:
+    """An :class:`AutoInterval` over the run's ledger, rank 0's answer broadcast to every rank. ``guard_config``
+    (:class:`vidstab.GuardConfig`): the detectors' lead time is its ``health_window``, the steps before a failure
+    in which a warning makes a checkpoint no rollback target (:func:`lead_steps`)."""
     import torch
     from accelerate.utils import broadcast
 
@@ -103,4 +113,14 @@ def auto_interval(accelerator: Any, run_dir: Any, *, first: int = 10, floor: int
         return int(broadcast(torch.tensor([steps], device=accelerator.device), from_process=0).item())
 
     return AutoInterval(GoodputLog(accelerator, run_dir, every=0), share, first=first, floor=floor, ceiling=ceiling,
-                        expected_mtbf_hours=expected_mtbf_hours)
+                        expected_mtbf_hours=expected_mtbf_hours, lead_steps=lead_steps(guard_config),
+                        lead_from=None if guard_config is None else "health_window")
+
+
+def lead_steps(guard_config: Any) -> int:
+    """The detectors' lead time in steps, from the guard's configured windows: its ``health_window``, the span
+    before a failure within which the slow detectors' warnings (LR jump, update ratio, growth, trend) mark a
+    checkpoint as no rollback target. 0 without a guard configuration, or with the guard off."""
+    if guard_config is None or not getattr(guard_config, "enabled", True):
+        return 0
+    return max(0, int(getattr(guard_config, "health_window", 0) or 0))

@@ -422,7 +422,7 @@ class Recovery:
         choice = self._target(step)
         old_multiplier = self.lr_multiplier  # in effect at the failure
         try:
-            state = self.ckpt.load(choice, resume_event=False)  # logged below as a rollback
+            state = self.ckpt.load(choice, resume_event=False, from_memory=True)  # logged below as a rollback
         except CheckpointError as e:
             why = str(e).replace(UNVERIFIED_ADVICE, "").rstrip(".")  # a launch's way out, not a running loop's
             raise RunAborted(self._abort_message(f"rollback after the failure at {where} impossible: {why}",
@@ -467,7 +467,8 @@ class Recovery:
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed_step, incident_first_step=open_incident["first_step"],
-                  transient=open_incident.get("transient", 0), **self.numbering.fields(failed_step, failed))
+                  transient=open_incident.get("transient", 0), source=info.get("source"),
+                  restore_seconds=info.get("seconds"), **self.numbering.fields(failed_step, failed))
         if self.accelerator.is_main_process and self.form != "attached":  # one line per rollback, not one per rank
             logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (trajectory step "
                            "%d), cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,

@@ -2,7 +2,9 @@
 
 Async and sync saves, per-rank RNG restore, and a write failure on rank 1 only: both ranks must raise
 CheckpointError at the same call (no hang), earlier checkpoints stay, the next save works.
-Prints "OK rank R" on success.
+Then a rollback from the in-memory copy restores the same bits as one from the files on every rank (weights, AdamW
+moments, scheduler, replicated state, this rank's RNG); a damaged file does not matter to it, a relaunch's load
+refuses it. Prints "OK rank R MODE" on success.
 """
 
 import os
@@ -68,6 +70,79 @@ def check(out: str, mode: str) -> None:
     print(f"OK rank {acc.process_index} {mode}", flush=True)
 
 
+class Replicated:
+    def __init__(self):
+        self.state = {"lr_multiplier": 1.0, "seen": [1, 2]}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, d):
+        self.state = dict(d)
+
+
+def memory_check(out: str) -> None:
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    guard = Replicated()
+
+    def train(steps):
+        for _ in range(steps):
+            acc.backward(model(torch.randn(4, 8)).square().mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+    def everything():
+        st = opt.state_dict()
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in st["state"].items()},
+                st["param_groups"], sched.state_dict(), dict(guard.state), torch.get_rng_state())
+
+    def manager():
+        m = CheckpointManager(acc, out, CheckpointConfig(keep=2))
+        for name, obj in (("model", model), ("optimizer", opt), ("lr_scheduler", sched), ("vidstab", guard)):
+            m.register(name, obj)
+        return m
+
+    def diverge():
+        torch.manual_seed(50 + acc.process_index)
+        train(2)
+        guard.state = {"lr_multiplier": 0.5}
+
+    ckpt = manager()
+    torch.manual_seed(10 + acc.process_index)  # each rank its own RNG stream
+    train(3)
+    ckpt.save(3, healthy=True, trainer_state={"step": 3})
+    train(1)
+    ckpt.save(4, healthy=False, trainer_state={"step": 4})
+    ckpt.wait()
+    assert ckpt.memory.name == "step_000003", ckpt.memory.name
+    diverge()
+    assert ckpt.load("last_good", resume_event=False)["_checkpoint"]["source"] == "files"
+    want = everything()
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        path = os.path.join(out, "vidstab", "checkpoints", "step_000003", "optimizer.safetensors")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[:-8] + b"\0" * 8)
+    acc.wait_for_everyone()
+    diverge()
+    state = ckpt.load("last_good", resume_event=False, from_memory=True)
+    assert state["_checkpoint"]["source"] == "memory" and state["step"] == 3, state
+    got = everything()
+    assert all(torch.equal(got[0][k], want[0][k]) for k in want[0]), "weights"
+    assert all(torch.equal(got[1][i][k], want[1][i][k]) for i in want[1] for k in want[1][i]), "optimizer"
+    assert got[2:5] == want[2:5], "param groups, scheduler, replicated state"
+    assert torch.equal(got[5], want[5]), "RNG"
+    try:
+        manager().load("last_good", from_memory=True)  # a relaunch: no copy, the files are verified
+        raise SystemExit("the relaunch loaded a damaged checkpoint")
+    except CheckpointError as e:
+        assert "optimizer.safetensors" in str(e) or not acc.is_main_process, e  # the main process verified it
+    print(f"OK rank {acc.process_index} memory", flush=True)
+
+
 for mode in ("async", "sync"):
     check(os.path.join(sys.argv[1], mode), mode)
+memory_check(os.path.join(sys.argv[1], "memory"))
 acc.end_training()

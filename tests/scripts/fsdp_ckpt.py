@@ -5,7 +5,8 @@
 - ``save2`` (2 processes, FSDP2 on a gloo CPU mesh): train, save sync and async, check that every rank
   wrote its own shard and that the state loads back bitwise (model, optimizer by parameter name, scheduler,
   JSON object); that an async save holds the state of its call; that a model of another shape is refused
-  naming the parameter; that an async save with a NaN in one rank's shard at its call is unhealthy.
+  naming the parameter; that an async save with a NaN in one rank's shard at its call is unhealthy; that a
+  rollback from the in-memory copy restores the bits of one from the files, a damaged shard file notwithstanding.
   Writes ``OUT/full-2.safetensors`` (full weights and optimizer moments).
 - ``load1`` (1 process, a plain unsharded model): load that checkpoint (DCP reshards 2 -> 1), compare with
   ``full-2``, train a step, save (sharded) -> ``OUT/full-1.safetensors``.
@@ -166,6 +167,31 @@ def main() -> None:
             assert man["params_finite"] is False and man["healthy"] is False, man
             assert json.load(open(os.path.join(root, "step_000003", "manifest.json")))["params_finite"] is True
             assert open(os.path.join(root, "last_good")).read().strip() == "step_000003"
+        # A rollback from the in-memory copy (each rank's staged shards) restores the bits one from the files
+        # does; a damaged shard file does not matter to it.
+        ck5 = manager(acc, os.path.join(out, "mem"), model, opt, sched, js, async_save=True)
+        step(model, opt, sched, 5)
+        ck5.save(5)
+        step(model, opt, sched, 6)
+        ck5.save(6, healthy=False)
+        ck5.wait()
+        assert ck5.memory.name == "step_000005" and ck5.memory.staged is not None, ck5.memory.name
+        step(model, opt, sched, 7)
+        assert ck5.load("last_good", resume_event=False)["_checkpoint"]["source"] == "files"
+        want5, lr5, js5, rng5 = full(model, opt), sched.get_last_lr(), dict(js.state), torch.get_rng_state()
+        acc.wait_for_everyone()
+        if rank == 0:
+            dcp_dir = os.path.join(out, "mem", "vidstab", "checkpoints", "step_000005", "dcp")
+            shard = os.path.join(dcp_dir, sorted(os.listdir(dcp_dir))[0])
+            data = open(shard, "rb").read()
+            open(shard, "wb").write(data[:-8] + b"\0" * 8)
+        acc.wait_for_everyone()
+        step(model, opt, sched, 8)
+        js.state = {"lr_multiplier": 0.1}
+        assert ck5.load("last_good", resume_event=False, from_memory=True)["_checkpoint"]["source"] == "memory"
+        same(full(model, opt), want5, "rollback from memory")
+        assert sched.get_last_lr() == lr5 and js.state == js5 and torch.equal(torch.get_rng_state(), rng5)
+        print(f"OK memory rank {rank}", flush=True)
     elif mode == "load1":
         ckpt = manager(acc, os.path.join(out, "two"), model, opt, sched, js, sharded=True, async_save=False)
         assert ckpt.load("latest")["_checkpoint"]["step"] == 3

@@ -17,6 +17,8 @@ The package, one concern per file (see ``docs/ARCHITECTURE.md``):
   RNG per rank (single process and DDP).
 - :mod:`.dcp_backend` -- the sharded backend: FSDP2 models and their optimizers through
   ``torch.distributed.checkpoint`` (every rank writes its own safetensors shards; reshards on load).
+- :mod:`.memory_copy` -- the newest healthy checkpoint's host copy (the buffers its save was written from),
+  from which an in-place rollback restores instead of reading the files back.
 - :mod:`.consistency` -- replicated state (guard, scheduler, trainer state) identical on every rank after
   a load: hashed, compared, repaired from rank 0 or refused.
 - :mod:`.manager` -- :class:`CheckpointManager`, which owns every collective, so all ranks agree on a

@@ -53,6 +53,14 @@ class CheckpointConfig:
     """Load a floating-point tensor whose dtype differs from what its receiver (model parameter, optimizer
     state, EMA, ...) holds, casting it and logging each cast (e.g. a precision change between runs). Default:
     refuse the checkpoint, naming the tensor. Shapes, and integer or bool dtypes, are never cast."""
+    rollback_memory_budget_bytes: int | None = None
+    """Keep the newest healthy checkpoint's state in host memory as well (the buffers its save was written from,
+    pinned where CUDA), up to this many bytes per process, so that a rollback to it restores from memory instead
+    of reading and verifying its files; the files stay the source of truth for a relaunch. None: an eighth of the
+    machine's memory shared by the node's processes; 0: off. Costs one more host copy of the state beside the
+    async save's. Full-state (single process, DDP) and async sharded (FSDP2: each rank's shards as staged)
+    checkpoints; synchronous sharded and DeepSpeed checkpoints roll back from their files, and a state over the
+    budget too: the first such rollback says so in one line."""
     rank_timeout_s: float = 1800.0
     """How long the writer waits for a rank that is alive but has not finished writing (its collectives'
     timeout) before giving up on a checkpoint. A rank that dies is noticed within seconds regardless."""

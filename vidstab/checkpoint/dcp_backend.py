@@ -32,7 +32,9 @@ import torch
 from .. import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
 from .full_state import FullStateBackend
+from ..signals import local_tensor
 from .layout import file_stem
+from .memory_copy import held_tensors
 from .writer import FileSpec
 
 __all__ = ["ShardedBackend", "DCP_DIR", "SHARDED_INDEX", "has_dtensor_params", "is_optimizer"]
@@ -308,32 +310,43 @@ class ShardedBackend(FullStateBackend):
         return tensors, rest
 
     # ------------------------------------------------------------------ save
-    def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict) -> list[FileSpec]:
+    def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict, mirror: bool = False) -> list[FileSpec]:
         """This rank's small files, plus one :class:`FileSpec` named :data:`DCP_DIR` whose ``sharded`` state
-        the manager hands to DCP (staged to host memory by ``dcp.async_save`` for an async save)."""
+        the manager hands to DCP (staged to host memory by ``dcp.async_save`` for an async save). ``mirror``: the
+        replicated files on every rank too (``write=False`` where another rank writes them), for its in-memory copy."""
         tensors, rest = self._dcp_state(objects)
         files: list[FileSpec] = []
-        if self.is_main:
+        if self.is_main or mirror:
             index = {}
             for n, sd in tensors.items():
                 for k, v in sd.items():
                     index[f"{n}.{k}"] = {"object": n, "shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
             files.append(FileSpec(SHARDED_INDEX, data=sio.dumps({"dir": DCP_DIR, "format": "dcp-huggingface-safetensors",
-                                                                 "keys": index})))
+                                                                 "keys": index}), write=self.is_main))
             for n, structure in rest.items():
-                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
+                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure), write=self.is_main))
             for n, obj in objects.items():
                 if isinstance(obj, torch.nn.Module) or n in rest:
                     continue
                 ts, structure = sio.flatten(obj.state_dict(), prefix="t")
-                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure)))
+                files.append(FileSpec(f"{file_stem(n)}.json", data=sio.dumps(structure), write=self.is_main))
                 if ts:
-                    files.append(FileSpec(f"{file_stem(n)}.safetensors",
+                    files.append(FileSpec(f"{file_stem(n)}.safetensors", write=self.is_main,
                                           tensors={k: v.detach().clone() if copy else v.detach() for k, v in ts.items()}))
         clone = (lambda f, k, t: t.detach().clone()) if copy else (lambda f, k, t: t)
-        files += self.common_files(trainer_state, clone)
+        files += self.common_files(trainer_state, clone, mirror)
         files.append(FileSpec(DCP_DIR, sharded=tensors))
         return files
+
+    def stage_into(self, choose) -> None:
+        """Before an async save: ``choose(buffers)`` says which staging buffers it may write into (None: new ones;
+        the in-memory copy keeps the last healthy save's)."""
+        if self._stager is not None:
+            self._stager.cache = choose(self._stager.cache)
+
+    def staged(self) -> dict | None:
+        """The state the last async save staged in host memory (this rank's shards)."""
+        return self._stager.cache if self._stager is not None else None
 
     def staged_finite(self, models: list[str]) -> bool:
         """Whether the floating tensors of ``models`` in the last async save's staged copy are all finite
@@ -396,8 +409,6 @@ class ShardedBackend(FullStateBackend):
         return not f.startswith(DCP_DIR + "/")
 
     def decode(self, ckpt: str, raw: dict[str, bytes], objects: dict[str, Any]) -> dict:
-        from safetensors.torch import load as st_load
-
         out: dict[str, Any] = {"objects": {}, "index": sio.loads(raw[SHARDED_INDEX], SHARDED_INDEX)["keys"]}
         through_dcp = {e["object"] for e in out["index"].values()}
         for n, obj in objects.items():
@@ -410,7 +421,7 @@ class ShardedBackend(FullStateBackend):
                 out["objects"][n] = structure  # its tensors come from DCP (apply)
             else:
                 stem = file_stem(n)
-                tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
+                tensors = held_tensors(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
                 state = sio.unflatten(structure, tensors)
                 out["objects"][n] = self.check_types(ckpt, n, obj, state) if tensors else state
         out.update(self.decode_common(raw, ckpt))
@@ -419,8 +430,8 @@ class ShardedBackend(FullStateBackend):
 
     def apply(self, payload: dict, objects: dict[str, Any], path: str = "", group=None) -> None:
         """Check every parameter's name and shape against the checkpoint, then ``dcp.load`` (all ranks
-        together; DCP reshards to this world size) and load the models, optimizers and other objects."""
-        import torch.distributed.checkpoint as dcp
+        together; DCP reshards to this world size), or copy them from the in-memory copy (``payload["staged"]``),
+        and load the models, optimizers and other objects."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         ckpt, index = payload["ckpt"], payload["index"]
@@ -439,6 +450,34 @@ class ShardedBackend(FullStateBackend):
                        if e["object"] in targets and k[len(e["object"]) + 1:] not in targets[e["object"]])
         if extra:
             raise CheckpointError(f"{ckpt}: saved state this run has no place for: {extra[:5]}")
+        if payload.get("staged") is not None:  # the in-memory copy: this rank's shards as staged, same mesh
+            self._copy_staged(payload["staged"], targets)
+        else:
+            self._load_files(ckpt, path, index, targets, group)
+        for n, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                set_model_state_dict(self.accelerator.unwrap_model(obj), targets[n])
+            elif is_optimizer(obj):
+                _, model = self._model_of(objects, obj)
+                flat = {**payload["objects"][n], **targets[n]}
+                set_optimizer_state_dict(model, _inner_optimizer(obj), flat, options=_options())
+            elif n in targets:  # an object holding DTensors (EMA of sharded weights): DCP loaded them in place
+                obj.load_state_dict(sio.unflatten(payload["objects"][n], targets[n]))
+            else:
+                obj.load_state_dict(payload["objects"][n])
+        self.apply_common(payload)
+
+    @staticmethod
+    def _copy_staged(staged: dict, targets: dict) -> None:
+        """Each target's local shard from the in-memory copy (saved by this rank, in this process: same sharding)."""
+        for n, sd in targets.items():
+            for k, v in sd.items():
+                local_tensor(v).copy_(local_tensor(staged[n][k]))
+
+    def _load_files(self, ckpt: str, path: str, index: dict, targets: dict, group) -> None:
+        """``dcp.load`` of the checkpoint's shards into ``targets`` (all ranks together; DCP reshards)."""
+        import torch.distributed.checkpoint as dcp
+
         reader = _reader(os.path.join(path, DCP_DIR), index)
         try:
             _check_coverage(ckpt, os.path.join(path, DCP_DIR), reader, targets)
@@ -456,15 +495,3 @@ class ShardedBackend(FullStateBackend):
         if error is not None:
             raise error
         dcp.load(targets, storage_reader=reader, process_group=group, no_dist=group is None)
-        for n, obj in objects.items():
-            if isinstance(obj, torch.nn.Module):
-                set_model_state_dict(self.accelerator.unwrap_model(obj), targets[n])
-            elif is_optimizer(obj):
-                _, model = self._model_of(objects, obj)
-                flat = {**payload["objects"][n], **targets[n]}
-                set_optimizer_state_dict(model, _inner_optimizer(obj), flat, options=_options())
-            elif n in targets:  # an object holding DTensors (EMA of sharded weights): DCP loaded them in place
-                obj.load_state_dict(sio.unflatten(payload["objects"][n], targets[n]))
-            else:
-                obj.load_state_dict(payload["objects"][n])
-        self.apply_common(payload)

@@ -25,8 +25,9 @@ import torch
 from .. import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
 from .dtypes import check_like, log_casts, optimizer_expectation
-from .frozen import FROZEN_KEY, FingerprintCache, check_frozen, frozen_keys, read_header_metadata
+from .frozen import FROZEN_KEY, FingerprintCache, check_frozen, frozen_keys
 from .layout import file_stem
+from .memory_copy import held_metadata, held_tensors
 from .writer import FileSpec
 
 __all__ = ["FullStateBackend", "rng_state", "set_rng_state"]
@@ -50,9 +51,10 @@ class FullStateBackend:
         self.frozen = FingerprintCache()
 
     # ------------------------------------------------------------------ save
-    def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict) -> list[FileSpec]:
+    def snapshot(self, objects: dict[str, Any], copy: bool, trainer_state: dict, mirror: bool = False) -> list[FileSpec]:
         """This rank's files of the checkpoint. ``copy``: into host buffers the loop may not change (async
-        save); otherwise the tensors may alias live state (written before the loop continues)."""
+        save); otherwise the tensors may alias live state (written before the loop continues). ``mirror``: the
+        replicated files too on every rank (``write=False`` where another rank writes them), for its in-memory copy."""
         files: list[FileSpec] = []
         pinned = copy and self.config.pin_memory and torch.cuda.is_available()
         on_cuda = False
@@ -79,7 +81,7 @@ class FullStateBackend:
             if isinstance(obj, torch.nn.Module):
                 # get_state_dict may be a collective (DeepSpeed ZeRO-3): every rank calls it.
                 sd = self.accelerator.get_state_dict(obj)
-                if self.is_main:
+                if self.is_main or mirror:
                     fn = f"{stem}.safetensors"
                     meta = {"format": "pt"}
                     frozen = frozen_keys(self.accelerator.unwrap_model(obj))
@@ -87,33 +89,36 @@ class FullStateBackend:
                         skip = set(frozen)
                         sd = {k: v for k, v in sd.items() if k not in skip}
                         meta[FROZEN_KEY] = json.dumps(self.frozen.get(self.accelerator.unwrap_model(obj), frozen))
-                    files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in sd.items()}, metadata=meta))
+                    files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in sd.items()}, metadata=meta,
+                                          write=self.is_main))
                 continue
-            if not self.is_main:
+            if not (self.is_main or mirror):
                 continue
             tensors, structure = sio.flatten(obj.state_dict(), prefix="t")
-            files.append(FileSpec(f"{stem}.json", data=sio.dumps(structure)))
+            files.append(FileSpec(f"{stem}.json", data=sio.dumps(structure), write=self.is_main))
             if tensors:
                 fn = f"{stem}.safetensors"
-                files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in tensors.items()}))
-        files += self.common_files(trainer_state, host)
+                files.append(FileSpec(fn, tensors={k: host(fn, k, v) for k, v in tensors.items()}, write=self.is_main))
+        files += self.common_files(trainer_state, host, mirror)
         if on_cuda:
             torch.cuda.synchronize()  # the non-blocking copies must land before the loop changes the state
         if self.config.reuse_buffers and copy:
             self._host_buffers = used
         return files
 
-    def common_files(self, trainer_state: dict, host=lambda file, key, t: t) -> list[FileSpec]:
-        """Files every backend writes: ``scaler.json`` and ``trainer.json`` (main process), this rank's RNG."""
+    def common_files(self, trainer_state: dict, host=lambda file, key, t: t, mirror: bool = False) -> list[FileSpec]:
+        """Files every backend writes: ``scaler.json`` and ``trainer.json`` (main process; every rank's copy with
+        ``mirror``, see :meth:`snapshot`), this rank's RNG."""
         files: list[FileSpec] = []
-        if self.is_main:
+        if self.is_main or mirror:
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
-                files.append(FileSpec("scaler.json", data=sio.dumps(sio.flatten(scaler.state_dict())[1])))
+                files.append(FileSpec("scaler.json", data=sio.dumps(sio.flatten(scaler.state_dict())[1]),
+                                      write=self.is_main))
             tensors, structure = sio.flatten(trainer_state)
             if tensors:
                 raise TypeError("trainer_state must be JSON-serialisable (no tensors)")
-            files.append(FileSpec("trainer.json", data=sio.dumps(structure)))
+            files.append(FileSpec("trainer.json", data=sio.dumps(structure), write=self.is_main))
         tensors, structure = sio.flatten(rng_state(), prefix="t")
         files.append(FileSpec(f"rng-rank{self.rank}.json", data=sio.dumps(structure)))
         fn = f"rng-rank{self.rank}.safetensors"
@@ -131,25 +136,23 @@ class FullStateBackend:
     def decode(self, ckpt: str, raw: dict[str, bytes], objects: dict[str, Any]) -> dict:
         """Decode the verified bytes ``raw`` of checkpoint ``ckpt``: ``{"objects", "scaler", "trainer",
         "rng"}``. Raises :class:`CheckpointError` for a state that does not fit a registered model."""
-        from safetensors.torch import load as st_load
-
         out: dict[str, Any] = {"objects": {}}
         for n, obj in objects.items():
             stem = file_stem(n)
             if isinstance(obj, torch.nn.Module):
-                meta = read_header_metadata(raw[f"{stem}.safetensors"])
+                meta = held_metadata(raw[f"{stem}.safetensors"])
                 saved = json.loads(meta[FROZEN_KEY]) if FROZEN_KEY in meta else None
                 why = check_frozen(ckpt, n, self.accelerator.unwrap_model(obj), saved, self.frozen)
                 if why:
                     raise CheckpointError(why)
-                sd = st_load(raw[f"{stem}.safetensors"])
+                sd = held_tensors(raw[f"{stem}.safetensors"], clone=False)  # load_state_dict copies
                 frozen = set(saved["keys"]) if saved else set()
                 self.check_model_keys(ckpt, n, obj, sd, frozen)
                 out["objects"][n] = sd
                 if frozen:
                     out.setdefault("frozen", {})[n] = frozen
             else:
-                tensors = st_load(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
+                tensors = held_tensors(raw[f"{stem}.safetensors"]) if f"{stem}.safetensors" in raw else {}
                 state = sio.unflatten(sio.loads(raw[f"{stem}.json"], f"{stem}.json"), tensors)
                 out["objects"][n] = self.check_types(ckpt, n, obj, state) if tensors else state
         out.update(self.decode_common(raw, ckpt))
@@ -169,13 +172,11 @@ class FullStateBackend:
     def decode_common(self, raw: dict[str, bytes], ckpt: str = "checkpoint") -> dict:
         """``scaler``, ``trainer`` and this rank's ``rng`` (checked against this process's RNG states' dtypes and
         shapes) from the verified bytes ``raw``."""
-        from safetensors.torch import load as st_load
-
         out: dict[str, Any] = {}
         out["scaler"] = sio.unflatten(sio.loads(raw["scaler.json"], "scaler.json"), {}) if "scaler.json" in raw else None
         out["trainer"] = sio.unflatten(sio.loads(raw["trainer.json"], "trainer.json"), {}) if "trainer.json" in raw else {}
         rj = f"rng-rank{self.rank}.json"
-        out["rng"] = (sio.unflatten(sio.loads(raw[rj], rj), st_load(raw[f"rng-rank{self.rank}.safetensors"]))
+        out["rng"] = (sio.unflatten(sio.loads(raw[rj], rj), held_tensors(raw[f"rng-rank{self.rank}.safetensors"]))
                       if rj in raw else None)
         if out["rng"] is not None:  # never cast: an RNG state of another dtype is another generator's
             out["rng"] = check_like(ckpt, f"rng-rank{self.rank}", out["rng"], rng_state())

@@ -37,6 +37,7 @@ from .consistency import ensure_identical
 from .dcp_backend import ShardedBackend, all_finite, has_dtensor_params, is_optimizer
 from .full_state import FullStateBackend
 from .layout import RESERVED, file_stem, rel, step_name
+from .memory_copy import MemoryCopy, default_budget_bytes
 from .reader import read_checkpoint
 from .writer import SaveJob, publish, rotate, write_files, write_manifest
 
@@ -131,6 +132,9 @@ class CheckpointManager:
         self.last_loaded: dict | None = None
         """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
         self._head: dict | None = None  # {"name", "sequence"}: what the next save's state descends from
+        budget = self.config.rollback_memory_budget_bytes
+        self.memory = None if budget == 0 else MemoryCopy(default_budget_bytes() if budget is None else budget)
+        """The newest healthy checkpoint kept in host memory for rollbacks (:mod:`.memory_copy`); None: off."""
         self.after_files_written: Callable[[int], None] | None = None
         """Called with the step on each rank once its files of a save are written, before the ranks agree
         on it (in the writer thread for async saves). For drills: ``vidstab.faults``' ``kill_in_save``
@@ -229,10 +233,24 @@ class CheckpointManager:
         finite_here = self._params_finite_here() if self.config.check_params_finite and not check_staged else True
         files = []
         error: Exception | None = None
+        # The copy kept for rollbacks is the snapshot's own host copy: full state, or an async sharded save's staging.
+        keep_copy = self.memory is not None and (backend is self.full_state or (backend is self.sharded and copy))
+        keep_copy = keep_copy and not self.memory.over_budget  # declined, said at the first rollback
+        if self.memory is not None and not keep_copy and not self.memory.over_budget:
+            self.memory.decline(f"{backend.name} checkpoints roll back from their files"
+                                + (" (a synchronous sharded save stages no host copy)" if backend is self.sharded else ""))
+        if self.memory is not None:  # this save replaces the held folder of the same step (after a rollback)
+            self.memory.drop(name)
+        kept: list = []
         if prev_err is None:  # a failed previous save is reported below: no snapshot for a save that won't happen
             try:
                 os.makedirs(self.root, exist_ok=True)  # an unwritable folder fails here, where every rank learns of it
-                files = backend.snapshot(self._objects, copy, trainer_state or {})
+                if keep_copy:  # in host buffers on every rank (the kept copy's excepted), replicated files included
+                    self.full_state._host_buffers = self.memory.reuse(self.full_state._host_buffers)
+                    kept = backend.snapshot(self._objects, True, trainer_state or {}, mirror=True)
+                    files = [f for f in kept if f.write]
+                else:
+                    files = backend.snapshot(self._objects, copy, trainer_state or {})
             except Exception as e:  # noqa: BLE001 - every rank must learn of it (below), not just this one
                 error = e
         prev_failed, nonfinite, failed, nonce = self._sum_ints(
@@ -261,8 +279,13 @@ class CheckpointManager:
             job.check_staged = [n for n, o in self._objects.items() if isinstance(o, torch.nn.Module)]
         for spec in [f for f in files if f.sharded is not None]:
             # dcp.async_save stages its host copy here (the stall) and writes in its own thread.
+            if keep_copy:
+                self.sharded.stage_into(self.memory.reuse_staged)
             job.sharded_write = self.sharded.start_write(spec, tmp_dir, self.group, copy)
             job.files.remove(spec)
+        if keep_copy:
+            self.memory.offer(name, [f for f in kept if f.sharded is None],
+                              staged=self.sharded.staged() if backend is self.sharded else None)
         if copy:
             self._job, self._job_done = job, threading.Event()
             if self._writer is None:
@@ -314,6 +337,10 @@ class CheckpointManager:
         err = job.error if job is not None else None
         if isinstance(err, _PeerLost):
             raise err  # the default group has lost the same peer: another collective would fail or hang
+        # Taken back below if another rank failed it. (An async sharded save's staged-parameter check is the main
+        # process's to know: the ranks may hold different saves, and a load uses the copy only when all hold its.)
+        if self.memory is not None and job is not None:
+            self.memory.settled(job.name, job.healthy and job.params_finite, err is None)
         return job, err
 
     def _wait_writer(self, join_deleters: bool = True) -> None:
@@ -327,6 +354,8 @@ class CheckpointManager:
     def _settle_pending(self, job: SaveJob | None, err: BaseException | None, all_ok: bool) -> None:
         """Given every rank's word on the joined job (``all_ok``): raise its error, or record its path."""
         if not all_ok:
+            if job is not None and self.memory is not None:
+                self.memory.drop(job.name)
             if job is not None and self.is_main:
                 shutil.rmtree(job.tmp_dir, ignore_errors=True)
             if err is not None:
@@ -543,7 +572,7 @@ class CheckpointManager:
                 f"verified ({listed}). Nothing was loaded and nothing in them will be overwritten.{UNVERIFIED_ADVICE}")
 
     # ------------------------------------------------------------------ load
-    def load(self, which: str = "latest", resume_event: bool = True) -> dict | None:
+    def load(self, which: str = "latest", resume_event: bool = True, from_memory: bool = False) -> dict | None:
         """Load ``"latest"``, ``"last_good"`` or a checkpoint folder into everything registered.
 
         Every file is verified (present, size, checksum) and decoded before anything is applied; an
@@ -560,12 +589,17 @@ class CheckpointManager:
         refused naming both runs unless ``CheckpointConfig.allow_other_run``; one whose folder name, manifest
         and state files disagree on the step cannot be verified (skipped, named, never overwritten). Each
         manifest is parsed once per call (:func:`~.layout.parse_once`).
+
+        ``from_memory`` (an in-place rollback): when ``which`` resolves to the checkpoint held in host memory
+        (``CheckpointConfig.rollback_memory_budget_bytes``) on every rank, its state comes from there, unread
+        from disk. The returned ``"_checkpoint"`` says which (``"source"``: ``"memory"`` or ``"files"``) and how
+        long the load took (``"seconds"``).
         """
         self._finish_pending()
         with layout.parse_once():
-            return self._load(which, resume_event)
+            return self._load(which, resume_event, from_memory)
 
-    def _load(self, which: str, resume_event: bool) -> dict | None:
+    def _load(self, which: str, resume_event: bool, from_memory: bool = False) -> dict | None:
         cands = self._candidates(which)
         if not cands and which in ("latest", "last_good"):
             unverified = layout.unverifiable(self.root)
@@ -574,6 +608,45 @@ class CheckpointManager:
             logger.info("no checkpoint under %s to resume from", self.root)
             return None
         self._check_world_size(cands)
+        started = time.perf_counter()
+        payload = self._from_memory(which, cands) if from_memory else None
+        source, path, skipped = "memory", cands[0] if cands else "", []
+        if payload is None:
+            source, (path, payload, skipped) = "files", self._read_agreed(which, cands)
+        if skipped:
+            logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
+                           path, cands[0], len(skipped))
+        # One source of truth for replicated state: what every rank read is compared (and repaired from
+        # rank 0, or refused) before anything is applied.
+        replicated = {n: payload["objects"][n] for n, o in self._objects.items()
+                      if not isinstance(o, torch.nn.Module) and not is_optimizer(o)}
+        replicated["_trainer"] = payload["trainer"]
+        replicated, repaired = ensure_identical(replicated, self.rank, self.world_size, self.group,
+                                                repair=self.config.on_replica_mismatch == "repair")
+        payload["trainer"] = replicated.pop("_trainer")
+        payload["objects"].update(replicated)
+        backend = self._backend_of(payload["manifest"])
+        if backend is self.sharded:
+            self.sharded.apply(payload, self._objects, path=path, group=self.group)
+        else:
+            backend.apply(payload, self._objects)
+        ts = dict(payload["trainer"])
+        info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped,
+                "source": source, "seconds": round(time.perf_counter() - started, 4)}
+        if repaired:
+            info["repaired_from_rank0"] = repaired
+        ts["_checkpoint"] = info
+        self.last_loaded = info
+        man = payload["manifest"]
+        self._say_whose(path, man)
+        self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
+        if resume_event:
+            log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
+                      requested=which, skipped=skipped)
+        return ts
+
+    def _read_agreed(self, which: str, cands: list[str]) -> tuple[str, dict, list[list[str]]]:
+        """The first candidate every rank verified and decoded from its files: (path, payload, skipped)."""
         skipped: list[list[str]] = []
         chosen, payload = -1, None
         if self.is_main:
@@ -609,36 +682,27 @@ class CheckpointManager:
         # Nothing is applied unless every rank read its part: no rank loads while another raises.
         if not self._all_ok(error is None):
             raise error or CheckpointError(f"{path}: another rank could not read it (see its log)")
-        if skipped:
-            logger.warning("loaded %s instead of %s (fell back past %d invalid checkpoint(s))",
-                           path, cands[0], len(skipped))
-        # One source of truth for replicated state: what every rank read is compared (and repaired from
-        # rank 0, or refused) before anything is applied.
-        replicated = {n: payload["objects"][n] for n, o in self._objects.items()
-                      if not isinstance(o, torch.nn.Module) and not is_optimizer(o)}
-        replicated["_trainer"] = payload["trainer"]
-        replicated, repaired = ensure_identical(replicated, self.rank, self.world_size, self.group,
-                                                repair=self.config.on_replica_mismatch == "repair")
-        payload["trainer"] = replicated.pop("_trainer")
-        payload["objects"].update(replicated)
-        backend = self._backend_of(payload["manifest"])
-        if backend is self.sharded:
-            self.sharded.apply(payload, self._objects, path=path, group=self.group)
-        else:
-            backend.apply(payload, self._objects)
-        ts = dict(payload["trainer"])
-        info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped}
-        if repaired:
-            info["repaired_from_rank0"] = repaired
-        ts["_checkpoint"] = info
-        self.last_loaded = info
-        man = payload["manifest"]
-        self._say_whose(path, man)
-        self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
-        if resume_event:
-            log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
-                      requested=which, skipped=skipped)
-        return ts
+        return path, payload, skipped
+
+    def _from_memory(self, which: str, cands: list[str]) -> dict | None:
+        """The decoded in-memory copy of ``cands[0]`` when every rank holds it (one all-reduce), else None."""
+        if self.memory is None:
+            return None
+        payload = None
+        raw = self.memory.payload(cands[0]) if cands else None
+        if raw is not None:
+            try:
+                man = layout.read_manifest(cands[0])
+                payload = {"manifest": man, "staged": self.memory.staged,
+                           **self._backend_of(man).decode(os.path.basename(os.path.normpath(cands[0])), raw, self._objects)}
+            except CheckpointError as e:
+                logger.warning("the in-memory copy of %s is not used: %s", cands[0], e)
+                payload = None
+        if self._sum_ints([payload is None])[0]:
+            if self.accelerator.is_main_process:
+                self.memory.say_once(which)
+            return None
+        return payload
 
     def _say_whose(self, path: str, man: dict) -> None:
         """Warn (once per manager) when the loaded checkpoint is not known to be this run's."""

@@ -53,6 +53,8 @@ class FileSpec:
     """safetensors header metadata."""
     sharded: dict | None = None
     """-> tensors/DTensors handed to DCP by the sharded backend (a folder, not one file)."""
+    write: bool = True
+    """False: a replicated file another rank writes, staged here only for this rank's in-memory copy."""
 
 
 @dataclass

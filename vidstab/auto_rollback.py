@@ -59,16 +59,19 @@ class AutoRollback:
             ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
         recovery: the retry budget, LR back-off and what counts as one incident (:class:`~vidstab.RecoveryConfig`).
         keep: rollback checkpoints kept (the newest healthy one is kept apart from these).
+        memory_budget_bytes: ``CheckpointConfig.rollback_memory_budget_bytes`` of the rollback checkpoints.
     """
 
-    def __init__(self, guard: Any, every: int | str, recovery: RecoveryConfig | None = None, keep: int = 2) -> None:
+    def __init__(self, guard: Any, every: int | str, recovery: RecoveryConfig | None = None, keep: int = 2,
+                 memory_budget_bytes: int | None = None) -> None:
         acc = guard.accelerator
         self.interval = auto_interval(acc, guard.run_dir, guard_config=guard.config) if every == "auto" else None
         if self.interval is None and (isinstance(every, (bool, float, str)) or int(every) < 1):
             raise ValueError(f"rollback_every must be a number of optimizer steps >= 1 or \"auto\", not {every!r}")
         self.guard = guard
         self.every = every if self.interval is not None else int(every)
-        self.ckpt = CheckpointManager(acc, str(guard.run_dir), CheckpointConfig(subdir=ROLLBACK_SUBDIR, keep=keep))
+        config = CheckpointConfig(subdir=ROLLBACK_SUBDIR, keep=keep, rollback_memory_budget_bytes=memory_budget_bytes)
+        self.ckpt = CheckpointManager(acc, str(guard.run_dir), config)
         # The scheduler, the loop's counters and the data are not rolled back: only what the step changed, and what
         # the script itself checkpoints (register_for_checkpointing objects; its save/load-state hooks: ScriptState).
         for name, obj in (("model", guard.model), ("optimizer", guard.optimizer), ("vidstab", guard)):

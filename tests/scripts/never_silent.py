@@ -48,7 +48,9 @@ def main() -> None:
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
     loader = torch.utils.data.DataLoader([{"x": torch.randn(4)} for _ in range(4 * args.steps)], batch_size=2)
     model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, lr_scheduler)
-    guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=out, rollback_every=4)
+    guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=out, rollback_every=4,
+                           # the drill damages the files: without the host copy a rollback must read them
+                           rollback_memory_budget_bytes=0 if args.corrupt_at >= 0 else None)
 
     global_step = 0
     for batch in loader:

@@ -470,7 +470,8 @@ def stats_stop(summary: Sequence[float], layout: signals.Layout) -> bool:
     return summary[layout.stop] > 0
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None,
-           *guard_args: Any, rollback_every: int | str | None = None, recovery: Any = None, **guard_kwargs: Any) -> Guard:
+           *guard_args: Any, rollback_every: int | str | None = None, recovery: Any = None,
+           rollback_memory_budget_bytes: int | None = None, **guard_kwargs: Any) -> Guard:
     """Attach a :class:`Guard` to prepared Accelerate objects and guard the loop as it is.
 
     Takes exactly :class:`Guard`'s arguments (``config``, ``run_dir``, ``model_spec``, ``seed``,
@@ -486,13 +487,16 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`);
     ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
     ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
-    (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only).
+    (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only). ``rollback_memory_budget_bytes``: the host
+    memory per process for the copy of the newest healthy rollback checkpoint that in-place rollbacks restore from
+    (``CheckpointConfig.rollback_memory_budget_bytes``: None the default share, 0 off: rollbacks read the files).
 
     Attaching again to the same optimizer returns the guard already attached (until it is detached).
     """
-    if recovery is not None and not rollback_every:
-        raise ValueError("attach(..., recovery=RecoveryConfig(...)) configures the automatic rollback: pass "
-                         "rollback_every=N with it (the explicit form passes it to vidstab.Recovery)")
+    if (recovery is not None or rollback_memory_budget_bytes is not None) and not rollback_every:
+        given = "recovery=RecoveryConfig(...)" if recovery is not None else "rollback_memory_budget_bytes=..."
+        raise ValueError(f"attach(..., {given}) configures the automatic rollback: pass rollback_every=N with it (the "
+                         "explicit form passes it to vidstab.Recovery or CheckpointConfig)")
     existing = getattr(optimizer, ATTACHED_ATTR, None)
     if isinstance(existing, Guard) and existing.accelerator is accelerator and existing.model is model:
         return existing
@@ -513,7 +517,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     if rollback_every:
         from ..auto_rollback import AutoRollback
 
-        guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery)
+        guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery,
+                                           memory_budget_bytes=rollback_memory_budget_bytes)
     from ..script_state import hold_emas
 
     hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step

@@ -7,8 +7,19 @@ each costs ``--restart-seconds`` and the work since the last save. ``auto`` is t
 fed the run's events as they happen, starting from ``--prior-hours``. Printed: the ETTR of each configuration,
 the interval ``auto`` settled on and the formula's value for the true inputs. Last line: one JSON object.
 
+``--real``: the same comparison on real runs. The reference trainer (``recipes/train.py``, tiny settings, 2 CPU
+processes) runs under the documented elastic launch (``accelerate launch --rdzv_backend c10d --max_restarts N``,
+tests/test_resilience.py's ``launch_cmd``) once per interval, and the benchmark SIGKILLs rank 1 on one seeded
+schedule: attempt ``i`` is killed once it has executed ``gap[i]`` steps (gaps exponential of mean
+``--kill-every-steps``: failures at a known rate per step of compute, the same for every configuration, and
+unmoved by the shared machine's load, which changes the seconds a step takes from run to run). The
+trainer's own ``kill`` fault fires once per launch and never in a restart, so the schedule's kills come from
+outside, with the same signal. Each row's ETTR and buckets are its run's ledger (``vidstab goodput RUN --json``);
+``auto``'s row adds the interval it settled on and the formula's value for its run's measured inputs.
+
     python benchmarks/bench_goodput.py                   # the CPU drill's measured costs (tests/test_goodput.py)
     python benchmarks/bench_goodput.py --quick           # 5,000 steps
+    python benchmarks/bench_goodput.py --real            # real runs and real kills (minutes)
 """
 
 from __future__ import annotations
@@ -16,11 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from vidstab.checkpoint_interval import AutoInterval, optimal_interval_seconds  # noqa: E402
 from vidstab.goodput import LedgerBuilder  # noqa: E402
@@ -94,6 +110,170 @@ def compare(steps: int, step_s: float, save_s: float, restart_s: float, mtbf_s: 
             "auto_interval_vs_formula": rows["auto"]["interval"] / formula}
 
 
+def kill_gaps(mean_steps: float, seed: int, count: int) -> list[int]:
+    """Steps each attempt executes before its rank 1 is killed (the schedule; at least 1)."""
+    rng = random.Random(seed)
+    return [max(1, round(rng.expovariate(1.0 / mean_steps))) for _ in range(count)]
+
+
+class _NewLines:
+    """The complete lines appended to a JSONL file since the last call (a killed writer may leave a torn one)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def __call__(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+def _worker(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's live worker process of ``rank`` (torch elastic sets RANK in its environment)."""
+    import psutil
+
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and child.status() != psutil.STATUS_ZOMBIE:
+                return child.pid
+        except psutil.Error:
+            pass
+    return None
+
+
+def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: float | None,
+             timeout: float) -> dict:
+    """One launch of the reference trainer, its rank 1 killed on the schedule ``gaps``; returns its ledger row."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_resilience import launch_cmd, launch_env
+
+    args = ["--max_train_steps", str(steps), "--checkpointing_steps", every, "--goodput_steps", "0"]
+    if prior_hours is not None:
+        args += ["--expected_mtbf_hours", str(prior_hours)]
+    cmd = launch_cmd(out, *args, max_restarts=len(gaps) + 1, resume=False)
+    log = out.parent / f"{out.name}.log"
+    deadline, kills, starts, done, last_step = time.monotonic() + timeout, [], 0, 0, -1
+    new_lines = _NewLines(out / "vidstab" / "events-rank0.jsonl")
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"every {every}: still running after {timeout:.0f} s (log: {log})")
+                for e in new_lines():
+                    if e.get("kind") == "start":
+                        starts, done = starts + 1, 0
+                    elif e.get("kind") == "metrics":
+                        last_step = max(last_step, int(e["step"]))
+                        done += starts == len(kills) + 1  # a step of the attempt the next kill is for
+                training = last_step < steps - 1  # no kill once the last step is done: the run is ending
+                if training and len(kills) < len(gaps) and done >= gaps[len(kills)]:
+                    pid = _worker(proc.pid, 1)
+                    if pid is not None:
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append({"time": time.time(), "at_step": last_step, "attempt_steps": done})
+                        done = 0
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"every {every}: the launch exited {proc.returncode}; see {log}")
+    cli = subprocess.run([sys.executable, "-m", "vidstab", "goodput", str(out), "--json"], cwd=REPO,
+                         capture_output=True, text=True, check=True)
+    led = json.loads(cli.stdout)
+    changes = [e for e in _NewLines(out / "vidstab" / "events-rank0.jsonl")() if e.get("kind") == "checkpoint_interval"]
+    formula = led["interval"]
+    return {"ettr": led["ettr"], "wall_seconds": led["wall_seconds"], "buckets": led["buckets"],
+            "steps": led["steps"], "restarts": led["restarts"], "kills": len(kills),
+            "killed_at_steps": [k["at_step"] for k in kills],
+            "interval": changes[-1]["steps"] if changes else None,
+            "interval_changes": [(e["step"], e["steps"]) for e in changes],
+            "formula_steps": None if formula is None else formula["interval_steps"], "measured": formula}
+
+
+def compare_real(steps: int, fixed: list[int], mean_gap: float, seed: int, priors: list[float | None],
+                 work: Path, timeout: float) -> dict:
+    """Every fixed interval, then ``auto`` with each prior (None: the trainer's default), on one kill schedule."""
+    import shutil
+
+    gaps = kill_gaps(mean_gap, seed, 20)
+    work.mkdir(parents=True, exist_ok=True)
+    runs = [(str(k), str(k), None) for k in fixed] + [
+        ("auto" if prior is None else f"auto, prior {prior:g} h", "auto", prior) for prior in priors]
+    rows = {}
+    for name, every, prior in runs:
+        out = work / f"every-{len(rows)}"
+        shutil.rmtree(out, ignore_errors=True)
+        started = time.monotonic()
+        rows[name] = real_run(out, every, steps, gaps, prior, timeout)
+        rows[name]["run_seconds"] = time.monotonic() - started
+        _print_real_row(name, rows[name])
+    best = max((r["ettr"], k) for k, r in rows.items() if not k.startswith("auto"))
+    schedule = schedule_formula_steps(rows, mean_gap)
+    autos = {k: {"minus_best_points": 100 * (r["ettr"] - best[0]), "interval": r["interval"],
+                 "formula_steps": r["formula_steps"],
+                 "interval_vs_formula": r["interval"] / r["formula_steps"] if r["interval"] and r["formula_steps"]
+                 else None, "interval_vs_schedule_formula": r["interval"] / schedule if r["interval"] else None}
+             for k, r in rows.items() if k.startswith("auto")}
+    return {"rows": rows, "kill_gap_steps": gaps, "best_fixed": best[1], "best_fixed_ettr": best[0],
+            "schedule_formula_steps": schedule, "auto": autos}
+
+
+def schedule_formula_steps(rows: dict, mean_gap: float) -> float:
+    """The formula's interval in steps for the schedule's true failure rate and the costs pooled over every run
+    (mean save stall, step and failure cost measured by the ledgers): a failure every ``mean_gap`` steps of
+    compute, so the time between failures is those steps plus the failure's own cost."""
+    measured = [r["measured"] for r in rows.values() if r["measured"]]
+    failed = [m["restart_seconds"] for m in measured if m["failures"]]
+    save = sum(m["save_seconds"] for m in measured) / len(measured)
+    step = sum(m["step_seconds"] for m in measured) / len(measured)
+    restart = sum(failed) / len(failed) if failed else 0.0
+    return optimal_interval_seconds(save, mean_gap * step + restart, restart) / step
+
+
+def _print_real_row(every: str, r: dict) -> None:
+    b = r["buckets"]
+    print(f"every {every:>18}: ETTR {100 * r['ettr']:6.2f}%  wall {r['wall_seconds']:6.1f} s  kills {r['kills']}  "
+          f"productive {b['productive']:5.1f}  checkpoint {b['checkpoint']:4.1f}  rework {b['rework']:5.1f}  "
+          f"restart+startup {b['restart'] + b['startup']:5.1f} s  formula {r['formula_steps']} steps"
+          + (f"  (settled on {r['interval']} steps; changes {r['interval_changes']})"
+             if every.startswith("auto") else ""),
+          flush=True)
+
+
+def main_real(args) -> int:
+    started = time.monotonic()
+    priors = [None, *(args.prior_hours_real or [])]
+    r = compare_real(args.steps, args.fixed, args.kill_every_steps, args.seed, priors, Path(args.work),
+                     args.timeout)
+    print(f"kill schedule (steps each attempt executes before its kill): {r['kill_gap_steps']}")
+    for name, a in r["auto"].items():
+        ratio = a["interval_vs_formula"]
+        print(f"{name}: settled on {a['interval']} steps, the formula for its run's measured inputs "
+              f"{a['formula_steps']} steps ({'n/a' if ratio is None else f'{ratio:.2f}x'}); minus best fixed "
+              f"(every {r['best_fixed']}) = {a['minus_best_points']:+.2f} points; the formula for the schedule's "
+              f"true rate and the pooled costs: {r['schedule_formula_steps']:.0f} steps "
+              f"({a['interval_vs_schedule_formula'] or float('nan'):.2f}x)")
+    print(f"{time.monotonic() - started:.0f} s")
+    print(json.dumps({"inputs": {**vars(args)}, "seconds": time.monotonic() - started, **r}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20_000)
@@ -105,7 +285,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed", type=int, nargs="+", default=[5, 20, 100, 500])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="5,000 steps")
+    real = p.add_argument_group("--real: real runs and real kills")
+    real.add_argument("--real", action="store_true", help="run the reference trainer instead of the simulation")
+    real.add_argument("--kill-every-steps", type=float, default=400.0,
+                      help="mean steps an attempt executes before the schedule kills it")
+    real.add_argument("--prior-hours-real", type=float, nargs="+", default=None,
+                      help="besides auto with the trainer's default prior, auto with each of these "
+                           "--expected_mtbf_hours")
+    real.add_argument("--work", default="/tmp/bench_goodput_real", help="where the real runs' folders go")
+    real.add_argument("--timeout", type=float, default=400.0, help="seconds one real run may take")
     args = p.parse_args(argv)
+    if args.real:
+        if "--steps" not in (argv if argv is not None else sys.argv):
+            args.steps = 1200
+        if "--fixed" not in (argv if argv is not None else sys.argv):
+            args.fixed = [20, 100, 400]
+        return main_real(args)
     steps = 5_000 if args.quick else args.steps
     r = compare(steps, args.step_seconds, args.save_seconds, args.restart_seconds, 3600.0 * args.mtbf_hours,
                 args.prior_hours, args.fixed, args.seed)

@@ -19,7 +19,9 @@ outside, with the same signal. Each row's ETTR and buckets are its run's ledger 
 
     python benchmarks/bench_goodput.py                   # the CPU drill's measured costs (tests/test_goodput.py)
     python benchmarks/bench_goodput.py --quick           # 5,000 steps
-    python benchmarks/bench_goodput.py --real            # real runs and real kills (minutes)
+    python benchmarks/bench_goodput.py --real            # real runs: 1,200 steps, every 20/100/400 and auto,
+                                                         # a kill every 400 steps (about 7 min on 2 CPU cores)
+    python benchmarks/bench_goodput.py --real --prior-hours-real 0.0025   # and auto with that prior
 """
 
 from __future__ import annotations

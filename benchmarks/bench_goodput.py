@@ -20,7 +20,7 @@ outside, with the same signal. Each row's ETTR and buckets are its run's ledger 
     python benchmarks/bench_goodput.py                   # the CPU drill's measured costs (tests/test_goodput.py)
     python benchmarks/bench_goodput.py --quick           # 5,000 steps
     python benchmarks/bench_goodput.py --real            # real runs: 1,200 steps, every 20/100/400 and auto,
-                                                         # a kill every 400 steps (about 7 min on 2 CPU cores)
+                                                         # a kill every 400 steps (about 8 min on 2 CPU cores)
     python benchmarks/bench_goodput.py --real --prior-hours-real 0.0025   # and auto with that prior
 """
 
@@ -278,13 +278,13 @@ def main_real(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20_000)
+    p.add_argument("--steps", type=int, default=None, help="default: 20,000 (--real: 1,200)")
     p.add_argument("--step-seconds", type=float, default=0.09, help="a productive step (default: the drill's)")
     p.add_argument("--save-seconds", type=float, default=0.07, help="the save stall (default: the drill's)")
     p.add_argument("--restart-seconds", type=float, default=22.0, help="cost of a failure (default: the drill's)")
     p.add_argument("--mtbf-hours", type=float, default=0.25, help="mean time between failures of the job")
     p.add_argument("--prior-hours", type=float, default=24.0, help="auto's prior MTBF (expected_mtbf_hours)")
-    p.add_argument("--fixed", type=int, nargs="+", default=[5, 20, 100, 500])
+    p.add_argument("--fixed", type=int, nargs="+", default=None, help="default: 5 20 100 500 (--real: 20 100 400)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="5,000 steps")
     real = p.add_argument_group("--real: real runs and real kills")
@@ -298,11 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--timeout", type=float, default=400.0, help="seconds one real run may take")
     args = p.parse_args(argv)
     if args.real:
-        if "--steps" not in (argv if argv is not None else sys.argv):
-            args.steps = 1200
-        if "--fixed" not in (argv if argv is not None else sys.argv):
-            args.fixed = [20, 100, 400]
+        args.steps, args.fixed = args.steps or 1200, args.fixed or [20, 100, 400]
         return main_real(args)
+    args.steps, args.fixed = args.steps or 20_000, args.fixed or [5, 20, 100, 500]
     steps = 5_000 if args.quick else args.steps
     r = compare(steps, args.step_seconds, args.save_seconds, args.restart_seconds, 3600.0 * args.mtbf_hours,
                 args.prior_hours, args.fixed, args.seed)

@@ -59,7 +59,7 @@ def test_a_quarantine_list_beyond_its_caps_is_refused_unread_in_bounded_memory(t
     done, rss = cli("quarantine", str(run))
     no_traceback(done)
     assert done.returncode == 2 and "more than the 67108864 allowed (VIDSTAB_MAX_QUARANTINE_BYTES)" in done.stderr
-    assert 0 < rss < 1000, f"vidstab quarantine grew to {rss} MiB"  # (the peak includes pytest's: fork carries it)
+    assert 0 < rss < 1000, f"vidstab quarantine grew to {rss} MiB"  # this process's own peak (VmHWM)
     # Under a lower cap a small list is refused alike; under its cap it is read line by line.
     path.write_text(GOOD * 100)
     monkeypatch.setenv("VIDSTAB_MAX_QUARANTINE_BYTES", "1000")

@@ -69,3 +69,55 @@ def nan_batch_rank1_run(tmp_path_factory):
                     nproc=2, html_report=True)
 
     return shared_run(tmp_path_factory, "nan_batch_rank1", build) / "run"
+
+
+
+# ---------------------------------------------------------------- CPU seconds per test
+# CI is CPU-bound on its two cores, so what to share or shorten is read off CPU seconds (this process and every
+# subprocess it waited for: the launchers and their ranks), not off wall time, which a sleeping test inflates.
+def _cpu_seconds() -> float:
+    import resource
+
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+def _add_cpu_seconds(item):
+    before = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        item.user_properties.append(("cpu_seconds", _cpu_seconds() - before))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _add_cpu_seconds(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _add_cpu_seconds(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _add_cpu_seconds(item))
+
+
+_CPU_BY_TEST: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """On the controller too (pytest-xdist sends each report with its user properties): the test's total."""
+    if report.when == "teardown":
+        _CPU_BY_TEST[report.nodeid] = sum(v for k, v in report.user_properties if k == "cpu_seconds")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU_BY_TEST:
+        return
+    top = sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:25]
+    terminalreporter.write_sep("=", f"most CPU seconds (of {sum(_CPU_BY_TEST.values()):.0f} s in all)")
+    for nodeid, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")

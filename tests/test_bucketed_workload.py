@@ -22,6 +22,9 @@ if str(REPO) not in sys.path:
 
 from benchmarks.scenarios import buckets as B  # noqa: E402
 
+# One worker for the module: its tests read the same cached runs (under pytest -n 2 each worker would run them again).
+pytestmark = pytest.mark.xdist_group("bucketed_workload")
+
 SEED = B.TUNING_SEEDS[0]
 HEALTHY_STEPS = 200
 FAULT_RUN_STEPS = 120  # switch at step 60; faults at step 100 in the random mix, 80 after the switch

@@ -209,7 +209,8 @@ def events_of(output_dir: Path, rank: int, kind: str) -> list[dict]:
 @pytest.mark.slow
 def test_the_reference_trainer_runs_under_accelerate_launch_use_deepspeed_at_each_stage(tmp_path):
     """The docs' commands: ZeRO-3 with a NaN batch on rank 1 (skipped in lockstep) and checkpoints, then resumed in
-    a fresh launch; ZeRO-1 and ZeRO-2 with gradient accumulation."""
+    a fresh launch; ZeRO-1's refuses a clip that differs from its config; ZeRO-2 with gradient accumulation (ZeRO-1
+    trains in the conformance matrix: tests/test_conformance.py)."""
     commands = {c.split("--zero_stage ")[1].split()[0]: c for c in doc_commands()}
     assert set(commands) == {"1", "2", "3"}, commands
     out = tmp_path / "z3"
@@ -235,7 +236,5 @@ def test_the_reference_trainer_runs_under_accelerate_launch_use_deepspeed_at_eac
     refused = launch_trainer(commands["1"], tmp_path / "clip", "--max_grad_norm", "0.5", check=False)
     assert refused.returncode != 0
     assert "--max_grad_norm 0.5 differs from DeepSpeed's gradient_clipping 1.0" in refused.stderr
-    for stage in ("1", "2"):
-        launch_trainer(commands[stage], tmp_path / f"z{stage}", "--max_train_steps", "2",
-                       "--gradient_accumulation_steps", "2")
-        assert [e["step"] for e in events_of(tmp_path / f"z{stage}", 0, "metrics")] == [0, 1]
+    launch_trainer(commands["2"], tmp_path / "z2", "--max_train_steps", "2", "--gradient_accumulation_steps", "2")
+    assert [e["step"] for e in events_of(tmp_path / "z2", 0, "metrics")] == [0, 1]

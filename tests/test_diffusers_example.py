@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from diffusers_drills import (KILL, LR_FOR_GOOD, SKIP_FAULTS, changed_lines, check_replay_names_the_sample, check_resumed,
+from diffusers_drills import (KILL, LR_FOR_GOOD, SKIP_FAULTS, changed_lines, check_replay_names_the_sample,
                              check_rollbacks_then_abort, check_skips, events, launch, own_checkpoints)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,20 +98,11 @@ def test_an_lr_spike_for_good_rolls_back_in_place_then_aborts_with_the_replay_co
     check_rollbacks_then_abort(_run(GUARDED, out, images, config, "--num_epochs", "10", faults=LR_FOR_GOOD), out)
 
 
-def test_sigkill_on_rank1_then_the_scripts_own_resume_finishes(tmp_path):
-    images, config = _data(tmp_path)
-    out = tmp_path / "run"
-    killed = _run(GUARDED, out, images, config, "--num_epochs", "3", faults=KILL)
-    assert own_checkpoints(out) == [4, 6]
-    resumed = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest")
-    check_resumed(killed, resumed, out)
-    assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
-
-
 def test_under_max_restarts_a_killed_rank_is_restarted_and_the_scripts_own_resume_goes_on(tmp_path):
     """The launch line of docs/faults.md for a user's script: ``--max_restarts`` with ``--resume_from_checkpoint
     latest`` (a first launch has no checkpoint and starts from scratch; each restart resumes). Rank 1 SIGKILLs
-    itself at step 7; torch elastic restarts both ranks, which resume from the script's own checkpoint-6."""
+    itself at step 7; torch elastic restarts both ranks, which resume from the script's own checkpoint-6 with the
+    guard's state, and finish with finite weights (the video example relaunches by hand instead)."""
     images, config = _data(tmp_path)
     out = tmp_path / "run"
     run = _run(GUARDED, out, images, config, "--num_epochs", "3", "--resume_from_checkpoint", "latest", faults=KILL,
@@ -121,7 +112,10 @@ def test_under_max_restarts_a_killed_rank_is_restarted_and_the_scripts_own_resum
     assert "Checkpoint 'latest' does not exist. Starting a new training run." in said  # the first launch
     assert "Resuming from checkpoint checkpoint-6" in said  # the restart
     assert events(out, "resume")[-1]["step"] == 6
-    assert events(out, "metrics")[-1]["step"] == 11 and own_checkpoints(out) == [10, 12]
+    metrics = events(out, "metrics")
+    assert metrics[-1]["step"] == 11 and all(np.isfinite(m["loss"]) for m in metrics[-3:])
+    assert own_checkpoints(out) == [10, 12]
+    assert all(torch.isfinite(t).all() for t in _final_unet(out).values())
 
 
 def test_explicit_form_rollback_removes_its_own_abandoned_checkpoints_then_its_own_resume_latest(tmp_path):

@@ -60,7 +60,8 @@ class CheckpointConfig:
     machine's memory shared by the node's processes; 0: off. Costs one more host copy of the state beside the
     async save's. Full-state (single process, DDP) and async sharded (FSDP2: each rank's shards as staged)
     checkpoints; synchronous sharded and DeepSpeed checkpoints roll back from their files, and a state over the
-    budget too: the first such rollback says so in one line."""
+    budget too: the first such rollback says so in one line. The attached form: ``attach(...,
+    rollback_memory_budget_bytes=N)``."""
     rank_timeout_s: float = 1800.0
     """How long the writer waits for a rank that is alive but has not finished writing (its collectives'
     timeout) before giving up on a checkpoint. A rank that dies is noticed within seconds regardless."""

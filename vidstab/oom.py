@@ -12,6 +12,7 @@ next step on every rank (the ``oom`` detector).
 from __future__ import annotations
 
 import gc
+from itertools import islice
 from typing import Any
 
 import torch
@@ -65,34 +66,43 @@ _VERSION = torch.Tensor._version.__get__  # a tensor's in-place modification cou
 class StepMarks:
     """What an ``optimizer.step()`` that raised has touched, from the tensors' in-place version counters.
 
-    Taken before the step (one counter read per weight and state tensor, no device work); after an exception,
-    :meth:`judge` says whether any weight or any state tensor that existed was modified, and drops the state the
-    step created lazily (the first step's moments), so an untouched optimizer is exactly as it was. Fused kernels
-    (``fused=True``) do not bump the counters: a failed fused step counts as touched (the safe side: a rollback).
+    Taken before the step (one counter read per weight and state tensor, no device work, no hashing: it runs on
+    every step); after an exception, :meth:`judge` says whether any weight or any state tensor that existed was
+    modified, and drops the state the step created lazily (the first step's moments), so an untouched optimizer
+    is exactly as it was. Fused kernels (``fused=True``) do not bump the counters: a failed fused step counts as
+    touched (the safe side: a rollback).
     """
 
     def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
-        self.keys = set(self.optimizer.state)
+        self.params = params
+        self.entries = len(self.optimizer.state)  # a dict keeps insertion order: the step's new entries come after
         self.values = self._values()
-        self.tensors = list(params) + [v for v in self.values if isinstance(v, torch.Tensor)]
-        self.total = sum(map(_VERSION, self.tensors))
+        self.total = self._versions()
         self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
 
     def _values(self) -> list[Any]:
         """The state's values of the parameters that had state before the step, in order."""
-        state = self.optimizer.state
-        return [v for k in self.keys for v in state[k].values()]
+        return [v for entry in islice(self.optimizer.state.values(), self.entries) for v in entry.values()]
+
+    def _versions(self) -> int:
+        """The sum of the weights' and the state tensors' version counters (a state value may be a number)."""
+        try:
+            states = sum(map(_VERSION, self.values))
+        except TypeError:
+            states = sum(_VERSION(v) for v in self.values if isinstance(v, torch.Tensor))
+        return sum(map(_VERSION, self.params)) + states
 
     def judge(self) -> bool:
         """Whether the failed step modified a weight or existing optimizer state: a tensor changed in place
         (versions only grow) or a state value replaced (``state["step"] += 1`` on a number). When it did not, the
         state entries it created are removed."""
-        touched = (self.opaque or sum(map(_VERSION, self.tensors)) != self.total
-                   or list(map(id, self._values())) != list(map(id, self.values)))
+        values = self._values()
+        touched = (self.opaque or len(values) != len(self.values) or self._versions() != self.total
+                   or any(a is not b for a, b in zip(values, self.values)))
         if not touched:
             state = self.optimizer.state
-            for key in [k for k in state if k not in self.keys]:
+            for key in list(state)[self.entries:]:
                 del state[key]
         return touched
 

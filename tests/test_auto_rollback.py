@@ -136,3 +136,44 @@ def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(
     # The summary says it too: the run's last line does not read as if every rollback asked for was made.
     assert err.splitlines()[-1].startswith("vidstab: 16 optimizer steps guarded, 6 skipped (1 of them asked for a "
                                            "rollback this guard could not make: attach(..., rollback_every=N)), 0 rolled")
+
+
+def test_without_rollback_every_skipping_that_does_not_help_stops_the_run(tmp_path, capsys):
+    # The LR stays wrong: steps 10-13 skipped, a rollback asked for at 14, 19 and 24 with nothing applied between.
+    with pytest.raises(vidstab.RunAborted) as aborted:
+        _loop(tmp_path, bad_lr_steps=set(range(10, 100)), rollback_every=None)
+    assert aborted.value.code == 3  # a SystemExit too: exit code 3, no traceback
+    assert str(aborted.value).startswith("vidstab: run aborted at step 24: 3 rollbacks asked for in a row since step 14")
+    assert "attach(..., rollback_every=N) rolls back in place" in capsys.readouterr().err
+    (stop,) = _kinds(tmp_path, "stop")
+    assert stop["exit_code"] == 3 and stop["reason"] == "rollback_not_kept" and stop["step"] == 24
+    assert [e["step"] for e in _kinds(tmp_path, "skip")][-1] == 24
+
+
+def test_without_rollback_every_a_rollback_of_the_scripts_own_starts_the_count_again(tmp_path, capsys):
+    saved = {}
+
+    def before_step(step, guard):  # the script's own recovery: the guard's state of step 8 loaded before step 20
+        if step == 8:
+            saved.update(guard.state_dict())
+        if step == 20:
+            guard.load_state_dict(saved)
+
+    with pytest.raises(vidstab.RunAborted, match="at step 22: 3 rollbacks asked for in a row since step 12"):
+        _loop(tmp_path, bad_lr_steps=set(range(10, 100)), rollback_every=None, before_step=before_step)
+    asked = [line.split(":")[1].strip() for line in capsys.readouterr().err.splitlines() if "a rollback is asked for" in line]
+    assert asked == ["step 14", "step 19", "step 12", "step 17"]  # two before the load, not counted after it
+
+
+def test_without_rollback_every_non_finite_weights_at_the_end_are_no_exit_code_0(tmp_path, capsys):
+    def before_step(step, guard):
+        if step == 15:
+            with torch.no_grad():
+                next(guard.model.parameters()).view(-1)[0] = float("nan")
+
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, set(), steps=16, rollback_every=None, before_step=before_step)
+    with pytest.raises(vidstab.RunAborted) as aborted:
+        guard.close()
+    assert aborted.value.code == 3
+    assert "the run ends with non-finite weights on rank 0: do not use what it exported" in str(aborted.value)
+    assert _kinds(tmp_path, "stop")[-1]["reason"] == "nonfinite_state"

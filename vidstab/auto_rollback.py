@@ -25,6 +25,7 @@ from .checkpoint.dcp_backend import has_dtensor_params
 from .checkpoint.full_state import rng_state, set_rng_state
 from .checkpoint_interval import auto_interval
 from .lr import torch_scheduler
+from .oom import OptimizerStateDiverged
 from .recovery import Recovery, RecoveryConfig, RunAborted
 from .script_state import ScriptState, nonfinite_state
 from .signals import is_dtensor, local_tensor
@@ -169,12 +170,9 @@ class AutoRollback:
             print(message, file=sys.stderr, flush=True)
 
     def _abort(self, message: str, step: int, reason: str = "aborted", main_only: bool = True) -> RunAbortedExit:
-        """The end of a run recovery gave up on: the last rollback checkpoint finished, ``stop`` logged with the
-        exit code, the message printed once (main process; ``main_only=False``: by this rank, which alone knows)."""
+        """The end of a run recovery gave up on: the last rollback checkpoint finished, then :func:`abort_run`."""
         self._finish_writing()
-        self._say(message, "stop", step, main_only=main_only, reason=reason, exit_code=ABORT_EXIT_CODE)
-        self.guard.events.flush()
-        return RunAbortedExit(message)
+        return abort_run(self.guard, message, step, reason, main_only)
 
     def _finish_writing(self) -> None:
         error = self.ckpt.join_writer()
@@ -187,10 +185,78 @@ class AutoRollback:
         end of a script the main process may still be saving or validating. Non-finite weights or EMA on this
         rank end the run with :data:`ABORT_EXIT_CODE` instead of a finished run's exit code 0."""
         self._finish_writing()
-        params = [local_tensor(p) if is_dtensor(p) else p for p in self.guard.control.probe.all_params]
-        bad = nonfinite_state(params, self.script_state.emas())
+        bad = nonfinite_at_end(self.guard, self.script_state.emas())
         if bad:
             raise self._abort(f"vidstab: the run ends with non-finite {' and '.join(bad)} on rank "
                               f"{self.guard.rank}: do not use what it exported; the last healthy rollback checkpoint "
                               f"is {self.ckpt.last_good()}", self.guard.global_step, reason="nonfinite_state",
                               main_only=False)
+
+
+class RollbackNotKept:
+    """The attached form without ``rollback_every``: a rollback verdict has no checkpoint to go back to and can
+    only skip its step. That is the answer while steps still get through; the run stops with
+    :data:`ABORT_EXIT_CODE` instead of skipping forever when ``max_requests`` rollbacks in a row are asked for with
+    no applied step between them, and at :meth:`close` when the weights or an EMA vidstab can see are non-finite
+    (never a NaN model exported with exit code 0). A rollback the script's own :class:`~vidstab.Recovery` makes
+    (the guard's step count goes back) starts the count again.
+
+    Built by :func:`vidstab.attach` without ``rollback_every``; the guard calls :meth:`after_step` once per judged
+    step of the loop and :meth:`close` from :meth:`~vidstab.Guard.close`.
+    """
+
+    def __init__(self, guard: Any, emas: list[Any], max_requests: int = RecoveryConfig.max_retries) -> None:
+        self.guard, self.emas, self.max_requests = guard, emas, max_requests
+        self.requests: list[tuple[int, str]] = []
+        """``(step, cause)`` of the rollbacks asked for since the last applied step."""
+
+    def after_step(self, result: Any) -> None:
+        """Count the step's rollback request, or start again after an applied step; stop when skipping has not
+        helped. An optimizer that ran out of memory part-way (some weights or ranks updated) stops at once."""
+        if result is None or result.micro:
+            return
+        if result.rollback is None:
+            if result.applied:
+                self.requests.clear()
+            return
+        label = self.guard.numbering.label
+        diverged = next((f for f in result.findings if f.figures.get("optimizer_oom")), None)
+        if diverged is not None:  # skipping is no answer: the ranks' states are no longer one step
+            raise OptimizerStateDiverged(
+                f"vidstab: {label(result.step)}: {diverged.message}, but this guard keeps no rollback checkpoints: "
+                f"stopping here. Resume from your last checkpoint; attach(..., rollback_every=N) rolls back in place")
+        if self.requests and result.step <= self.requests[-1][0]:  # the script's own Recovery rolled back
+            self.requests.clear()
+        self.requests.append((int(result.step), str(result.rollback)))
+        if len(self.requests) >= self.max_requests:
+            raise abort_run(
+                self.guard, f"vidstab: run aborted at {label(result.step)}: {len(self.requests)} rollbacks asked for in "
+                f"a row since {label(self.requests[0][0])}, with no step applied between them (the last: "
+                f"{result.rollback}), and this guard keeps no rollback checkpoints, so each only skipped its step. "
+                f"Resume from your last checkpoint; attach(..., rollback_every=N) rolls back in place",
+                int(result.step), reason="rollback_not_kept")
+
+    def close(self) -> None:
+        """Non-finite weights or EMA on this rank end the run with :data:`ABORT_EXIT_CODE`, not exit code 0."""
+        bad = nonfinite_at_end(self.guard, self.emas)
+        if bad:
+            raise abort_run(self.guard, f"vidstab: the run ends with non-finite {' and '.join(bad)} on rank "
+                            f"{self.guard.rank}: do not use what it exported. Resume from your last checkpoint; "
+                            f"attach(..., rollback_every=N) rolls back in place", self.guard.global_step,
+                            reason="nonfinite_state", main_only=False)
+
+
+def abort_run(guard: Any, message: str, step: int, reason: str, main_only: bool = True) -> RunAbortedExit:
+    """The end of an attached run: ``stop`` logged with the exit code, the message printed once (main process;
+    ``main_only=False``: by this rank, which alone knows), returned as the :class:`RunAbortedExit` to raise."""
+    guard.events.log("stop", step, message=message, reason=reason, exit_code=ABORT_EXIT_CODE)
+    if guard.accelerator.is_main_process or not main_only:
+        print(message, file=sys.stderr, flush=True)
+    guard.events.flush()
+    return RunAbortedExit(message)
+
+
+def nonfinite_at_end(guard: Any, emas: list[Any]) -> list[str]:
+    """What is non-finite on this rank at the end of the run: ``"weights"`` and/or ``"EMA"``."""
+    params = [local_tensor(p) if is_dtensor(p) else p for p in guard.control.probe.all_params]
+    return nonfinite_state(params, emas)

@@ -132,6 +132,8 @@ class Guard:
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.auto_rollback = None
         """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        self.rollback_not_kept = None
+        """:class:`vidstab.auto_rollback.RollbackNotKept` when attached without ``rollback_every``: after each step."""
         self.console = None
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.numbering = StepNumbering()
@@ -442,6 +444,8 @@ class Guard:
         the event log."""
         if self.auto_rollback is not None:
             self.auto_rollback.close()
+        if self.rollback_not_kept is not None:
+            self.rollback_not_kept.close()
         if self.console is not None:
             self.console.summary()
         if not self.events.closed:
@@ -521,7 +525,11 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
                                            memory_budget_bytes=rollback_memory_budget_bytes)
     from ..script_state import hold_emas
 
-    hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
+    emas = hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
+    if not rollback_every:
+        from ..auto_rollback import RollbackNotKept
+
+        guard.rollback_not_kept = RollbackNotKept(guard, emas)
     return guard
 
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import signals
-from ..oom import OptimizerStateDiverged
 from .forward_oom import ForwardOOM
 
 if TYPE_CHECKING:
@@ -138,12 +137,8 @@ class UserLoopPatches:
         path of every engine (DeepSpeed's comes from ``backward``, the others' from ``optimizer.step()``)."""
         g = self.guard
         result = g.guarded_step(norm, max_norm, step_scheduler=False)
-        if result.rollback is not None and g.auto_rollback is None:
-            diverged = next((f for f in result.findings if f.figures.get("optimizer_oom")), None)
-            if diverged is not None:  # skipping is no answer: the ranks' states are no longer one step
-                raise OptimizerStateDiverged(
-                    f"vidstab: step {result.step}: {diverged.message}, but this guard keeps no rollback checkpoints: "
-                    f"stopping here. Resume from your last checkpoint; attach(..., rollback_every=N) rolls back in place")
+        if g.rollback_not_kept is not None:
+            g.rollback_not_kept.after_step(result)
         if g.console is not None:
             g.console.after_step(result)
         if g.auto_rollback is not None:

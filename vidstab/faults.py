@@ -195,7 +195,9 @@ class FaultInjector:
         (a real partial step). Returns the hook's handle, or None when no such fault is planned."""
         if not any(f.kind == "oom_in_step" for f in self.faults):
             return None
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = optimizer  # torch's, inside Accelerate's wrapper (and DeepSpeed's ZeRO optimizer)
+        while hasattr(inner, "optimizer"):
+            inner = inner.optimizer
 
         def raise_in_step(opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
             step = step_of()

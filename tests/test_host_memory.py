@@ -7,8 +7,11 @@ DataLoader with one worker that is sent SIGKILL (what the kernel's OOM killer se
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -101,3 +104,33 @@ def test_a_data_loader_worker_killed_by_a_signal_is_recorded_with_the_memory_his
     message = str(caught.value)
     assert "SIGKILL" in message and "out-of-memory killer" in message and str(pid) in message
     assert message in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_worker_killed_under_max_restarts_is_recorded_then_the_job_restarts_resumes_and_finishes(tmp_path):
+    """``accelerate launch --max_restarts 1`` (docs/faults.md's launch) of tests/scripts/worker_killed_restart.py:
+    rank 1's data-loader worker is SIGKILLed loading step 5's batch (Accelerate's loader reads one batch ahead: the
+    error reaches the loop fetching step 4); the rank records it and exits, its peer ends in its collective, torch
+    elastic restarts both, and the loop's own resume goes on from checkpoint-4 to the end."""
+    from trainer_utils import REPO, free_port
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--rdzv_backend", "c10d", "--main_process_ip",
+           "127.0.0.1", "--main_process_port", str(free_port()), "--max_restarts", "1",
+           str(REPO / "tests" / "scripts" / "worker_killed_restart.py"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PET_STANDALONE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    (event,) = vidstab.read_events(out, "dataloader_worker_killed")
+    assert event["rank"] == 1 and event["step"] == 4 and event["signal"] == "Killed" and event["rss_history"], event
+    assert "\nvidstab: step 4, rank 1: data-loader worker pid" in log and "out-of-memory killer" in log
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / f"attempts-rank{rank}.jsonl").read_text().splitlines()]
+        first, second = [[x for x in lines if x["attempt"] == a][-1] for a in (0, 1)]
+        assert first["resumed"] == 0 and first["trained"] == [0, 1, 2, 3]
+        assert second["resumed"] == 4 and second["trained"] == [4, 5, 6, 7] and second["finite"]
+    assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == [2, 4, 6, 8]

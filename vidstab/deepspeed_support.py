@@ -198,6 +198,21 @@ class EngineStep:
             if force_check and check is False:
                 zero.check_grad_overflow = False
 
+    def oom_stop(self, step: int, rank: int, exc: BaseException) -> RuntimeError:
+        """The error that ends a process whose ``engine.step()`` ran out of memory: the engine updates this rank's
+        partition and then gathers every rank's, so neither whether the ranks still hold one step nor a skip or
+        rollback in lockstep can be had (a peer may be waiting inside the engine's gather)."""
+        from .oom import OptimizerStateDiverged
+
+        wider = "more processes or ZeRO-3" if self.stage < 3 else "more processes"
+        return OptimizerStateDiverged(
+            f"vidstab: step {step}, rank {rank}: out of memory inside DeepSpeed's engine.step() (ZeRO-{self.stage}): "
+            f"{str(exc)[:200]}. DeepSpeed updates the partitions and gathers them from every rank inside its engine, "
+            f"so vidstab can neither tell whether the ranks still hold one step nor skip or roll back in lockstep: "
+            f"stopping this process. Resume from your last checkpoint (accelerate launch --max_restarts N restarts "
+            f"the job on its own; your script's resume, e.g. --resume_from_checkpoint latest, reloads it). If it "
+            f"recurs, the optimizer step does not fit: partition it over {wider}")
+
     @property
     def skipped(self) -> bool:
         """Whether the engine's last step went down the overflow path (DeepSpeed's own reading)."""

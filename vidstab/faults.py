@@ -190,12 +190,15 @@ class FaultInjector:
                                              f"the budget of {fault.arg} (step {step}, rank {self.rank})")
 
     def arm_optimizer_step(self, optimizer: object, step_of: Callable[[], int]) -> object | None:
-        """The ``oom_in_step`` drill: a step pre-hook on ``optimizer`` (torch's, inside Accelerate's wrapper) that
-        raises an OOM when due at ``step_of()``; ``=partway`` first updates the first half of each parameter group
-        (a real partial step). Returns the hook's handle, or None when no such fault is planned."""
+        """The ``oom_in_step`` drill: a step pre-hook on ``optimizer`` (torch's, inside Accelerate's wrapper and
+        DeepSpeed's ZeRO optimizer) that raises an OOM when due at ``step_of()``; ``=partway`` first updates the
+        first half of each parameter group (a real partial step). Returns the hook's handle, or None when no such
+        fault is planned."""
         if not any(f.kind == "oom_in_step" for f in self.faults):
             return None
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = optimizer
+        while hasattr(inner, "optimizer"):
+            inner = inner.optimizer
 
         def raise_in_step(opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
             step = step_of()

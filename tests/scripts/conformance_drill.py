@@ -236,6 +236,30 @@ def form_step(form: str, acc, guard, model, opt, sched, loss, ema: EMA, counter:
     return result
 
 
+def book_step(form: str, guard, recovery, ckpt, result, global_step: int, save_due) -> tuple[int, int, int | None]:
+    """After one step: the explicit form's rollback or checkpoint save (``save_due(step)``), as its loop does.
+    Returns (the step count now, the explicit loop's counter, the rollback's target step or None)."""
+    if form == "attached":
+        return guard.global_step, global_step, None
+    rolled = recovery.after_step(result, global_step + 1)
+    if rolled is not None:
+        target = int(rolled["step"])
+        return target, target, target
+    global_step += 1
+    if save_due(global_step):
+        ckpt.save(global_step, healthy=guard.healthy, trainer_state={"step": global_step})
+        ckpt.wait()
+    return global_step, global_step, None
+
+
+def trace_line(i: int, count: int, result, target: int | None, guard, before: dict, after: dict) -> str:
+    """One iteration's record: what the guard decided, the state's digests before and after."""
+    return json.dumps({"i": i, "count": count, "skipped": bool(result.skipped), "applied": bool(result.applied),
+                       "rollback": result.rollback is not None, "target": target, "lr_multiplier": guard.lr_multiplier,
+                       "detectors": sorted({f.detector for f in result.findings}), "before": before,
+                       "after": after}) + "\n"
+
+
 def faults_cell(form: str, engine: str, out: Path, last: bool) -> None:
     acc, model, opt, sched = build(engine)
     rank, world = acc.process_index, acc.num_processes
@@ -250,24 +274,10 @@ def faults_cell(form: str, engine: str, out: Path, last: bool) -> None:
             x, y = fault_batch(i, rank, world, faults=True)
             before = state()
             loss = F.mse_loss(model(x).float(), y) * (1e3 if i == SPIKE else 1.0)
-            target = None
             result = form_step(form, acc, guard, model, opt, sched, loss, ema, counter)
-            if form == "attached":
-                count = guard.global_step
-            else:
-                rolled = recovery.after_step(result, global_step + 1)
-                if rolled is not None:
-                    global_step = target = int(rolled["step"])
-                else:
-                    global_step += 1
-                    if global_step % ROLLBACK_EVERY == 0:
-                        ckpt.save(global_step, healthy=guard.healthy, trainer_state={"step": global_step})
-                        ckpt.wait()
-                count = global_step
-            trace.write(json.dumps({"i": i, "count": count, "skipped": bool(result.skipped),
-                                    "applied": bool(result.applied), "rollback": result.rollback is not None,
-                                    "target": target, "lr_multiplier": guard.lr_multiplier, "detectors": sorted({f.detector for f in result.findings}),
-                                    "before": before, "after": state()}) + "\n")
+            count, global_step, target = book_step(form, guard, recovery, ckpt, result, global_step,
+                                                   lambda step: step % ROLLBACK_EVERY == 0)
+            trace.write(trace_line(i, count, result, target, guard, before, state()))
             trace.flush()
     except vidstab.RunAborted as e:
         trace.write(json.dumps({"aborted": str(e).splitlines()[0], "code": getattr(e, "code", None),

@@ -233,6 +233,9 @@ class Guard:
         self._oom_in_step = 2 if touched else 1
         self.lr.restore_schedule()
         self.events.log("oom", stats.step, phase="optimizer", touched=touched, error=str(exc)[:500], bucket=stats.bucket)
+        if self.deepspeed is not None:  # its engine gathers the update from every rank: no lockstep skip, a stop
+            self.events.flush()
+            raise self.deepspeed.oom_stop(stats.step, self.rank, exc) from None
         how = "after touching part of the weights or optimizer state" if touched else "before touching any weight"
         stats.findings.append(Finding("oom", Verdict.SKIP, f"out of memory inside optimizer.step() on rank {self.rank}, "
                                       f"{how}: the step is skipped here; every rank judges it at the next step",

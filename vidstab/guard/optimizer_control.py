@@ -66,16 +66,18 @@ class OptimizerControl:
         self.scheduler_held = False
         before = self.probe.snapshot() if measure else None
         _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
-        # DeepSpeed's step gathers partitions across ranks: an OOM there leaves the peers waiting, nothing to judge.
+        # DeepSpeed's step gathers partitions across ranks: an OOM there leaves the peers waiting, nothing to judge
+        # (touched: None) and no skip to take in lockstep; the guard stops the process.
         marks = StepMarks(opt, self.trainable) if self.engine_step is None else None
         try:
             self.optimizer_step()
         except Exception as exc:
-            if marks is None or not is_oom(exc):
+            if not is_oom(exc):
                 raise
-            self.step_oom = (exc, marks.judge())
+            self.step_oom = (exc, marks.judge() if marks is not None else None)
             release(exc, self.accelerator.device)
-            self.skip(measure)  # the gradients dropped, the schedule held: the rank did not take the step
+            if marks is not None:
+                self.skip(measure)  # the gradients dropped, the schedule held: the rank did not take the step
             return False
         applied = not bool(getattr(opt, "step_was_skipped", False))
         if step_scheduler:

@@ -1,0 +1,84 @@
+"""Launched by tests/test_oom_engines.py on 2 CPU processes (torchrun): an out-of-memory inside
+``optimizer.step()`` (the ``oom_in_step`` drill) under FSDP2 and DeepSpeed ZeRO 1/2/3, in the attached and the
+explicit form, cells one after another (the engines, forms, loops and state digests of conformance_drill.py)::
+
+    oom_engines.py --out DIR --cells FORM:ENGINE[,...]
+
+FSDP2 (and DDP) cells: at iteration 1 every rank's optimizer fails before touching anything; at iteration 3 rank
+1's fails half-way through its update. DeepSpeed cells: at iteration 1 every rank's optimizer fails inside the
+engine's step; vidstab stops the process there (:class:`vidstab.oom.OptimizerStateDiverged`); every rank failed
+alike, so the script catches the stop and goes on with the next cell, except in the last cell, where the drill
+strikes rank 1 alone (``oom_in_step@1:1``) and nothing is caught: the launch must end, not hang.
+
+Each rank appends one line per iteration to ``FORM-ENGINE/trace-rank{R}.jsonl`` (what the guard decided and the
+digests of the state before and after), or ``{"stopped": message}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import conformance_drill as drill  # noqa: E402
+
+from vidstab.faults import FaultInjector  # noqa: E402
+from vidstab.oom import OptimizerStateDiverged  # noqa: E402
+
+UNTOUCHED, PARTWAY, ITERATIONS = 1, 3, 6
+LAST_FAULT = "oom_in_step@1:1"
+
+
+def faults_for(engine: str, last: bool) -> list[str]:
+    if engine.startswith("zero"):
+        return [LAST_FAULT] if last else [f"oom_in_step@{UNTOUCHED}"]
+    return [f"oom_in_step@{UNTOUCHED}", f"oom_in_step@{PARTWAY}:1=partway"]
+
+
+def run_cell(form: str, engine: str, out: Path, last: bool) -> None:
+    acc, model, opt, sched = drill.build(engine)
+    rank, world = acc.process_index, acc.num_processes
+    guard, ckpt, recovery, ema, counter = drill.cell_objects(acc, form, engine, model, opt, sched, out)
+    FaultInjector(faults_for(engine, last), rank).arm_optimizer_step(opt, lambda: guard.global_step)
+    state = lambda: drill.snapshot(engine, model, opt, sched, guard, counter, ema)  # noqa: E731
+    global_step = 0
+    with open(out / f"trace-rank{rank}.jsonl", "w") as trace:
+        for i in range(ITERATIONS):
+            x, y = drill.fault_batch(i, rank, world, faults=False)
+            before = state()
+            try:
+                result = drill.form_step(form, acc, guard, model, opt, sched, F.mse_loss(model(x).float(), y), ema,
+                                         counter)
+            except OptimizerStateDiverged as e:
+                trace.write(json.dumps({"i": i, "stopped": str(e)}) + "\n")
+                if last:
+                    raise
+                guard.close()
+                return
+            # the explicit form's rollback target: one healthy checkpoint, after the first step
+            count, global_step, target = drill.book_step(form, guard, recovery, ckpt, result, global_step,
+                                                         lambda step: step == 1)
+            trace.write(drill.trace_line(i, count, result, target, guard, before, state()))
+            trace.flush()
+    guard.close()
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cells", required=True)
+    args = ap.parse_args()
+    cells = [tuple(c.split(":")) for c in args.cells.split(",")]
+    for n, (form, engine) in enumerate(cells):
+        out = Path(args.out, f"{form}-{engine}")
+        out.mkdir(parents=True, exist_ok=True)
+        run_cell(form, engine, out, last=n == len(cells) - 1 and engine.startswith("zero"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""An out-of-memory inside ``optimizer.step()`` (the ``oom_in_step`` drill) under FSDP2 and DeepSpeed ZeRO 1/2/3, in
+the attached and the explicit form, on 2 real processes: one launch (tests/scripts/oom_engines.py), its cells one
+after another.
+
+FSDP2 is judged like DDP (tests/test_oom_attached.py), from the local shards' version counters: untouched on
+every rank, a skip with everything bitwise unchanged; touched on one rank, a rollback on every rank. DeepSpeed
+updates and gathers inside its engine: the process stops with one message saying what to do, on every rank that
+ran out of memory, and a peer left waiting in the engine's gather ends too (the launch ends, no hang)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import conformance_drill as drill  # noqa: E402
+import oom_engines  # noqa: E402
+
+import vidstab  # noqa: E402
+from trainer_utils import REPO, torchrun_cmd  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("oom_engines")]
+
+FSDP2 = ("explicit:fsdp2", "attached:fsdp2")
+ZERO = ("explicit:zero1", "attached:zero2", "explicit:zero3")
+LAST = "attached:zero3"  # rank 1 alone runs out of memory: its process stops, the launch ends
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oom_engines")
+    cells = [*FSDP2, *ZERO, LAST]
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # it would turn DeepSpeed off
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    cmd = torchrun_cmd(2, oom_engines.__file__, "--out", str(out), "--cells", ",".join(cells))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600), out
+
+
+def _cell(out: Path, cell: str) -> Path:
+    return out / cell.replace(":", "-")
+
+
+def _traces(out: Path, cell: str) -> dict[int, list[dict]]:
+    return {r: drill._lines(_cell(out, cell) / f"trace-rank{r}.jsonl") for r in (0, 1)}
+
+
+def _optimizer_ooms(out: Path, cell: str) -> list[tuple]:
+    return sorted((e["step"], e["rank"], e["touched"]) for e in vidstab.read_events(_cell(out, cell), "oom")
+                  if e["phase"] == "optimizer")
+
+
+@pytest.mark.parametrize("cell", FSDP2)
+def test_fsdp2_an_optimizer_oom_before_any_update_is_skipped_on_every_rank_with_the_state_unchanged(launched, cell):
+    _, out = launched
+    traces = _traces(out, cell)
+    assert drill._skipped_unchanged(traces, oom_engines.UNTOUCHED, "oom") is None
+    assert all(not x["rollback"] for t in traces.values() for x in t[:oom_engines.PARTWAY])
+    assert _optimizer_ooms(out, cell) == [(1, 0, False), (1, 1, False), (3, 1, True)]
+
+
+@pytest.mark.parametrize("cell", FSDP2)
+def test_fsdp2_an_optimizer_oom_after_part_of_the_update_rolls_every_rank_back_bitwise(launched, cell):
+    _, out = launched
+    form = cell.split(":")[0]
+    traces = _traces(out, cell)
+    partway, judged = oom_engines.PARTWAY, oom_engines.PARTWAY + 1
+    assert traces[1][partway]["skipped"] and traces[1][partway]["before"]["weights"] != \
+        traces[1][partway]["after"]["weights"]  # rank 1 updated part of its shard, then ran out of memory
+    assert traces[0][partway]["applied"]
+    for rank, trace in traces.items():
+        assert trace[judged]["rollback"] and "oom" in trace[judged]["detectors"], (rank, trace[judged])
+        saved = {0: trace[0]["before"]}
+        for x in trace[:judged]:
+            saved.setdefault(x["count"], x["after"])
+        if form == "explicit":
+            target = trace[judged]["target"]
+        else:
+            (event,) = [e for e in vidstab.read_events(_cell(out, cell), "rollback") if e["rank"] == rank]
+            assert event["cause"] == "exception" and event["lr_multiplier"] == 1.0  # the LR is not lowered
+            target = int(event["checkpoint"].rsplit("_", 1)[1])
+        restored = trace[judged]["after"]
+        assert restored["weights"] == saved[target]["weights"] and restored["optimizer"] == saved[target]["optimizer"]
+        assert trace[judged]["lr_multiplier"] == 1.0 and trace[-1]["applied"] and trace[-1]["after"]["finite"]
+
+
+@pytest.mark.parametrize("cell", ZERO)
+def test_deepspeed_an_optimizer_oom_stops_every_rank_with_what_to_do(launched, cell):
+    _, out = launched
+    stage = cell[-1]
+    for rank, trace in _traces(out, cell).items():
+        assert [x["i"] for x in trace] == [0, 1] and trace[0]["applied"]
+        message = trace[1]["stopped"]
+        assert message.startswith(f"vidstab: step 1, rank {rank}: out of memory inside DeepSpeed's engine.step() "
+                                  f"(ZeRO-{stage})")
+        assert "stopping this process. Resume from your last checkpoint (accelerate launch --max_restarts" in message
+    assert _optimizer_ooms(out, cell) == [(1, 0, None), (1, 1, None)]
+
+
+def test_deepspeed_an_optimizer_oom_on_one_rank_ends_the_launch_instead_of_hanging(launched):
+    proc, out = launched
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0  # ended (the fixture's timeout bounds it): rank 1 stopped, rank 0 left the gather
+    traces = _traces(out, LAST)
+    assert "stopped" in traces[1][-1] and all("stopped" not in x for x in traces[0])
+    assert "[rank1]: vidstab.oom.OptimizerStateDiverged: vidstab: step 1, rank 1: out of memory inside DeepSpeed" in log
+    assert _optimizer_ooms(out, LAST) == [(1, 1, None)]

@@ -3,7 +3,8 @@ DeepSpeed ZeRO 1/2/3, behind one small interface (:class:`Engine`), chosen once 
 
 The guard builds its engine at construction (``Guard(...)``, which both ``vidstab.attach`` and the explicit form
 build), the checkpoint manager at its own (``CheckpointManager(...)``, which ``Recovery`` and ``attach(...,
-rollback_every=N)`` roll back through). Neither tests which engine it runs on: each asks its engine.
+rollback_every=N)`` roll back through). Neither tests which engine it runs on: each asks its engine. The
+manager's engine, built without a model, is asked about checkpoints only; the guard's about its step only.
 
 =====================  ===================================================================================
 :class:`Engine`        plain PyTorch under Accelerate: one process or DDP (the default the others depart from)

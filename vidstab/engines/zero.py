@@ -55,9 +55,6 @@ class ZeroEngine(Engine):
         """None: DeepSpeed's step gathers partitions across ranks, so an OOM there leaves the peers waiting."""
         return None
 
-    def refuse_checkpoints(self) -> None:
-        """Nothing beyond what building :class:`EngineStep` refused (untested versions and set-ups)."""
-
     def checkpoint_backends(self, config: Any) -> dict[str, Any]:
         """The others' and the DeepSpeed backend, which saves every checkpoint of a DeepSpeed run."""
         from ..checkpoint.deepspeed_backend import DeepSpeedBackend

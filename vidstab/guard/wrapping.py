@@ -106,7 +106,7 @@ class UserLoopPatches:
             data = [t for t in named.values() if t.dim() >= 2]
         last = g.accelerator.sync_gradients
         g.record_backward(loss, data, named, self.sample_ids, backward_kwargs=kwargs)
-        if g.engine.steps_at_backward and last:  # Accelerate steps the engine (DeepSpeed) here: judged and stepped here
+        if g.engine.steps_at_backward and last:  # Accelerate steps this engine (DeepSpeed) here: judged first
             self.judged_step(*g.engine.pre_step_norm(None))
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:

@@ -44,7 +44,7 @@ def bucket_of(latents: torch.Tensor) -> str:
 def remembered_size(guard: vidstab.Guard, latents: torch.Tensor) -> int | None:
     """The micro-batch that fits this bucket, when an OOM taught a smaller one than ``latents`` has."""
     det = oom_detector(guard)
-    fit = det.fits.get(bucket_of(latents)) if det is not None and guard.deepspeed is None else None
+    fit = det.fits.get(bucket_of(latents)) if det is not None and guard.engine.name != "deepspeed" else None
     return fit if fit is not None and fit < latents.shape[0] else None
 
 
@@ -111,7 +111,7 @@ def retry_in_pieces(ctx: Any, step: int, kept: list[Kept], result: vidstab.StepR
     failed = failed_size(result)
     det = oom_detector(ctx.guard)
     bucket = bucket_of(kept[0].latents)
-    if ctx.guard.deepspeed is not None:
+    if ctx.guard.engine.name == "deepspeed":
         ctx.guard.events.log("oom_retry", step, bucket=bucket, micro_batch=failed, failed=failed, applied=False,
                              message=f"under DeepSpeed the engine's own gradient accumulation cannot re-split a batch: "
                                      f"the step stays skipped; lower --train_batch_size below {failed} for bucket "

@@ -77,3 +77,13 @@ def test_reference_package_without_its_extra_names_the_extra():
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "needs the [reference] extra" in proc.stdout and "missing: einops" in proc.stdout, proc.stdout + proc.stderr
     assert 'pip install -e ".[reference]" in your vidstab clone' in proc.stdout
+
+
+def test_only_the_engines_tell_the_training_engines_apart():
+    # Static guard for vidstab/engines: every DDP / FSDP2 / DeepSpeed difference is asked of the run's Engine.
+    tells = ("is_deepspeed(", 'endswith("FSDP")', "fsdp_plugin", "deepspeed_plugin")
+    allowed = {"vidstab/deepspeed_support.py"}
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "vidstab").rglob("*.py")
+                 if not p.relative_to(REPO).as_posix().startswith("vidstab/engines/")
+                 and p.relative_to(REPO).as_posix() not in allowed and any(t in p.read_text() for t in tells)]
+    assert offenders == []

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_guard_distributed import launch
 
+from vidstab.engines import ZeroEngine
 from vidstab.quarantine import QuarantineList
 
 BAD = 5  # tests/scripts/rerun_attached.py: the data set's NaN sample
@@ -193,7 +194,7 @@ def test_where_it_cannot_rerun_the_attached_form_is_told_what_to_pass_once(tmp_p
         x = torch.randn(2, 4)
         x[0, 0] = float("nan") if step else x[0, 0]
         if step == 3:
-            guard.rerun.deepspeed = True  # the engine's own refusal, without building one
+            guard.rerun.not_rerun = ZeroEngine.not_rerun  # the engine's own refusal, without building one
         acc.backward(model(x).pow(2).mean())
         opt.step()
         opt.zero_grad()

@@ -21,7 +21,6 @@ import sys
 from typing import Any
 
 from .checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
-from .checkpoint.dcp_backend import has_dtensor_params
 from .checkpoint.full_state import rng_state, set_rng_state
 from .checkpoint_interval import auto_interval
 from .lr import torch_scheduler
@@ -83,12 +82,9 @@ class AutoRollback:
         why = self.script_state.unrestorable()
         if why is not None:
             self._say(f"vidstab: rollback_every={self.every}: {why}", "warn", guard.global_step, detector="rollback_every")
-        if has_dtensor_params(guard.model) and not getattr(acc, "is_fsdp2", False):
-            self._say(f"vidstab: rollback_every={self.every}: the model is sharded with fully_shard outside "
-                      "Accelerate, so your accelerator.save_state saves rank 0's optimizer shards only and a resume "
-                      "from it loads them on every rank; vidstab's rollbacks are unaffected. To resume, use the "
-                      "explicit form (CheckpointManager + Recovery: sharded checkpoints) or shard through Accelerate "
-                      "(accelerate launch --use_fsdp --fsdp_version 2)", "warn", guard.global_step,
+        caveat = guard.engine.save_state_caveat()
+        if caveat is not None:
+            self._say(f"vidstab: rollback_every={self.every}: {caveat}", "warn", guard.global_step,
                       detector="rollback_every")
         self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig(), form="attached")
         self._saved_this_launch = False

@@ -117,16 +117,16 @@ class StepRerun:
         run_dir: the run folder (event log, quarantine list, suspect hosts).
         events: the guard's :class:`~vidstab.events.EventLog`.
         sharded: the model is sharded (FSDP): every rank re-runs together, no peer check.
-        deepspeed: the engine is DeepSpeed's, which a rank cannot re-run alone: nothing is re-run.
+        not_rerun: why the engine cannot re-run a step (DeepSpeed's: a rank cannot re-run alone); None: it can.
         peer_check: send a reproduced rank's micro-batches to a peer (DDP, two or more processes).
         quarantine: quarantine the samples a ``data`` verdict names.
     """
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, run_dir: str | os.PathLike, events: Any, *,
-                 sharded: bool, deepspeed: bool, peer_check: bool = True, quarantine: bool = True) -> None:
+                 sharded: bool, not_rerun: str | None = None, peer_check: bool = True, quarantine: bool = True) -> None:
         self.accelerator, self.model, self.run_dir, self.events = accelerator, model, Path(run_dir), events
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.sharded, self.deepspeed = sharded, deepspeed
+        self.sharded, self.not_rerun = sharded, not_rerun
         self.peer_check, self.quarantine = peer_check, quarantine
         self.transient_by_rank: dict[int, int] = {}
         self.recorded: OutputGradients | None = None
@@ -160,8 +160,8 @@ class StepRerun:
         if not triggers:
             return None
         why, batches, first = None, [], None
-        if self.deepspeed:
-            why = "under DeepSpeed a rerun would have to go through the engine's own forward and backward: not re-run"
+        if self.not_rerun is not None:
+            why = self.not_rerun
         elif not refs or any(b is None for b, _, _ in refs):
             why = ("the micro-batches were not kept (GuardConfig.capture_incidents is False): "
                    "config=GuardConfig(capture_incidents=True) enables it")

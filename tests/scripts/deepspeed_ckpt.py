@@ -124,7 +124,7 @@ def run_job(args: argparse.Namespace, phase: str, stage: int, precision: str, ou
             log["aborted"] = None
         except RunAborted as e:
             log["aborted"] = str(e)
-        log["finite"] = ckpt.deepspeed.params_finite({"model": engine})
+        log["finite"] = ckpt.engine.params_finite({"model": engine})
     ckpt.wait()
     Path(out, f"{phase}-rank{rank}.json").write_text(json.dumps(log, indent=1))
     guard.close()

@@ -27,14 +27,15 @@ import torch
 from .. import run_dir
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
-from ..deepspeed_support import is_deepspeed
+from ..deepspeed_support import DeepSpeedUnsupported
+from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
 from ..exit_fence import register_exit_fence
 from ..limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
-from .dcp_backend import ShardedBackend, all_finite, has_dtensor_params, is_optimizer
+from .dcp_backend import ShardedBackend, is_optimizer
 from .full_state import FullStateBackend
 from .layout import RESERVED, file_stem, rel, step_name
 from .memory_copy import MemoryCopy, default_budget_bytes
@@ -98,19 +99,16 @@ class CheckpointManager:
         node's local main process, into that node's folder (see :func:`node_local_folders`)."""
         self.node = self.rank - accelerator.local_process_index
         """The rank of this node's local main process (torch launchers number a node's ranks contiguously)."""
-        _refuse_unsupported(accelerator)
-        self.full_state = FullStateBackend(accelerator, self.config)
-        self.sharded = ShardedBackend(accelerator, self.config)
-        self.deepspeed = None
-        """The DeepSpeed backend (:mod:`.deepspeed_backend`): every save of a DeepSpeed run, and only those."""
-        if is_deepspeed(accelerator):
-            from .deepspeed_backend import DeepSpeedBackend
-
-            self.deepspeed = DeepSpeedBackend(accelerator, self.config)
-        for backend in (self.full_state, self.sharded, self.deepspeed):
-            if backend is not None:
-                backend.is_main = self.is_main
-                backend.node_local = self.node_local
+        self.engine = _engine_of(accelerator)
+        """What differs between DDP, FSDP2 and DeepSpeed (:mod:`vidstab.engines`): which backend saves and loads,
+        what a save checks, what is refused."""
+        self.backends = self.engine.checkpoint_backends(self.config)
+        """Every backend this engine's checkpoints may use, by the name their manifests record."""
+        self.full_state: FullStateBackend = self.backends[FullStateBackend.name]
+        self.sharded: ShardedBackend = self.backends[ShardedBackend.name]
+        for backend in self.backends.values():
+            backend.is_main = self.is_main
+            backend.node_local = self.node_local
         self.group = _checkpoint_group(self.world_size, self.config.rank_timeout_s)
         """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
         background thread while training uses the default group, and a dead peer errors within seconds."""
@@ -180,37 +178,17 @@ class CheckpointManager:
             raise ValueError(f"cannot register {name!r}: reserved or not a plain file name")
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"{name!r}: object needs state_dict() and load_state_dict()")
-        _refuse_unsupported_object(name, obj)
-        if self.deepspeed is not None and _zero_stage(self.accelerator) == 3:
-            from ..script_state import is_ema
-
-            if is_ema(obj):
-                raise CheckpointError(
-                    f"cannot register {name!r}: an EMA under DeepSpeed ZeRO-3 holds this rank's partition of the "
-                    "weights, and a registered object is kept once for all ranks; use ZeRO-1 or -2 with an EMA, or "
-                    "save it per rank in your own save/load-state hooks with vidstab.attach(..., rollback_every=N)")
+        self.engine.refuse_registered(name, obj)
         self._objects[name] = obj
 
     @property
     def backend(self) -> FullStateBackend:
-        """The backend the next save uses: sharded (DCP) when a registered model has DTensor parameters
-        (FSDP2) or ``CheckpointConfig.sharded`` says so, else full state; DeepSpeed's under DeepSpeed."""
-        if self.deepspeed is not None:
-            return self.deepspeed
-        want = self.config.sharded
-        if want is None:
-            want = any(isinstance(o, torch.nn.Module) and has_dtensor_params(self.accelerator.unwrap_model(o))
-                       for o in self._objects.values())
-        return self.sharded if want else self.full_state
+        """The backend the next save uses, the engine's choice: sharded (DCP) when a registered model has DTensor
+        parameters (FSDP2) or ``CheckpointConfig.sharded`` says so, else full state; DeepSpeed's under DeepSpeed."""
+        return self.engine.save_backend(self.backends, self._objects, self.config)
 
     def _backend_of(self, manifest: dict) -> FullStateBackend:
-        kind = manifest.get("backend")
-        if (kind == "deepspeed") != (self.deepspeed is not None):
-            raise CheckpointError("written by a DeepSpeed run; this run does not use DeepSpeed" if kind == "deepspeed"
-                                  else "not written by a DeepSpeed run; a DeepSpeed run loads only its own checkpoints")
-        if self.deepspeed is not None:
-            return self.deepspeed
-        return self.sharded if kind == ShardedBackend.name else self.full_state
+        return self.engine.load_backend(manifest.get("backend"), self.backends)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
@@ -720,19 +698,17 @@ class CheckpointManager:
         """Refuse (every rank alike, from the same files) a checkpoint of another world size. The first
         candidate with a readable manifest decides: a run's checkpoints share one world size, so falling
         back past it would only list the same refusal for each."""
-        if self.config.allow_world_size_change and self.deepspeed is None:
+        fixed = self.engine.fixed_world_size
+        if self.config.allow_world_size_change and fixed is None:
             return
         for p in cands:
             try:
                 saved = layout.read_manifest(p).get("world_size")
             except CheckpointError:
                 continue
-            if saved is not None and saved != self.world_size and self.deepspeed is not None:
-                raise CheckpointError(
-                    f"{rel(p, self.output_dir)} was written by {saved} processes; this run has {self.world_size}. "
-                    "A DeepSpeed checkpoint of vidstab holds each rank's ZeRO partitions and resumes on the same "
-                    f"number of processes only (allow_world_size_change does not apply): relaunch with "
-                    f"--num_processes {saved}")
+            if saved is not None and saved != self.world_size and fixed is not None:
+                raise CheckpointError(f"{rel(p, self.output_dir)} was written by {saved} processes; this run has "
+                                      f"{self.world_size}. {fixed}: relaunch with --num_processes {saved}")
             if saved is not None and saved != self.world_size:
                 raise CheckpointError(
                     f"{rel(p, self.output_dir)} was written by {saved} process{'es' if saved != 1 else ''}; this run "
@@ -754,9 +730,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ collectives
     def _params_finite_here(self) -> bool:
         """Whether this rank's (local shards of the) registered models' parameters are all finite."""
-        if self.deepspeed is not None:
-            return self.deepspeed.params_finite(self._objects)
-        return all_finite(p for o in self._objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters())
+        return self.engine.params_finite(self._objects)
 
     def _all_ok(self, ok: bool) -> bool:
         return self._sum_ints([not ok])[0] == 0
@@ -806,32 +780,11 @@ def _checkpoint_group(world_size: int, timeout_s: float):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def _refuse_unsupported(accelerator) -> None:
-    """Refuse, at construction, the set-ups these checkpoints cannot serve (never hang later)."""
-    state = getattr(accelerator, "state", None)
-    if is_deepspeed(accelerator):
-        from ..deepspeed_support import DeepSpeedUnsupported, check_supported, engine_of
-
-        try:
-            check_supported(engine_of(accelerator))
-        except DeepSpeedUnsupported as e:
-            raise CheckpointError(str(e)) from None
-    plugin = getattr(state, "fsdp_plugin", None)
-    if plugin is not None and int(getattr(plugin, "fsdp_version", 1) or 1) < 2:
-        raise CheckpointError("vidstab checkpoints serve FSDP2 (DTensor parameters, saved with DCP), not FSDP1: "
-                              "launch with --fsdp_version 2")
-
-
-def _zero_stage(accelerator: Any) -> int | None:
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    return getattr(plugin, "zero_stage", None)
-
-
-def _refuse_unsupported_object(name: str, obj: Any) -> None:
-    kind = type(obj).__name__
-    if kind == "PipelineEngine":
-        raise CheckpointError(f"cannot register {name!r}: DeepSpeed's pipeline engine is not supported (its "
-                              "train_batch() leaves no point between the gradients and the update)")
-    if kind == "FullyShardedDataParallel":
-        raise CheckpointError(f"cannot register {name!r}: FSDP1 modules are not supported; use FSDP2 (fully_shard, "
-                              "or accelerate launch --use_fsdp --fsdp_version 2)")
+def _engine_of(accelerator) -> Engine:
+    """The run's engine, chosen once; the set-ups these checkpoints cannot serve refused here (never hang later)."""
+    try:
+        engine = engine_for(accelerator)
+    except DeepSpeedUnsupported as e:
+        raise CheckpointError(str(e)) from None
+    engine.refuse_checkpoints()
+    return engine

@@ -15,10 +15,11 @@ detectors                    the judges (:mod:`vidstab.detectors`), one instance
 :class:`UserLoopPatches`     the patches on the user's own calls (``attach``)
 ===========================  ===================================================================================
 
-Under DeepSpeed (ZeRO 1/2/3) the engine's step is taken through :mod:`vidstab.deepspeed_support`: the norm is
-the ZeRO optimizer's pre-step norm, apply is ``engine.step()`` and skip is DeepSpeed's own overflow path; the
-attached loop's step is judged at the last micro-step's ``accelerator.backward`` (where Accelerate steps the
-engine), the explicit one at ``guard.step``. Under fp16, a non-finite gradient with finite losses everywhere is a normal GradScaler overflow:
+What differs between DDP, FSDP2 and DeepSpeed (ZeRO 1/2/3) is the guard's :class:`~vidstab.engines.Engine`, chosen
+once here: the backward, the pre-step norm, apply and skip. Under DeepSpeed the norm is the ZeRO optimizer's
+pre-step norm, apply is ``engine.step()`` and skip is DeepSpeed's own overflow path; the attached loop's step is
+judged at the last micro-step's ``accelerator.backward`` (where Accelerate steps the engine), the explicit one at
+``guard.step``. Under fp16, a non-finite gradient with finite losses everywhere is a normal GradScaler overflow:
 ``optimizer.step()`` is still called (the scaler skips and lowers the scale).
 """
 
@@ -31,13 +32,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import deepspeed_support, signals
+from .. import signals
 from ..atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import Detector, Finding, StepStats, Verdict
 from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
 from ..elastic import check_world_size
+from ..engines import engine_for
 from ..exit_fence import register_exit_fence
 from ..goodput import process_start_time
 from ..limits import read_json_file
@@ -92,26 +94,20 @@ class Guard:
         check_world_size(self.world_size)  # unjoined processes would write each other's rank-0 event log
         register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
         self.params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
-        self.sharded = str(getattr(accelerator, "distributed_type", "")).endswith("FSDP") or any(
-            signals.is_dtensor(p) for p in self.params)
-        # The originals of the calls attach() wraps: the guard itself always calls these.
-        self.original_backward = accelerator.backward
-        self.original_clip = accelerator.clip_grad_norm_
-        # DeepSpeed: the guard steps the engine itself, once judged (vidstab/deepspeed_support.py).
-        self.deepspeed = (deepspeed_support.EngineStep(accelerator, deepspeed_support.engine_of(accelerator, model))
-                          if deepspeed_support.is_deepspeed(accelerator) else None)
-        self.sharded = self.sharded or self.deepspeed is not None  # ZeRO partitions: their sums add over ranks
+        self.engine = engine_for(accelerator, model, self.params)
+        """What differs between DDP, FSDP2 and DeepSpeed (:mod:`vidstab.engines`): backward, norm, apply, skip."""
+        self.sharded = self.engine.sharded  # FSDP2 shards, ZeRO partitions: their sums add over ranks
         self.recorder = StepRecorder(accelerator.device, self.config)
         self.layout = self.recorder.window.layout
         self.detectors: list[Detector] = build_detectors(self.config, self.world_size)
         self.control = OptimizerControl(accelerator, optimizer, lr_scheduler, self.params, self.config.param_norm_every,
-                                        engine_step=self.deepspeed)
+                                        self.engine)
         self.reporter = Reporter(accelerator, model, optimizer, self.config, self.run_dir, rank=self.rank,
                                  world_size=self.world_size, sharded=self.sharded, model_spec=model_spec, seed=seed,
                                  checkpoint_fn=checkpoint_fn)
         self.lr = LRMultiplier(optimizer, lr_scheduler)
         self.rerun = StepRerun(accelerator, model, self.run_dir, self.events, sharded=self.sharded,
-                               deepspeed=self.deepspeed is not None, peer_check=self.config.rerun_peer_check,
+                               not_rerun=self.engine.not_rerun, peer_check=self.config.rerun_peer_check,
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
@@ -149,6 +145,24 @@ class Guard:
     @checkpoint_fn.setter
     def checkpoint_fn(self, fn: Callable[[], str | None] | None) -> None:
         self.reporter.checkpoint_fn = fn
+
+    @property
+    def original_backward(self) -> Callable:
+        """The accelerator's ``backward`` before ``attach`` wrapped it (the engine's): the guard always calls it."""
+        return self.engine.original_backward
+
+    @original_backward.setter
+    def original_backward(self, fn: Callable) -> None:
+        self.engine.original_backward = fn
+
+    @property
+    def original_clip(self) -> Callable:
+        """The accelerator's ``clip_grad_norm_`` before ``attach`` wrapped it (the engine's)."""
+        return self.engine.original_clip
+
+    @original_clip.setter
+    def original_clip(self, fn: Callable) -> None:
+        self.engine.original_clip = fn
 
     @property
     def own_state_hooks(self) -> list[Callable]:
@@ -199,9 +213,8 @@ class Guard:
             error = self.patches.forward_oom.take()
         oom = self._out_of_memory(error, "forward", inputs, bucket) if is_oom(error) else 0
         error = None if oom else error
-        backward = self.deepspeed.backward if self.deepspeed is not None else self.original_backward
         try:
-            backward(loss, **(backward_kwargs or {}))  # under DeepSpeed without the engine step Accelerate chains to it
+            self.engine.backward(loss, **(backward_kwargs or {}))  # under DeepSpeed without the engine step
         except Exception as exc:  # with one process an OOM here is a skipped step; with more, peers wait in DDP's
             if not is_oom(exc):   # all-reduce: the run stops (an elastic restart resumes it)
                 raise
@@ -233,9 +246,10 @@ class Guard:
         self._oom_in_step = 2 if touched else 1
         self.lr.restore_schedule()
         self.events.log("oom", stats.step, phase="optimizer", touched=touched, error=str(exc)[:500], bucket=stats.bucket)
-        if self.deepspeed is not None:  # its engine gathers the update from every rank: no lockstep skip, a stop
+        stop = self.engine.optimizer_oom_stop(stats.step, self.rank, exc)
+        if stop is not None:  # the engine gathers the update from every rank: no lockstep skip, a stop
             self.events.flush()
-            raise self.deepspeed.oom_stop(stats.step, self.rank, exc) from None
+            raise stop from None
         how = "after touching part of the weights or optimizer state" if touched else "before touching any weight"
         stats.findings.append(Finding("oom", Verdict.SKIP, f"out of memory inside optimizer.step() on rank {self.rank}, "
                                       f"{how}: the step is skipped here; every rank judges it at the next step",
@@ -256,9 +270,7 @@ class Guard:
             self.control.plain_step(self.original_clip, self.params, max_grad_norm)
             self.step_count += 1
             return StepResult(self.step_count - 1, applied=True, skipped=False, micro=False)
-        if self.deepspeed is not None:  # DeepSpeed clips to its own gradient_clipping
-            return self.guarded_step(self.deepspeed.pre_step_norm(), self.deepspeed.max_grad_norm, step_scheduler=True)
-        norm = signals.global_grad_norm(self.accelerator, self.params, max_grad_norm, clip=self.original_clip)
+        norm, max_grad_norm = self.engine.pre_step_norm(max_grad_norm)  # DeepSpeed's: its own gradient_clipping
         return self.guarded_step(norm, max_grad_norm, step_scheduler=True)
 
     def guarded_step(self, norm: torch.Tensor | None, max_grad_norm: float | None, step_scheduler: bool) -> StepResult:

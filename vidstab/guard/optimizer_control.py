@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ..oom import StepMarks, is_oom, release
+from ..engines import Engine
+from ..oom import is_oom, release
 from .param_probe import ParamProbe
 
 
@@ -22,15 +23,13 @@ class OptimizerControl:
     """Owns the optimizer's and the scheduler's step functions (the originals) and whether the scheduler is held."""
 
     def __init__(self, accelerator: Any, optimizer: Any, lr_scheduler: Any, params: list[torch.nn.Parameter],
-                 param_norm_every: int, engine_step: Any = None) -> None:
+                 param_norm_every: int, engine: Engine) -> None:
         self.accelerator, self.optimizer, self.lr_scheduler = accelerator, optimizer, lr_scheduler
-        self.engine_step = engine_step
-        """DeepSpeed's :class:`~vidstab.deepspeed_support.EngineStep` (Accelerate's optimizer.step() is a no-op
-        there): apply is ``engine.step()``, skip DeepSpeed's own overflow path, the weights its fp32 partitions."""
-        self.optimizer_step = engine_step.apply if engine_step is not None else optimizer.step
+        self.engine = engine
+        """The training engine (:mod:`vidstab.engines`): its step function, its part of a skip, the weights it steps."""
+        self.optimizer_step = engine.optimizer_step(optimizer)
         self.scheduler_step = lr_scheduler.step if lr_scheduler is not None else None
-        self.probe = ParamProbe(engine_step.master_partitions() if engine_step is not None
-                                else [p for p in params if p.requires_grad])
+        self.probe = ParamProbe(engine.step_weights())
         self.param_norm_every = param_norm_every
         self.trainable = [p for p in params if p.requires_grad]
         self.step_oom: tuple[BaseException, bool] | None = None
@@ -66,9 +65,9 @@ class OptimizerControl:
         self.scheduler_held = False
         before = self.probe.snapshot() if measure else None
         _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
-        # DeepSpeed's step gathers partitions across ranks: an OOM there leaves the peers waiting, nothing to judge
+        # None where the step gathers across ranks (DeepSpeed): an OOM there leaves the peers waiting, nothing to judge
         # (touched: None) and no skip to take in lockstep; the guard stops the process.
-        marks = StepMarks(opt, self.trainable) if self.engine_step is None else None
+        marks = self.engine.step_marks(opt, self.trainable)
         try:
             self.optimizer_step()
         except Exception as exc:
@@ -93,8 +92,7 @@ class OptimizerControl:
         ``measure``: take the weights' norm (no update to measure)."""
         self.scheduler_held = True
         self.optimizer.zero_grad(set_to_none=True)
-        if self.engine_step is not None:  # DeepSpeed's own overflow path: grads dropped, its scheduler held
-            self.engine_step.skip()
+        self.engine.skip()  # DeepSpeed's own overflow path: grads dropped, its scheduler held
         _set_skipped(self.optimizer, True)
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:  # clip_grad_norm_ unscaled: close the scaler's step without stepping

@@ -105,9 +105,8 @@ class UserLoopPatches:
             data = [t for t in named.values() if t.dim() >= 2]
         last = g.accelerator.sync_gradients
         g.record_backward(loss, data, named, self.sample_ids, backward_kwargs=kwargs)
-        ds = g.deepspeed
-        if ds is not None and last:  # Accelerate steps a DeepSpeed engine at this backward: judged and stepped here
-            self.judged_step(ds.pre_step_norm(), ds.max_grad_norm)
+        if g.engine.steps_at_backward and last:  # Accelerate steps this engine (DeepSpeed) here: judged first
+            self.judged_step(*g.engine.pre_step_norm(None))
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
         """The user's ``accelerator.clip_grad_norm_``: the original; its pre-clip norm feeds the guard."""
@@ -120,14 +119,14 @@ class UserLoopPatches:
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's ``optimizer.step()``: the guarded step on the last micro-step, else the original."""
         g = self.guard
-        if g.deepspeed is not None:  # DeepSpeed: stepped at the last micro-step's backward
+        if g.engine.steps_at_backward:  # stepped at the last micro-step's backward
             return None
         if not g.config.enabled or not g.accelerator.sync_gradients:
             return g.control.optimizer_step(*args, **kwargs)
         if self.user_norm is not None:
             norm, max_norm = self.user_norm
         else:  # the loop does not clip: measure the global norm once, without clipping
-            norm, max_norm = signals.global_grad_norm(g.accelerator, g.params, None, clip=g.original_clip), None
+            norm, max_norm = g.engine.pre_step_norm(None)
         self.user_norm = None
         self.judged_step(norm, max_norm)
         return None

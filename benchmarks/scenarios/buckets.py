@@ -130,6 +130,8 @@ class RunRecord:
     """The run's warn / skip / rollback_request events from ``RUN_DIR/vidstab/events-rank0.jsonl``."""
     fault_step: int | None = None
     seconds: float = 0.0
+    aborted: str | None = None
+    """The guard's message when it ended the run (vidstab.RunAborted), else None."""
 
 
 def schedule_buckets(schedule: str) -> tuple[Bucket, ...]:
@@ -230,22 +232,25 @@ def run(spec: RunSpec, run_dir: str | Path | None = None) -> RunRecord:
         model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
         guard = vidstab.attach(accelerator, model, optimizer, lr_scheduler, run_dir=str(run_dir), seed=spec.seed)
         data = BucketData(buckets, spec.seed)
-        for step in range(steps):
-            bucket = sequence[step]
-            batch = data.batch(bucket)
-            faulty = at is not None and step >= at and (
-                step == at or (spec.fault.kind == "latents_x5"
-                               and (spec.fault.window is None or step < at + spec.fault.window)))
-            if faulty and spec.fault.kind == "nan_sample":
-                batch["latents"][0] = float("nan")
-            if faulty and spec.fault.kind == "latents_x5":
-                batch["latents"] = batch["latents"] * 5.0
-            result = train_step(accelerator, model, optimizer, lr_scheduler, guard, batch, buckets[bucket],
-                                spec.loop, lr_x1000=faulty and spec.fault.kind == "lr_x1000")
-            record.steps.append(StepRecord(
-                step, bucket, buckets[bucket].key, result.verdict.name,
-                [(f.detector, f.verdict.name) for f in result.findings], float(result.grad_norm),
-                float(result.loss), fault=faulty))
+        try:
+            for step in range(steps):
+                bucket = sequence[step]
+                batch = data.batch(bucket)
+                faulty = at is not None and step >= at and (
+                    step == at or (spec.fault.kind == "latents_x5"
+                                   and (spec.fault.window is None or step < at + spec.fault.window)))
+                if faulty and spec.fault.kind == "nan_sample":
+                    batch["latents"][0] = float("nan")
+                if faulty and spec.fault.kind == "latents_x5":
+                    batch["latents"] = batch["latents"] * 5.0
+                result = train_step(accelerator, model, optimizer, lr_scheduler, guard, batch, buckets[bucket],
+                                    spec.loop, lr_x1000=faulty and spec.fault.kind == "lr_x1000")
+                record.steps.append(StepRecord(
+                    step, bucket, buckets[bucket].key, result.verdict.name,
+                    [(f.detector, f.verdict.name) for f in result.findings], float(result.grad_norm),
+                    float(result.loss), fault=faulty))
+        except vidstab.RunAborted as e:  # skipping could not get past the fault: the attached guard ended the run
+            record.aborted = str(e)
         guard.close()
         record.events = vidstab.read_events(run_dir, kinds=("warn", "skip", "rollback_request"))
     finally:

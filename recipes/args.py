@@ -173,11 +173,15 @@ def watchdog_config(args: argparse.Namespace):
 
 def check_resilience_flags(args: argparse.Namespace) -> None:
     """Faults that can never fire and impossible watchdog settings are flag errors (ValueError naming the flag)."""
-    from vidstab.faults import validate_faults
+    from vidstab.faults import Fault, validate_faults
 
     # --num_train_epochs alone: the length is known only once the data set is; a step past it cannot be judged yet.
     max_steps = args.max_train_steps or (DEFAULT_MAX_TRAIN_STEPS if args.num_train_epochs is None else 2**62)
     validate_faults(args.inject_fault, world_size=int(os.environ.get("WORLD_SIZE", "1")), max_steps=max_steps)
+    for spec in args.inject_fault or []:
+        if Fault.parse(spec).kind == "kill_worker" and not args.dataloader_num_workers:
+            raise ValueError(f"--inject_fault {spec!r}: kill_worker ends a data-loader worker and this run loads in the "
+                             f"training process: add --dataloader_num_workers 1")
     if args.watchdog_timeout:
         try:
             watchdog_config(args)

@@ -62,6 +62,7 @@ from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointMana
 from vidstab.deepspeed_support import accelerator_kwargs_handlers
 from vidstab.checkpoint_interval import auto_interval
 from vidstab.goodput import GoodputLog
+from vidstab.host_memory import ChildrenMemory, DataLoaderWorkerKilled, record_worker_killed
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
@@ -129,16 +130,19 @@ def build_model(args: argparse.Namespace, latent_channels: int) -> VideoDiT:
     return model
 
 
-def batch_stream(accelerator: Accelerator, dataloader, start: int):
+def batch_stream(accelerator: Accelerator, dataloader, start: int, workers: ChildrenMemory):
     """Endless micro-batches from position ``start`` (micro-batches consumed so far), epoch-seeded order.
 
     The order depends only on (seed, epoch), so a resumed run sees the same batches as an uninterrupted one.
+    ``workers`` reads the loader workers' memory (for the record of one killed).
     """
     epoch, index = divmod(start, len(dataloader))
     while True:
         dataloader.set_epoch(epoch)
         loader = accelerator.skip_first_batches(dataloader, index) if index else dataloader
-        yield from loader
+        for batch in loader:
+            workers.sample()
+            yield batch
         epoch, index = epoch + 1, 0
 
 
@@ -151,6 +155,7 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
     kept: list[oom_retry.Kept] = []  # the step's micro-batches (references), for a re-run in pieces after an OOM
     for micro_step in range(acc.gradient_accumulation_steps):
         ctx.beat(step, "data")
+        faults.reached(step)
         faults.maybe_hang(step)
         waited = time.perf_counter()
         batch = next(ctx.data)
@@ -227,7 +232,7 @@ class Run:
         self.objective = DiffusionObjective(objective_config(args))
         # Samples quarantined in this run folder (named bad by an incident) are kept out of later epochs and resumes.
         dataloader = torch.utils.data.DataLoader(
-            vidstab.QuarantinedDataset(cache, out), batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
+            vidstab.QuarantinedDataset(self.faults.worker_drill(cache), out), batch_size=args.train_batch_size, shuffle=True, drop_last=True, collate_fn=collate_latents,
             num_workers=args.dataloader_num_workers, generator=torch.Generator().manual_seed(args.seed),
         )
         if len(dataloader) == 0:
@@ -288,6 +293,7 @@ class Run:
         self.batches_consumed = 0
         self.checkpoint_failures = 0
         self.data = None
+        self.workers = ChildrenMemory()  # the loader workers' memory, for the record of one killed by a signal
 
     def save_due(self, step: int) -> bool:
         """Whether ``step`` is a --checkpointing_steps save (a fixed interval, or ``auto``'s current one)."""
@@ -310,7 +316,7 @@ class Run:
         saved_world, world = int(state.get("world_size", self.accelerator.num_processes)), self.accelerator.num_processes
         if saved_world != world:  # only under --fsdp: CheckpointManager refuses it otherwise
             self._rederive_for_world_size(int(state["step"]), saved_world, world)
-        self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed)
+        self.data = batch_stream(self.accelerator, self.dataloader, self.batches_consumed, self.workers)
         return int(state["step"])
 
     def _rederive_for_world_size(self, step: int, saved_world: int, world: int) -> None:
@@ -461,12 +467,18 @@ def watching(run: Run):
 
 
 @contextlib.contextmanager
-def logged_crash(guard: vidstab.Guard):
-    """An exception that ends the run leaves a ``crash`` event: the next attempt's restart event names it."""
+def logged_crash(run: "Run"):
+    """An exception that ends the run leaves a ``crash`` event: the next attempt's restart event names it. A
+    data-loader worker killed by a signal is also recorded with the memory history, and said in one message."""
+    guard = run.guard
     try:
         yield
     except Exception as exc:
+        killed = record_worker_killed(exc, guard.events, guard.global_step, guard.rank, guard.reporter.host_memory,
+                                      run.workers.history)
         guard.events.log("crash", guard.global_step, error=f"{type(exc).__name__}: {exc}"[:1000])
+        if killed is not None:
+            raise killed from exc
         raise
 
 
@@ -523,13 +535,13 @@ def train(run: Run) -> int:
         acc.print(f"restart {restart['restart_count']}/{restart['max_restarts']} after {restart['cause']} "
                   f"(ranks {restart['culprit_ranks']}): resuming at step {step}")
     if run.data is None:
-        run.data = batch_stream(acc, run.dataloader, 0)
+        run.data = batch_stream(acc, run.dataloader, 0, run.workers)
     guard.global_step = step
 
     progress = tqdm(total=args.max_train_steps, initial=step, desc="steps", disable=not acc.is_local_main_process)
     first_loss, last_loss, started = None, None, time.time()
     exit_code = 0
-    with watching(run), logged_crash(guard), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
+    with watching(run), logged_crash(run), PreemptionHandler(on_signal=guard.request_stop, watch_parent=True):
         while step < args.max_train_steps:
             run.faults.adjust_lr(step, run.optimizer, run.lr_scheduler)
             result = train_step(run, step)
@@ -616,6 +628,8 @@ def run_main(argv: list[str] | None = None) -> int:
     user_errors = (vidstab.run_dir.RunDirError, vidstab.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
     try:
         return main(argv)
+    except DataLoaderWorkerKilled:  # said in one message by the rank it happened on, and in its event log
+        return 1
     except user_errors as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"recipes/train.py: error: {exc}", file=sys.stderr, flush=True)

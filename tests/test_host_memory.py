@@ -134,3 +134,26 @@ def test_a_worker_killed_under_max_restarts_is_recorded_then_the_job_restarts_re
         assert first["resumed"] == 0 and first["trained"] == [0, 1, 2, 3]
         assert second["resumed"] == 4 and second["trained"] == [4, 5, 6, 7] and second["finite"]
     assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == [2, 4, 6, 8]
+
+
+def test_the_trainer_records_a_killed_loader_worker_exits_1_without_a_traceback_then_resumes(tmp_path):
+    """The reference trainer's own loader (``--dataloader_num_workers 1``) with ``--inject_fault kill_worker@3``:
+    the worker SIGKILLs itself as the out-of-memory killer would; the run logs ``dataloader_worker_killed`` with
+    the memory history, says it in one message and exits 1 with no traceback; ``--resume_from_checkpoint latest``
+    goes on from the last checkpoint to the end."""
+    from trainer_utils import run_trainer
+
+    out = tmp_path / "run"
+    flags = ("--max_train_steps", "8", "--checkpointing_steps", "2", "--dataloader_num_workers", "1")
+    first = run_trainer(out, *flags, "--inject_fault", "kill_worker@3", check=False)
+    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-4000:]
+    (event,) = vidstab.read_events(out, "dataloader_worker_killed")
+    assert event["signal"] == "Killed" and event["step"] >= 3 and event["rss_history"], event
+    (pid,) = event["worker_pids"]
+    assert event["worker_rss_history"][str(pid)], event
+    assert f"rank 0: data-loader worker pid [{pid}] died of Killed" in first.stderr and "out-of-memory killer" in first.stderr
+    second = run_trainer(out, *flags, "--resume_from_checkpoint", "latest")
+    assert "done: 8/8 steps" in second.stdout, second.stdout[-3000:]
+    (crash,) = vidstab.read_events(out, "crash")
+    assert "DataLoader worker" in crash["error"], crash
+

@@ -23,6 +23,11 @@ def _parse_error(capsys, argv):
     return capsys.readouterr().err
 
 
+def test_a_kill_worker_drill_without_loader_workers_is_a_flag_error(capsys):
+    err = _parse_error(capsys, ["--inject_fault", "kill_worker@2"])
+    assert "--inject_fault 'kill_worker@2': kill_worker ends a data-loader worker" in err and "--dataloader_num_workers 1" in err
+
+
 def test_config_values_get_the_flags_type_checks(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("learning_rate: true\n")

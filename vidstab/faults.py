@@ -30,6 +30,8 @@ chosen optimizer step, the failures the seeds describe:
 ``kill_in_save`` the rank SIGKILLs itself inside the checkpoint save of that step, once its own files
                 (its DCP shards, its RNG state) are written and before the ranks agree on the save: the
                 half-written ``.tmp-*`` folder must never be loaded (needs a save at that step)
+``kill_worker`` the rank's data-loader worker SIGKILLs itself as it loads the first sample after the rank
+                reached that step (the kernel's out-of-memory killer ending a worker; needs loader workers)
 ``slow``        from that step on the rank's forward/backward takes ``=FACTOR`` (default 3) times as long
                 (a throttled or faulty GPU, a straggler): it sleeps ``FACTOR - 1`` times its fastest measured
                 compute (the fastest: a measurement that includes waiting for a slow peer would compound)
@@ -73,6 +75,7 @@ FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike
 # A fault on the scheduler itself, kept apart from the kinds above (vidstab/faults.py's LR block).
 FAULT_KINDS += ("lr_base",)
 FAULT_KINDS += ("oom", "oom_batch_above", "oom_in_step")  # the out-of-memory drills
+FAULT_KINDS += ("kill_worker",)  # host memory: a data-loader worker killed
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -114,7 +117,7 @@ class Fault:
                 raise ValueError(f"--inject_fault {spec!r}: slow takes a factor >= 1 (how many times slower), got {arg!r}")
         if kind == "lr_base" and arg is not None and not _is_number(arg):
             raise ValueError(f"--inject_fault {spec!r}: lr_base takes a numeric factor, got {arg!r}")
-        if kind in ("hang", "kill", "kill_in_save") and arg is not None:
+        if kind in ("hang", "kill", "kill_in_save", "kill_worker") and arg is not None:
             raise ValueError(f"--inject_fault {spec!r}: {kind} takes no =ARG; write {kind}@STEP[:RANK]")
         if kind == "oom_batch_above" and not (arg or "").isdigit():
             raise ValueError(f"--inject_fault {spec!r}: oom_batch_above needs the largest micro-batch that fits, "
@@ -142,6 +145,7 @@ class FaultInjector:
         self._lr_base_written: list[float] | None = None  # the scheduler's base LRs as the fault last left them
         self._slow = 1.0  # compute-time factor of an active slow fault
         self._fastest = float("inf")  # fastest compute seen, the base of the slow fault's pause
+        self._worker_drill: WorkerKillDrill | None = None
         if restart_count > 0:  # the job was restarted: the drill has been done, do not repeat it forever
             for fault in self.faults:
                 fault.fired = fault.kind != "slow"  # a slow device stays slow after a restart
@@ -264,6 +268,21 @@ class FaultInjector:
         if self._take("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def worker_drill(self, dataset: torch.utils.data.Dataset) -> torch.utils.data.Dataset:
+        """``dataset`` wrapped for this rank's ``kill_worker`` fault (as it is without one): the loader's workers
+        get it, and the fault fires in one of them."""
+        for fault in self.faults:
+            if fault.kind == "kill_worker" and not fault.fired and fault.rank in (None, self.rank):
+                fault.fired = True  # it fires in a worker; this process only tells the workers its step
+                self._worker_drill = WorkerKillDrill(dataset, fault.step)
+                return self._worker_drill
+        return dataset
+
+    def reached(self, step: int) -> None:
+        """The rank is at ``step``: said to a ``kill_worker`` drill's workers (other processes)."""
+        if self._worker_drill is not None:
+            self._worker_drill.reached[0] = step
+
     def maybe_kill_in_save(self, step: int) -> None:
         """The ``kill_in_save`` fault (:attr:`vidstab.checkpoint.CheckpointManager.after_files_written`):
         SIGKILL this process in the middle of the checkpoint save of ``step``."""
@@ -312,6 +331,29 @@ class FaultInjector:
         inner = {k: v for k, v in spec.items() if k in ("class", "config", "factory", "kwargs")}
         outer = {k: v for k, v in spec.items() if k not in inner}
         return {"factory": "vidstab.faults:model_with_module_fault", "kwargs": {"model": inner, "module": names[0]}, **outer}
+
+
+class WorkerKillDrill(torch.utils.data.Dataset):
+    """The ``kill_worker`` fault: ``dataset``, whose loader worker SIGKILLs itself as it loads a sample once the
+    rank has reached ``step`` (in memory shared with the workers, which are other processes)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, step: int) -> None:
+        self.dataset, self.step = dataset, step
+        self.reached = torch.full((1,), -1, dtype=torch.long).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> object:
+        if torch.utils.data.get_worker_info() is not None and int(self.reached[0]) >= self.step:
+            time.sleep(3.0)  # the loop is back waiting in the loader's next() when the worker's SIGCHLD reaches it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.dataset[index]
+
+    def __getattr__(self, name: str) -> object:  # sample_id and the rest: the data set's own
+        if name == "dataset":  # not set yet (unpickling in a worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def _is_number(text: str) -> bool:

@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 import vidstab
 from test_guard_distributed import launch
 from vidstab.faults import FaultInjector
-from vidstab.oom import OptimizerStateDiverged, StepMarks
+from vidstab.oom import OptimizerStateDiverged, StepMarks, WriteOrder
 
 pytestmark = pytest.mark.xdist_group("oom_attached")
 
@@ -116,13 +116,43 @@ def test_marks_tell_an_untouched_step_and_drop_the_state_it_created():
             raise torch.OutOfMemoryError("CUDA out of memory (drill)")
 
     opt = StateThenOOM(params, lr=0.1)
-    marks = StepMarks(opt, params)
+    marks = StepMarks(WriteOrder(opt), params)
     with pytest.raises(torch.OutOfMemoryError):
         opt.step()
     assert marks.judge() is False and len(opt.state) == 0
     real = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    marks = StepMarks(real, params)
+    marks = StepMarks(WriteOrder(real), params)
     real.step()
     assert marks.judge() is True  # any weight or state modified counts
     fused = torch.optim.AdamW(params, lr=0.1, fused=True)
-    assert StepMarks(fused, params).judge() is True  # fused kernels keep no version counts: the safe side
+    assert StepMarks(WriteOrder(fused), params).judge() is True  # fused kernels keep no version counts: the safe side
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_marks_of_torchs_adamw_read_the_first_written_tensors_and_tell_an_untouched_step_from_a_partial_one(foreach):
+    """torch's AdamW, two parameter groups of two dtypes each: the marks read the first parameter with a gradient of
+    each (group, dtype) and its state, not every tensor. A step that fails while gathering its state (a sparse
+    gradient in the first group) wrote nothing: untouched, and its new state dropped. A step that fails at the second
+    group (a gradient of the wrong shape) has updated the first group: touched."""
+    params = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64 if i % 2 == 0 else torch.float32)) for i in range(8)]
+    opt = torch.optim.AdamW([{"params": params[:4]}, {"params": params[4:]}], lr=0.1, foreach=foreach)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[2].grad = torch.ones(4, dtype=torch.float64).to_sparse()
+    marks = StepMarks(WriteOrder(opt), params)
+    assert marks.params == [params[0], params[1], params[4], params[5]]
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert marks.judge() is False and len(opt.state) == 0  # the state the first group's gathering made is gone
+    params[2].grad = torch.ones_like(params[2])
+    opt.step()  # every parameter has state now
+    params[6].grad = torch.ones(5, dtype=params[6].dtype)
+    marks = StepMarks(WriteOrder(opt), params)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert marks.judge() is True
+
+    class MyAdamW(torch.optim.AdamW):
+        """A subclass may step in another order: every tensor is read."""
+
+    assert StepMarks(WriteOrder(MyAdamW(params, lr=0.1)), params).params == params

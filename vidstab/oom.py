@@ -63,27 +63,81 @@ def micro_batch_size(inputs: Any) -> int | None:
 _VERSION = torch.Tensor._version.__get__  # a tensor's in-place modification counter (bumped under no_grad too)
 
 
+IN_ORDER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""torch's own optimizers (these classes exactly, not subclasses: a subclass may step otherwise) whose step, in each
+parameter group, writes the first parameter with a gradient of each device and dtype, or its state, before any
+other tensor of that device and dtype (the per-parameter loop and the foreach kernels both go in order)."""
+
+
+class WriteOrder:
+    """Which tensors an ``optimizer.step()`` writes first, for :class:`StepMarks`: for an :data:`IN_ORDER` optimizer,
+    the first parameter with a gradient of each (parameter group, device, dtype), found in per-group runs built once
+    and again when a group's parameters change; for any other, all of them (None)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
+        self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
+        """Fused kernels do not bump the version counters: a failed fused step counts as touched."""
+        self.in_order = type(self.optimizer) in IN_ORDER and not self.opaque
+        self._runs: list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]] = []
+        self._sizes: list[int] | None = None
+
+    def _build(self, sizes: list[int]) -> None:
+        self._runs = []
+        for group in self.optimizer.param_groups:
+            runs: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in group["params"]:
+                runs.setdefault((p.device, p.dtype), []).append(p)
+            self._runs.extend(runs.items())
+        self._sizes = sizes
+
+    def first_written(self) -> list[torch.Tensor] | None:
+        """The parameters whose marks tell whether a step wrote anything (None: every parameter's)."""
+        if not self.in_order:
+            return None
+        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
+        if sizes != self._sizes:
+            self._build(sizes)
+        first = []
+        for key, run in self._runs:
+            p = next((p for p in run if p.grad is not None), None)
+            if p is None:
+                continue
+            if (p.device, p.dtype) != key:  # moved or cast since the runs were built: read every one this step
+                self._sizes = None
+                return None
+            first.append(p)
+        return first
+
+
 class StepMarks:
     """What an ``optimizer.step()`` that raised has touched, from the tensors' in-place version counters.
 
-    Taken before the step (one counter read per weight and state tensor, no device work, no hashing: it runs on
-    every step); after an exception, :meth:`judge` says whether any weight or any state tensor that existed was
-    modified, and drops the state the step created lazily (the first step's moments), so an untouched optimizer
-    is exactly as it was. Fused kernels (``fused=True``) do not bump the counters: a failed fused step counts as
-    touched (the safe side: a rollback).
+    Taken before the step (no device work, no hashing: it runs on every step): the counters of the tensors the step
+    writes first (:class:`WriteOrder`: a few for torch's in-order optimizers, else every weight and state tensor);
+    after an exception, :meth:`judge` says whether any of them was modified, and drops the state the step created
+    lazily (the first step's moments), so an untouched optimizer is exactly as it was. Fused kernels
+    (``fused=True``) do not bump the counters: a failed fused step counts as touched (the safe side: a rollback).
     """
 
-    def __init__(self, optimizer: Any, params: list[torch.Tensor]) -> None:
-        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds torch's
-        self.params = params
+    def __init__(self, order: WriteOrder, params: list[torch.Tensor]) -> None:
+        self.optimizer = order.optimizer
         self.entries = len(self.optimizer.state)  # a dict keeps insertion order: the step's new entries come after
+        first = order.first_written()
+        self.params = params if first is None else first
+        state = self.optimizer.state
+        self.keys = None if first is None else [p for p in first if p in state]
+        """The marked parameters that had state before the step (None: every entry's)."""
         self.values = self._values()
         self.total = self._versions()
-        self.opaque = any(group.get("fused") for group in self.optimizer.param_groups)
+        self.opaque = order.opaque
 
     def _values(self) -> list[Any]:
-        """The state's values of the parameters that had state before the step, in order."""
-        return [v for entry in islice(self.optimizer.state.values(), self.entries) for v in entry.values()]
+        """The state's values of the (marked) parameters that had state before the step, in order."""
+        state = self.optimizer.state
+        if self.keys is not None:
+            return [v for p in self.keys for v in state[p].values()]
+        return [v for entry in islice(state.values(), self.entries) for v in entry.values()]
 
     def _versions(self) -> int:
         """The sum of the weights' and the state tensors' version counters (a state value may be a number)."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import signals
-from ..oom import StepMarks
+from ..oom import StepMarks, WriteOrder
 
 
 class Engine:
@@ -56,10 +56,10 @@ class Engine:
         """The weights the optimizer steps, as the parameter-norm probe measures them: the trainable parameters."""
         return [p for p in self.params if p.requires_grad]
 
-    def step_marks(self, optimizer: Any, trainable: list[torch.Tensor]) -> StepMarks | None:
+    def step_marks(self, order: WriteOrder, trainable: list[torch.Tensor]) -> StepMarks | None:
         """What tells whether an out-of-memory inside the step touched anything (None: such an OOM is not judged
         per rank): the step runs on this rank alone, so it can be judged and skipped."""
-        return StepMarks(optimizer, trainable)
+        return StepMarks(order, trainable)
 
     def optimizer_oom_stop(self, step: int, rank: int, exc: BaseException) -> Exception | None:
         """The error that ends the process after an out-of-memory inside the step where no skip or rollback can be

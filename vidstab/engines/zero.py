@@ -51,7 +51,7 @@ class ZeroEngine(Engine):
         """The fp32 master partitions, their padding left out: the module's ZeRO-3 parameters are empty."""
         return self.step.master_partitions()
 
-    def step_marks(self, optimizer: Any, trainable: list[torch.Tensor]) -> None:
+    def step_marks(self, order: Any, trainable: list[torch.Tensor]) -> None:
         """None: DeepSpeed's step gathers partitions across ranks, so an OOM there leaves the peers waiting."""
         return None
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..engines import Engine
-from ..oom import is_oom, release
+from ..oom import WriteOrder, is_oom, release
 from .param_probe import ParamProbe
 
 
@@ -32,6 +32,8 @@ class OptimizerControl:
         self.probe = ParamProbe(engine.step_weights())
         self.param_norm_every = param_norm_every
         self.trainable = [p for p in params if p.requires_grad]
+        self.write_order = WriteOrder(optimizer)
+        """Which tensors the optimizer's step writes first: what the marks of an OOM inside it read."""
         self.step_oom: tuple[BaseException, bool] | None = None
         """The last ``apply`` ran out of memory inside the optimizer step: the error and whether the step had
         touched a weight or the optimizer's state (:class:`vidstab.oom.StepMarks`); the guard takes it."""
@@ -67,7 +69,7 @@ class OptimizerControl:
         _set_skipped(opt, False)  # Accelerate only resets this flag under a GradScaler
         # None where the step gathers across ranks (DeepSpeed): an OOM there leaves the peers waiting, nothing to judge
         # (touched: None) and no skip to take in lockstep; the guard stops the process.
-        marks = self.engine.step_marks(opt, self.trainable)
+        marks = self.engine.step_marks(self.write_order, self.trainable)
         try:
             self.optimizer_step()
         except Exception as exc:

@@ -144,7 +144,9 @@ def test_the_trainer_records_a_killed_loader_worker_exits_1_without_a_traceback_
     from trainer_utils import run_trainer
 
     out = tmp_path / "run"
-    flags = ("--max_train_steps", "8", "--checkpointing_steps", "2", "--dataloader_num_workers", "1")
+    # Batches of 2: one epoch of 8 steps, served by one worker, whose memory is read at the first batch.
+    flags = ("--max_train_steps", "8", "--train_batch_size", "2", "--checkpointing_steps", "2",
+             "--dataloader_num_workers", "1")
     first = run_trainer(out, *flags, "--inject_fault", "kill_worker@3", check=False)
     assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr[-4000:]
     (event,) = vidstab.read_events(out, "dataloader_worker_killed")

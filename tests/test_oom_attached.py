@@ -133,7 +133,7 @@ def test_marks_of_torchs_adamw_read_the_first_written_tensors_and_tell_an_untouc
     """torch's AdamW, two parameter groups of two dtypes each: the marks read the first parameter with a gradient of
     each (group, dtype) and its state, not every tensor. A step that fails while gathering its state (a sparse
     gradient in the first group) wrote nothing: untouched, and its new state dropped. A step that fails at the second
-    group (a gradient of the wrong shape) has updated the first group: touched."""
+    group (a sparse gradient there) has updated the first group: touched."""
     params = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64 if i % 2 == 0 else torch.float32)) for i in range(8)]
     opt = torch.optim.AdamW([{"params": params[:4]}, {"params": params[4:]}], lr=0.1, foreach=foreach)
     for p in params:
@@ -146,9 +146,9 @@ def test_marks_of_torchs_adamw_read_the_first_written_tensors_and_tell_an_untouc
     assert marks.judge() is False and len(opt.state) == 0  # the state the first group's gathering made is gone
     params[2].grad = torch.ones_like(params[2])
     opt.step()  # every parameter has state now
-    params[6].grad = torch.ones(5, dtype=params[6].dtype)
+    params[6].grad = torch.ones(4, dtype=params[6].dtype).to_sparse()
     marks = StepMarks(WriteOrder(opt), params)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert marks.judge() is True
 

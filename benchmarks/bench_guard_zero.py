@@ -43,7 +43,7 @@ wall time).
     python benchmarks/bench_guard_zero.py --stage 3 --model mlp
 
 Rank 0 prints a table and, last, one JSON object (``ratio``, ``extra_ms``, ``plain_ms``, ``guarded_ms``: wall
-medians in ms; ``baseline``: the figures reported before); the launching process prints the table and the same
+medians in ms); the launching process prints the table and the same
 last line, and exits non-zero when the launch fails.
 """
 
@@ -65,8 +65,6 @@ REPO = HERE.parent
 REPORT = "report.txt"
 """Rank 0's table and JSON line, written into the run folder for the launching process (DeepSpeed logs to
 stdout too)."""
-REPORTED = {"issue_ratio": "1.5-2.1", "issue_extra_ms": 7.6, "issue_plain_ms": 12.0}
-"""The figures reported for this case before this benchmark existed (not measured here; see RESULTS.md)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -181,8 +179,7 @@ def report(args: argparse.Namespace, times: dict, every: int, description: str, 
     lines.append(f"extra wall per step {guarded['wall'] - plain['wall']:+.2f} ms = {guarded['wall'] / plain['wall']:.3f}x; "
                  f"the guard's own host time {own_cycles:.2f} ms per step ({every}-step cycle means) on a "
                  f"{plain_cycles:.2f} ms plain step: {own_ratio:.3f}x; guarded steps skipped {skipped}, findings "
-                 f"{findings}. Reported before: {REPORTED['issue_ratio']}x, +{REPORTED['issue_extra_ms']} ms on a "
-                 f"{REPORTED['issue_plain_ms']:.0f} ms step")
+                 f"{findings}")
     r3 = lambda x: round(x, 3)  # noqa: E731
     result = {"benchmark": "guard_zero", "stage": stage, "model": description, "params": params,
               "processes": processes, "rounds": args.rounds, "plain_ms": r3(plain["wall"]),
@@ -196,7 +193,7 @@ def report(args: argparse.Namespace, times: dict, every: int, description: str, 
               "own_ms": {"median": r3(guarded["own"]), "cycle_mean": r3(own_cycles),
                          "plain_cpu_cycle_mean": r3(plain_cycles)},
               "own_ratio": r3(own_ratio), "skipped": skipped, "findings": findings,
-              "quick": args.quick, "smoke": args.smoke, "baseline": REPORTED}
+              "quick": args.quick, "smoke": args.smoke}
     return [*lines, json.dumps(result)]
 
 

@@ -148,12 +148,17 @@ def user_loop_step(accelerator: Accelerator, model, opt, sched, batch: tuple[tor
     ``vidstab.attach`` guards as it is (``bench_guard_ddp.py`` runs it)."""
     x, noise, t = batch
     with accelerator.accumulate(model):
-        loss = torch.nn.functional.mse_loss(model(x + noise, t), noise)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        user_loop_after_forward(accelerator, model, opt, sched, torch.nn.functional.mse_loss(model(x + noise, t), noise))
+
+
+def user_loop_after_forward(accelerator: Accelerator, model, opt, sched, loss: torch.Tensor) -> None:
+    """The rest of :func:`user_loop_step` once the loss is computed (under DeepSpeed ``accelerator.backward`` takes
+    the engine's step itself and ``opt.step``/``opt.zero_grad`` are Accelerate's no-ops)."""
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def forward_hook_switch(model: torch.nn.Module):

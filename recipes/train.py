@@ -59,7 +59,7 @@ import preflight  # recipes/preflight.py: --audit's memory per bucket
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
-from vidstab.deepspeed_support import accelerator_kwargs_handlers
+from vidstab.engines.deepspeed_support import accelerator_kwargs_handlers
 from vidstab.checkpoint_interval import auto_interval
 from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning

@@ -27,7 +27,7 @@ import torch
 from .. import run_dir
 from .. import statedict_io as sio
 from ..atomic import fsync_paths
-from ..deepspeed_support import DeepSpeedUnsupported
+from ..engines.deepspeed_support import DeepSpeedUnsupported
 from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
 from ..exit_fence import register_exit_fence

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO 1/2/3 (see the package): the guard steps the engine itself, checkpoints hold each rank's
-partitions. The engine internals it reads live in :mod:`vidstab.deepspeed_support` (tested versions only)."""
+partitions. The engine internals it reads live in :mod:`vidstab.engines.deepspeed_support` (tested versions only)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from .. import deepspeed_support
+from . import deepspeed_support
 from .base import Engine
 
 
 class ZeroEngine(Engine):
     """DeepSpeed ZeRO stage 1, 2 or 3 under Accelerate. Accelerate's ``accelerator.backward`` steps the engine
     itself, so the guard takes the backward without that step, reads the ZeRO optimizer's own pre-step norm, and
-    applies or skips through :class:`~vidstab.deepspeed_support.EngineStep` (skip: DeepSpeed's overflow path).
+    applies or skips through :class:`~vidstab.engines.deepspeed_support.EngineStep` (skip: DeepSpeed's overflow path).
     Norms and finiteness read only the real elements of each partition (ZeRO-3 leaves the padding unwritten)."""
 
     name = "deepspeed"

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from benchmarks.scenarios import heldout as H  # noqa: E402
 from benchmarks.scenarios.evaluation import fixed_noise_loss  # noqa: E402
-from vidstab.lr import scale_lrs  # noqa: E402
+from vidstab.recovery.lr import scale_lrs  # noqa: E402
 from vidstab.strict_json import dumps_strict  # noqa: E402
 
 FAMILY = "plain_tf_flow"
@@ -65,7 +65,7 @@ def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Pat
     """One run of the held-out loop; ``arm`` in ``ARMS``."""
     import vidstab
     from vidstab.config import GuardConfig
-    from vidstab.recovery import RunAborted
+    from vidstab.recovery.policy import RunAborted
     from vidstab.reference.objective import step_generator
 
     run = H.HeldoutRun(FAMILY, schedule, seed, fault, steps=steps)

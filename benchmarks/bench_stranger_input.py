@@ -81,7 +81,7 @@ def make_inputs(work: Path) -> dict[str, list[str]]:
     return {"incidents_120mb": ["incidents", str(work / "big")],
             "replay_huge_model": ["replay", str(next((work / "huge" / "vidstab" / "incidents").iterdir()))],
             "quarantine_60mb": ["quarantine", str(work / "q60")],
-            "quarantine_ids_60mb": ["--code", "from vidstab.quarantine import QuarantineList\n"
+            "quarantine_ids_60mb": ["--code", "from vidstab.recovery.quarantine import QuarantineList\n"
                                     f"print(len(QuarantineList({str(work / 'q60')!r}).ids()))"],
             "quarantine_330mb": ["quarantine", str(work / "q330")],
             "resume_check_300mb_log": ["--code", RESUME_CHECK.format(run=str(work / "log300"), metrics=repr(METRICS))],

@@ -51,6 +51,7 @@ def _exit_unless_this_vidstab() -> None:
 _exit_unless_this_vidstab()
 
 import vidstab  # noqa: E402
+import vidstab.recovery.oom  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
@@ -65,7 +66,7 @@ from vidstab.goodput import GoodputLog
 from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
 from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
+from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted, rollback_cause
 from vidstab.run_record import run_environment
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
@@ -179,8 +180,8 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     # DDP's gradient all-reduce in step (one sample after an OOM, its memory released first), and
                     # the guard decides in lockstep: an OOM skips the step, another error rolls back.
                     keep = latents.shape[0]
-                    if vidstab.oom.is_oom(exc):
-                        vidstab.oom.release(exc, latents.device)
+                    if vidstab.recovery.oom.is_oom(exc):
+                        vidstab.recovery.oom.release(exc, latents.device)
                         keep = 1
                     loss = model(torch.zeros_like(latents[:keep]), draws["timesteps"][:keep]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,

@@ -187,7 +187,7 @@ def sections() -> list[tuple[str, str, type]]:
     from vidstab.checkpoint import CheckpointConfig
     from vidstab.config import GuardConfig
     from vidstab.detectors import DETECTORS
-    from vidstab.recovery import RecoveryConfig
+    from vidstab.recovery.policy import RecoveryConfig
 
     out = [("GuardConfig", "", GuardConfig)]
     out += [(f"`{name}` ({cfg.__name__})", f"{name}.", cfg) for name, (cfg, _) in DETECTORS.items()]

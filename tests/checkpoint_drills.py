@@ -664,7 +664,7 @@ def drill_frozen_base_weights(work: Path) -> str:
 def drill_resume_event(work: Path) -> str:
     """A loop that resumes through ``CheckpointManager.load`` gets a ``resume`` event naming the
     checkpoint (and what was skipped); a rollback's load logs ``rollback``, not ``resume``."""
-    from vidstab.recovery import Recovery
+    from vidstab.recovery.policy import Recovery
 
     out = work / "run"
     train_and_save(out, [2, 4])

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
+from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted
 
 
 class LRGuard:

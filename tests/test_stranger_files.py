@@ -13,7 +13,7 @@ from test_hostile_input import DEEP, a_bundle, cli, deep_json, no_traceback
 from trainer_utils import run_trainer
 
 from vidstab.capture import IncidentError, read_incident
-from vidstab.quarantine import QuarantinedDataset, QuarantineError, QuarantineList
+from vidstab.recovery.quarantine import QuarantinedDataset, QuarantineError, QuarantineList
 from vidstab.run_dir import RunDirError
 
 GOOD = json.dumps({"sample_id": "clip-7", "reason": "non-finite latents", "step": 3, "bundle": None, "rank": 0,

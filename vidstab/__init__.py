@@ -70,9 +70,9 @@ _LAZY = {
     "attach": "guard",
     "CheckpointManager": "checkpoint",
     "CheckpointConfig": "checkpoint",
-    "Recovery": "recovery",
-    "RecoveryConfig": "recovery",
-    "RunAborted": "recovery",
+    "Recovery": "recovery.policy",
+    "RecoveryConfig": "recovery.policy",
+    "RunAborted": "recovery.policy",
     "write_incident": "capture",
     "read_incident": "capture",
     "list_incidents": "capture",
@@ -82,8 +82,8 @@ _LAZY = {
     "RunDirInUse": "run_dir",
     "RunDirNotEmpty": "run_dir",
     "WithSampleIds": "sample_ids",
-    "QuarantinedDataset": "quarantine",
-    "QuarantineList": "quarantine",
+    "QuarantinedDataset": "recovery.quarantine",
+    "QuarantineList": "recovery.quarantine",
 }
 
 

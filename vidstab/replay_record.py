@@ -9,7 +9,7 @@ inputs (:data:`OUTPUT_GRAD_KEY`), and the replay's loss (:data:`OUTPUT_GRAD_LOSS
 gradient)``, whose gradients with respect to the weights are the step's own. A user's ``model_spec`` (a
 factory, a loss function) takes precedence over all of this.
 
-The same record lets the in-job rerun (:mod:`vidstab.rerun`) re-run a skipped step of the attached form with no
+The same record lets the in-job rerun (:mod:`vidstab.recovery.rerun`) re-run a skipped step of the attached form with no
 replay function: :meth:`OutputGradients.rerun_batch` gives a micro-step's inputs with its output gradient, and
 :func:`output_grad_loss` is the loss both the rerun and ``vidstab replay`` run.
 """

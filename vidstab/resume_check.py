@@ -18,7 +18,7 @@ in the same rank's event log, and names what changed in a ``warn`` event
 * **optimizer/scheduler state**, the update: the first step matched but a later one did not: the first
   update differed (the optimizer's moments or step count were not restored).
 
-An exact resume is quiet. :class:`vidstab.recovery.Recovery` runs the check: ``resume()`` and a rollback that
+An exact resume is quiet. :class:`vidstab.recovery.policy.Recovery` runs the check: ``resume()`` and a rollback that
 rewinds the data start it, ``check_resume(step)`` starts it after a load the loop made itself, and
 ``on_step`` compares once the replay has logged ``steps`` steps. A rollback that skips the data (the
 default) compares the world size and the LR only: its batches differ on purpose.

@@ -162,7 +162,7 @@ class StepStats:
     exception_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
     oom_ranks: list[int] = field(default_factory=list)
-    """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.oom`)."""
+    """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.recovery.oom`)."""
     oom_micro_batch: int | None = None
     """The largest micro-batch (samples) that ran out of memory on any rank (``None``: no OOM)."""
     optimizer_oom: str | None = None

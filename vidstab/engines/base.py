@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import signals
-from ..oom import StepMarks
+from ..recovery.oom import StepMarks
 
 
 class Engine:

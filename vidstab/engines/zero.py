@@ -86,7 +86,7 @@ class ZeroEngine(Engine):
     def refuse_registered(self, name: str, obj: Any) -> None:
         """An EMA at ZeRO-3 holds one rank's partition of the weights; a registered object is kept once for all."""
         from ..checkpoint.config import CheckpointError
-        from ..script_state import is_ema
+        from ..recovery.script_state import is_ema
 
         super().refuse_registered(name, obj)
         plugin = getattr(getattr(self.accelerator, "state", None), "deepspeed_plugin", None)

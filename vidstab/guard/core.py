@@ -11,7 +11,7 @@ the shape bucket as evidence. The guard is a small facade over parts that each o
 detectors                    the judges (:mod:`vidstab.detectors`), one instance per shape bucket where it matters
 :class:`OptimizerControl`    the only place the optimizer, the scheduler and the scaler are touched
 :class:`Reporter`            the event log, tracker metrics and incident bundles
-:class:`LRMultiplier`        the LR multiplier recovery backs off and restores (:mod:`vidstab.lr`)
+:class:`LRMultiplier`        the LR multiplier recovery backs off and restores (:mod:`vidstab.recovery.lr`)
 :class:`UserLoopPatches`     the patches on the user's own calls (``attach``)
 ===========================  ===================================================================================
 
@@ -43,9 +43,9 @@ from ..engines import engine_for
 from ..exit_fence import register_exit_fence
 from ..goodput import process_start_time
 from ..limits import read_json_file
-from ..lr import LRMultiplier
-from ..oom import is_oom, micro_batch_size, release
-from ..rerun import StepRerun
+from ..recovery.lr import LRMultiplier
+from ..recovery.oom import is_oom, micro_batch_size, release
+from ..recovery.rerun import StepRerun
 from ..run_record import run_environment
 from ..step_numbering import StepNumbering
 from .optimizer_control import OptimizerControl
@@ -111,7 +111,7 @@ class Guard:
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
-        self._oom_in_step = 0  # this step's optimizer ran out of memory: 1 untouched, 2 touched (vidstab.oom)
+        self._oom_in_step = 0  # this step's optimizer ran out of memory: 1 untouched, 2 touched (vidstab.recovery.oom)
         self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
         self.last_result: StepResult | None = None
         """The result of the last optimizer step (the unmodified loop's way to read it)."""
@@ -127,9 +127,9 @@ class Guard:
             self._hook_handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.auto_rollback = None
-        """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        """:class:`vidstab.recovery.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
         self.rollback_not_kept = None
-        """:class:`vidstab.auto_rollback.RollbackNotKept` when attached without ``rollback_every``: after each step."""
+        """:class:`vidstab.recovery.auto_rollback.RollbackNotKept` when attached without ``rollback_every``: after each step."""
         self.console = None
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.numbering = StepNumbering()
@@ -297,7 +297,7 @@ class Guard:
         measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
             self.control.skip(measure)
-            self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.lr)
+            self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.recovery.lr)
         else:
             stats.applied = self.control.apply(measure, step_scheduler)
             skipped = self.control.step_oom is not None and self._optimizer_oom(stats)
@@ -372,7 +372,7 @@ class Guard:
     def global_step(self, value: int) -> None:
         self.step_count = int(value)
 
-    # ------------------------------------------------------------------ learning rate (vidstab.lr)
+    # ------------------------------------------------------------------ learning rate (vidstab.recovery.lr)
     @property
     def lr_multiplier(self) -> float:
         """The persistent LR multiplier (recovery's back-off) over the base LRs seen at attach."""
@@ -503,7 +503,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
-    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`);
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.recovery.auto_rollback`);
     ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
     ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
     (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only). ``rollback_memory_budget_bytes``: the host
@@ -534,15 +534,15 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
             rep.output_gradients = OutputGradients(model, accelerator, guard.patches.named_inputs)
     guard.rerun.attached(rep.output_gradients, guard.patches.forward_names)  # re-runs with no replay function
     if rollback_every:
-        from ..auto_rollback import AutoRollback
+        from ..recovery.auto_rollback import AutoRollback
 
         guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery,
                                            memory_budget_bytes=rollback_memory_budget_bytes)
-    from ..script_state import hold_emas
+    from ..recovery.script_state import hold_emas
 
     emas = hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
     if not rollback_every:
-        from ..auto_rollback import RollbackNotKept
+        from ..recovery.auto_rollback import RollbackNotKept
 
         guard.rollback_not_kept = RollbackNotKept(guard, emas)
     return guard

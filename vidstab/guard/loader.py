@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from ..host_memory import ChildrenMemory, record_worker_killed
-from ..quarantine import QuarantinedDataset
+from ..recovery.quarantine import QuarantinedDataset
 
 if TYPE_CHECKING:
     from .core import Guard

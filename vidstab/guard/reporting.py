@@ -18,7 +18,7 @@ from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
 from ..host_memory import HostMemoryWatch, climb_line, resident_mib
-from ..quarantine import quarantine_bundle_dir
+from ..recovery.quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
 from .recorder import MicroBatch
@@ -140,7 +140,7 @@ class Reporter:
                 rel = str(path)
             self.events.log("incident", s.step, path=rel, sample_ids=id_list, detector=finding.detector, micro_step=i)
             added = quarantine_bundle_dir(self.run_dir, path) if self.config.quarantine_bad_samples else []
-            if added:  # vidstab/quarantine.py: later epochs and resumes skip them
+            if added:  # vidstab/recovery/quarantine.py: later epochs and resumes skip them
                 self.events.log("quarantine", s.step, sample_ids=added, bundle=rel, source="capture")
         return paths
 

@@ -246,7 +246,7 @@ def _incidents(args: argparse.Namespace) -> int:
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    from ..quarantine import QuarantineList
+    from ..recovery.quarantine import QuarantineList
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

@@ -14,7 +14,7 @@ from ...atomic import write_json_atomic
 from ...capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
-from ...quarantine import QuarantineList
+from ...recovery.quarantine import QuarantineList
 from .rebuild import MAX_PARAMS, _load_weights, _resolve_checkpoint, build_model, import_object
 from .report import ReplayReport
 from .runner import _Replayer

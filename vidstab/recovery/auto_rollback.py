@@ -20,14 +20,14 @@ import logging
 import sys
 from typing import Any
 
-from .checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
-from .checkpoint.full_state import rng_state, set_rng_state
-from .checkpoint_interval import auto_interval
+from ..checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from ..checkpoint.full_state import rng_state, set_rng_state
+from ..checkpoint_interval import auto_interval
 from .lr import torch_scheduler
 from .oom import OptimizerStateDiverged
-from .recovery import Recovery, RecoveryConfig, RunAborted
+from .policy import Recovery, RecoveryConfig, RunAborted
 from .script_state import ScriptState, nonfinite_state
-from .signals import is_dtensor, local_tensor
+from ..signals import is_dtensor, local_tensor
 
 logger = logging.getLogger(__name__)
 

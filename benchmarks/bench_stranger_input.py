@@ -13,7 +13,7 @@ Rows (each a real ``python -m vidstab ...`` process; peak memory is the child's 
 - ``quarantine_60mb``: ``vidstab quarantine`` listing a quarantine list of 60 MB (under the 64 MiB cap), and
   ``quarantine_ids_60mb``: what a resuming trainer reads of it (``QuarantineList.ids()``, one call);
 - ``quarantine_330mb``: ``vidstab quarantine`` on a 330 MB list (over the cap);
-- ``resume_check_300mb_log``: the resume-fidelity check (``vidstab.resume_check.ResumeCheck``, run at every
+- ``resume_check_300mb_log``: the resume-fidelity check (``vidstab.run.resume_check.ResumeCheck``, run at every
   resume) comparing 3 replayed steps against a 300 MB event log;
 - ``load_60mb_manifest``: ``CheckpointManager.load("latest")`` of a checkpoint whose ``manifest.json`` is 60 MB
   (under its cap).
@@ -90,7 +90,7 @@ def make_inputs(work: Path) -> dict[str, list[str]]:
 
 RESUME_CHECK = textwrap.dedent("""
     from vidstab.events import EventLog
-    from vidstab.resume_check import ResumeCheck
+    from vidstab.run.resume_check import ResumeCheck
     check = ResumeCheck({run!r}, rank=0, world_size=1, steps=3)
     check.begin(10)
     log = EventLog({run!r}, rank=0)

@@ -52,6 +52,7 @@ _exit_unless_this_vidstab()
 
 import vidstab  # noqa: E402
 import vidstab.recovery.oom  # noqa: E402
+import vidstab.run.run_dir  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
@@ -61,18 +62,18 @@ from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from vidstab.engines.deepspeed_support import accelerator_kwargs_handlers
-from vidstab.checkpoint_interval import auto_interval
-from vidstab.goodput import GoodputLog
-from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
+from vidstab.run.checkpoint_interval import auto_interval
+from vidstab.run.goodput import GoodputLog
+from vidstab.run.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
-from vidstab.preemption import PreemptionHandler
+from vidstab.run.preemption import PreemptionHandler
 from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted, rollback_cause
-from vidstab.run_record import run_environment
+from vidstab.run.run_record import run_environment
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
-from vidstab.watchdog import Watchdog
+from vidstab.run.watchdog import Watchdog
 
 logger = get_logger("vidstab.train")
 
@@ -401,7 +402,7 @@ def validate(run: Run, step: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
+# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.run.elastic)
 # --------------------------------------------------------------------------------------------------------
 def incident_note(args: argparse.Namespace, rank: int, step: int, bundle: Path) -> str:
     """One line for an incident bundle just written: where it is, the command that replays it, and whether the
@@ -614,7 +615,7 @@ def train(run: Run) -> int:
 def run_main(argv: list[str] | None = None) -> int:
     """:func:`main`; a launch that cannot start (the output folder, the launch, the config, the checkpoint) ends with
     one line naming the problem and exit code 2, not a traceback; the main process says it, the others only exit."""
-    user_errors = (vidstab.run_dir.RunDirError, vidstab.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
+    user_errors = (vidstab.run.run_dir.RunDirError, vidstab.run.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
     try:
         return main(argv)
     except user_errors as exc:

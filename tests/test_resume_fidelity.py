@@ -15,7 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 from vidstab.recovery.policy import Recovery
-from vidstab.resume_check import batch_fingerprint
+from vidstab.run.resume_check import batch_fingerprint
 
 from trainer_utils import events, run_trainer
 

@@ -191,7 +191,7 @@ class StepStats:
     """The lowest rank with a non-finite loss or input or an exception this step (``None``: none)."""
     batch_fp: str | None = None
     """A fingerprint of the step's batch over every rank (the ranks' CRC-32s of their sample ids, summed; ``None``
-    when the loop gives no ids): a resume is checked against it (:mod:`vidstab.resume_check`)."""
+    when the loop gives no ids): a resume is checked against it (:mod:`vidstab.run.resume_check`)."""
     bucket: str = "default"
     """The step's shape bucket (``guard.backward(..., bucket=...)``, by default the shape of the first input with
     the most dimensions); ``"mixed"`` when its ranks or micro-steps were of different buckets."""

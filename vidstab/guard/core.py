@@ -38,15 +38,15 @@ from ..config import GuardConfig
 from ..detectors import Detector, Finding, StepStats, Verdict
 from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
-from ..elastic import check_world_size
+from ..run.elastic import check_world_size
 from ..engines import engine_for
-from ..exit_fence import register_exit_fence
-from ..goodput import process_start_time
+from ..run.exit_fence import register_exit_fence
+from ..run.goodput import process_start_time
 from ..limits import read_json_file
 from ..recovery.lr import LRMultiplier
 from ..recovery.oom import is_oom, micro_batch_size, release
 from ..recovery.rerun import StepRerun
-from ..run_record import run_environment
+from ..run.run_record import run_environment
 from ..step_numbering import StepNumbering
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
@@ -92,7 +92,7 @@ class Guard:
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         check_world_size(self.world_size)  # unjoined processes would write each other's rank-0 event log
-        register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
+        register_exit_fence()  # a run with collectives must not abort at exit (vidstab/run/exit_fence.py); else a no-op
         self.params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
         self.engine = engine_for(accelerator, model, self.params)
         """What differs between DDP, FSDP2 and DeepSpeed (:mod:`vidstab.engines`): backward, norm, apply, skip."""
@@ -504,7 +504,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
     to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.recovery.auto_rollback`);
-    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
+    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.run.checkpoint_interval`).
     ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
     (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only). ``rollback_memory_budget_bytes``: the host
     memory per process for the copy of the newest healthy rollback checkpoint that in-place rollbacks restore from

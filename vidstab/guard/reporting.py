@@ -17,7 +17,7 @@ from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
 from ..localize import locate_nonfinite
-from ..host_memory import HostMemoryWatch, climb_line, resident_mib
+from ..run.host_memory import HostMemoryWatch, climb_line, resident_mib
 from ..recovery.quarantine import quarantine_bundle_dir
 from ..replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
@@ -46,7 +46,7 @@ class Reporter:
         self.output_gradients = None
         """:class:`vidstab.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
         self.host_memory = HostMemoryWatch()
-        """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.host_memory`)."""
+        """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.run.host_memory`)."""
 
     def tracked(self, step: int) -> bool:
         """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""

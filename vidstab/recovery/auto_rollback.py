@@ -22,7 +22,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 from ..checkpoint.full_state import rng_state, set_rng_state
-from ..checkpoint_interval import auto_interval
+from ..run.checkpoint_interval import auto_interval
 from .lr import torch_scheduler
 from .oom import OptimizerStateDiverged
 from .policy import Recovery, RecoveryConfig, RunAborted
@@ -56,7 +56,7 @@ class AutoRollback:
     Args:
         guard: the attached :class:`~vidstab.Guard`.
         every: save a rollback checkpoint every this many optimizer steps (and on the first step of a launch);
-            ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
+            ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.run.checkpoint_interval`).
         recovery: the retry budget, LR back-off and what counts as one incident (:class:`~vidstab.RecoveryConfig`).
         keep: rollback checkpoints kept (the newest healthy one is kept apart from these).
         memory_budget_bytes: ``CheckpointConfig.rollback_memory_budget_bytes`` of the rollback checkpoints.

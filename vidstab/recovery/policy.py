@@ -45,7 +45,7 @@ from ..capture import incident_step, list_incidents
 from ..events import log_event
 from ..form_advice import recovery_setting
 from ..limits import read_json_file
-from ..resume_check import ResumeCheck
+from ..run.resume_check import ResumeCheck
 from ..step_numbering import numbering_of
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
@@ -175,7 +175,7 @@ class Recovery:
         # The first and latest step of the current run of skips in a row: the failure a rollback or an abort is
         # about (its bundles, its replay command), apart from earlier trouble the incident took in.
         self._run: tuple[int, int] | None = None
-        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/resume_check.py)
+        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/run/resume_check.py)
         self.resume_check = ResumeCheck(self.run_dir, self.rank, accelerator.num_processes,
                                         complete=(lambda: guard.detectors) if hasattr(guard, "detectors") else None)
         loaded = self._read_state()
@@ -295,7 +295,7 @@ class Recovery:
 
     def check_resume(self, step: int) -> None:
         """After a checkpoint of ``step`` was loaded (:meth:`resume` calls it; call it after a load the loop
-        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.resume_check`);
+        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.run.resume_check`);
         :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event. The carried-over LR
         multiplier replaces the checkpoint's (:meth:`apply_carried_over`)."""
         self.apply_carried_over()

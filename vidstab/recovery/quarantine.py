@@ -38,7 +38,7 @@ import torch
 from ..atomic import write_atomic
 from ..events import ends_torn
 from ..limits import TooLarge, bounded_lines, env_name, limits, loads_bounded, not_a_regular_file, read_json_file
-from ..run_dir import RunDirError
+from ..run.run_dir import RunDirError
 from ..strict_json import to_json_safe
 
 __all__ = ["QUARANTINE_FILE", "QuarantineError", "QuarantineList", "QuarantinedDataset", "quarantine_bundle",

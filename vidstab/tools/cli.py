@@ -318,8 +318,8 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from ..checkpoint_interval import recommend
-    from ..goodput import format_table, ledger
+    from ..run.checkpoint_interval import recommend
+    from ..run.goodput import format_table, ledger
     from .terminal import printable
 
     if not args.expected_mtbf_hours > 0:

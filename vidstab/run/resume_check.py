@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .events import events_dir, flush_open_logs, iter_event_file, log_event
-from .strict_json import json_float
+from ..events import events_dir, flush_open_logs, iter_event_file, log_event
+from ..strict_json import json_float
 
 __all__ = ["batch_crc", "batch_fingerprint", "host_ids", "ResumeCheck", "compare_replay"]
 
-logger = logging.getLogger("vidstab.resume_check")
+logger = logging.getLogger("vidstab.run.resume_check")
 
 
 def host_ids(sample_ids: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...atomic import write_json_atomic
-from ...capture import read_incident
+from ...incidents.capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
 from ...recovery.quarantine import QuarantineList

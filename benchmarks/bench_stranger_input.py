@@ -168,7 +168,7 @@ def write_inputs(work: Path) -> None:
     from accelerate import Accelerator
 
     from vidstab.checkpoint import CheckpointManager
-    from vidstab.strict_json import dumps_strict
+    from vidstab.files.strict_json import dumps_strict
 
     ckpt = CheckpointManager(Accelerator(cpu=True), str(work / "manifest60"))
     ckpt.register("model", torch.nn.Linear(8, 8))

@@ -407,7 +407,7 @@ def validate(run: Run, step: int) -> None:
 def incident_note(args: argparse.Namespace, rank: int, step: int, bundle: Path) -> str:
     """One line for an incident bundle just written: where it is, the command that replays it, and whether the
     replay will have trained weights (the bundle names a checkpoint) or only a fresh initialisation."""
-    from vidstab.limits import read_json_file
+    from vidstab.files.limits import read_json_file
 
     try:
         checkpoint = read_json_file(Path(bundle) / "incident.json").get("checkpoint")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vidstab.strict_json import from_json_safe, to_json_safe
+from vidstab.files.strict_json import from_json_safe, to_json_safe
 
 from .recorder import CACHE_DIR, FAILURE_FACTOR, HEALTHY_WINDOW
 

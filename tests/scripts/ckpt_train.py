@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from vidstab import checkpoint as ck
-from vidstab import statedict_io as sio
+from vidstab.files import statedict_io as sio
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 from vidstab.run.preemption import PreemptionHandler
 

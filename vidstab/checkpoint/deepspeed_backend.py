@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import statedict_io as sio
+from ..files import statedict_io as sio
 from ..engines.deepspeed_support import ZeroPartitions, engine_of
 from .config import CheckpointError
 from .dcp_backend import is_optimizer

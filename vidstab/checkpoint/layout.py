@@ -53,9 +53,9 @@ import stat
 import threading
 from typing import Any, Iterator
 
-from .. import statedict_io as sio
-from ..atomic import TMP_PREFIX, fsync_dir
-from ..limits import env_name, limits, loads_bounded
+from ..files import statedict_io as sio
+from ..files.atomic import TMP_PREFIX, fsync_dir
+from ..files.limits import env_name, limits, loads_bounded
 from ..run.run_dir import RUN_ID_RE
 from .config import CheckpointError, CheckpointInfo
 

@@ -25,13 +25,13 @@ from typing import Any, Callable
 import torch
 
 from ..run import run_dir
-from .. import statedict_io as sio
-from ..atomic import fsync_paths
+from ..files import statedict_io as sio
+from ..files.atomic import fsync_paths
 from ..engines.deepspeed_support import DeepSpeedUnsupported
 from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
 from ..run.exit_fence import register_exit_fence
-from ..limits import read_json_file
+from ..files.limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical

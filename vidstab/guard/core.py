@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import signals
-from ..atomic import write_json_atomic
+from ..files.atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import Detector, Finding, StepStats, Verdict
 from ..detectors.running import absorb, build_detectors, judge
@@ -42,7 +42,7 @@ from ..run.elastic import check_world_size
 from ..engines import engine_for
 from ..run.exit_fence import register_exit_fence
 from ..run.goodput import process_start_time
-from ..limits import read_json_file
+from ..files.limits import read_json_file
 from ..recovery.lr import LRMultiplier
 from ..recovery.oom import is_oom, micro_batch_size, release
 from ..recovery.rerun import StepRerun

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..limits import read_json_file
+from ..files.limits import read_json_file
 from .replay_record import plain_json
 
 MAX_ADAPTERS = 16

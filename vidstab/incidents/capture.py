@@ -54,11 +54,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_folder, write_atomic
-from ..limits import TooLarge, env_name, limits, not_a_regular_file, read_json_file
+from ..files.atomic import atomic_folder, write_atomic
+from ..files.limits import TooLarge, env_name, limits, not_a_regular_file, read_json_file
 from .localize import tensor_stats
 from .replay_record import OUTPUT_GRAD_KEY
-from ..strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
+from ..files.strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -128,7 +128,7 @@ class Incident:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JSON helpers (the convention is vidstab/strict_json.py's)
+# JSON helpers (the convention is vidstab/files/strict_json.py's)
 
 
 def _dumps(meta: dict) -> str:

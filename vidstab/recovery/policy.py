@@ -38,13 +38,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..atomic import write_json_atomic
+from ..files.atomic import write_json_atomic
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..checkpoint.manager import UNVERIFIED_ADVICE
 from ..incidents.capture import incident_step, list_incidents
 from ..events import log_event
 from ..form_advice import recovery_setting
-from ..limits import read_json_file
+from ..files.limits import read_json_file
 from ..run.resume_check import ResumeCheck
 from ..step_numbering import numbering_of
 

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 from .checkpoint_interval import recommend
 from ..events import events_dir, flush_open_logs, iter_event_file, log_to_trackers
-from ..limits import limits, loads_bounded
+from ..files.limits import limits, loads_bounded
 
 BUCKETS = ("productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang", "startup",
            "data", "validation", "other")

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ..events import events_dir, flush_open_logs, iter_event_file, log_event
-from ..strict_json import json_float
+from ..files.strict_json import json_float
 
 __all__ = ["batch_crc", "batch_fingerprint", "host_ids", "ResumeCheck", "compare_replay"]
 
@@ -187,7 +187,7 @@ class ResumeCheck:
         original: dict[int, tuple[dict, int | None]] = {}
         replayed: dict[int, dict] = {}
         world = None
-        # Bounded reads (vidstab.limits), one line at a time: the log may be long, and a line in it hostile.
+        # Bounded reads (vidstab.files.limits), one line at a time: the log may be long, and a line in it hostile.
         for rec in iter_event_file(self.path, end=offset):
             if rec.get("kind") == "start":
                 world = rec.get("world_size", world)

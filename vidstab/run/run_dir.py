@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..atomic import write_json_atomic
+from ..files.atomic import write_json_atomic
 from .elastic import LaunchInfo, check_world_size
 
 __all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirNotWritable", "RunDirLock", "claim_run_dir", "run_id",

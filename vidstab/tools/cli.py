@@ -201,7 +201,7 @@ def _replay(argv: list[str]) -> int:
 def _read_incidents(run_dir: Path) -> list[dict]:
     """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
     from ..incidents.capture import list_incidents
-    from ..limits import read_json_file
+    from ..files.limits import read_json_file
 
     out = []
     for folder in list_incidents(run_dir):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...limits import read_json_file
+from ...files.limits import read_json_file
 from ...incidents.replay_record import plain_json
 from .base import ReplayError
 

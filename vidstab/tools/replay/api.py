@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...atomic import write_json_atomic
+from ...files.atomic import write_json_atomic
 from ...incidents.capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
@@ -70,7 +70,7 @@ def replay(
         trust: modules (``"my_project"`` trusts it and its submodules) or ``"module:attr"`` objects the
             bundle may name besides vidstab's own (:mod:`vidstab.tools.trusted_import`); anything else is
             refused with :class:`UntrustedCodeError` before it is imported.
-        max_params: the most parameters the rebuilt model may have (default ``vidstab.limits.Limits.params``,
+        max_params: the most parameters the rebuilt model may have (default ``vidstab.files.limits.Limits.params``,
             ``VIDSTAB_MAX_PARAMS``); a larger one is refused before its weights are allocated.
 
     Raises:

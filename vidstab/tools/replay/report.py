@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ...strict_json import to_json_safe
+from ...files.strict_json import to_json_safe
 from ..terminal import printable
 
 

@@ -146,7 +146,7 @@ def event_log(run: Path, size: int) -> None:
 def write_inputs(work: Path) -> None:
     import torch
 
-    from vidstab.incidents.capture import write_incident
+    from vidstab.evidence.capture import write_incident
 
     spec = {"class": "vidstab.reference.model:VideoDiT", "loss_fn": "vidstab.reference.objective:replay_loss",
             "config": {"in_channels": 4, "hidden_size": 16, "num_layers": 1, "num_heads": 2}}

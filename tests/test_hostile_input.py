@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vidstab.incidents.capture import write_incident
+from vidstab.evidence.capture import write_incident
 from vidstab.events import EventLog
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(TESTS))
 
 from replay_user_model import make_batch  # noqa: E402
 
-from vidstab.incidents.capture import write_incident  # noqa: E402
+from vidstab.evidence.capture import write_incident  # noqa: E402
 from vidstab.tools.replay import UntrustedCodeError, main, replay  # noqa: E402
 from vidstab.tools.trusted_import import UntrustedImportError, resolve  # noqa: E402
 
@@ -106,7 +106,7 @@ def test_a_vidstab_function_that_writes_files_is_not_a_model_factory(tmp_path, c
         resolve("vidstab.files.atomic:write_atomic", "model.class", kind="model_class")
     # ... and a class the module only imports (a re-export) is checked after the import
     with pytest.raises(UntrustedImportError, match="not a torch.nn.Module class"):
-        resolve("vidstab.incidents.capture:Path", "model.class", kind="model_class")
+        resolve("vidstab.evidence.capture:Path", "model.class", kind="model_class")
 
 
 def test_trusted_names_resolve_old_bundle_paths_included(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vidstab.incidents.capture import write_incident
+from vidstab.evidence.capture import write_incident
 from vidstab.events import EventLog
 from vidstab.files.strict_json import json_float
 from vidstab.tools.report import SECTIONS, load_run, write_report

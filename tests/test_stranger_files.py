@@ -12,7 +12,7 @@ import pytest
 from test_hostile_input import DEEP, a_bundle, cli, deep_json, no_traceback
 from trainer_utils import run_trainer
 
-from vidstab.incidents.capture import IncidentError, read_incident
+from vidstab.evidence.capture import IncidentError, read_incident
 from vidstab.recovery.quarantine import QuarantinedDataset, QuarantineError, QuarantineList
 from vidstab.run.run_dir import RunDirError
 

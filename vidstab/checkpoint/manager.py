@@ -479,7 +479,7 @@ class CheckpointManager:
 
     def _incident_checkpoints(self) -> set[str]:
         """Folder names (in this root) of the checkpoints the newest incident bundles replay on."""
-        from ..incidents.capture import META_FILE, list_incidents  # capture imports this package: import late
+        from ..evidence.capture import META_FILE, list_incidents  # capture imports this package: import late
 
         names: list[str] = []
         for bundle in reversed(list_incidents(self.output_dir)):

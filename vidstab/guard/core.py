@@ -527,7 +527,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     guard.console = StepConsole(guard)
     rep = guard.reporter
     if rep.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
-        from ..incidents.replay_record import OutputGradients, model_spec_of
+        from ..evidence.replay_record import OutputGradients, model_spec_of
 
         rep.model_spec = model_spec_of(accelerator.unwrap_model(model))
         if rep.model_spec is not None:

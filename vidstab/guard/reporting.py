@@ -1,6 +1,6 @@
 """Reporting a judged step, after the optimizer step is enqueued: metrics lines, events, tracker logging, and on
-the offending ranks incident bundles (:mod:`vidstab.incidents.capture`) with the non-finite module localised
-(:mod:`vidstab.incidents.localize`). Evidence never decides anything: the verdict was taken before, the same on every rank.
+the offending ranks incident bundles (:mod:`vidstab.evidence.capture`) with the non-finite module localised
+(:mod:`vidstab.evidence.localize`). Evidence never decides anything: the verdict was taken before, the same on every rank.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..incidents import capture
+from ..evidence import capture
 from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
-from ..incidents.localize import locate_nonfinite
+from ..evidence.localize import locate_nonfinite
 from ..run.host_memory import HostMemoryWatch, climb_line, resident_mib
 from ..recovery.quarantine import quarantine_bundle_dir
-from ..incidents.replay_record import OUTPUT_GRAD_KEY
+from ..evidence.replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
 from .recorder import MicroBatch
 from .result import StepResult
@@ -44,7 +44,7 @@ class Reporter:
         self.localized = False
         self.replay_fn: Callable[[dict], torch.Tensor] | None = None
         self.output_gradients = None
-        """:class:`vidstab.incidents.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
+        """:class:`vidstab.evidence.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
         self.host_memory = HostMemoryWatch()
         """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.run.host_memory`)."""
 

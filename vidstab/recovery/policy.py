@@ -41,7 +41,7 @@ from typing import Any
 from ..files.atomic import write_json_atomic
 from ..checkpoint import CheckpointError, CheckpointManager
 from ..checkpoint.manager import UNVERIFIED_ADVICE
-from ..incidents.capture import incident_step, list_incidents
+from ..evidence.capture import incident_step, list_incidents
 from ..events import log_event
 from ..form_advice import recovery_setting
 from ..files.limits import read_json_file

@@ -1,6 +1,6 @@
 """Quarantine: samples named as bad are kept out of the rest of the run, across epochs and resumes.
 
-A sample named bad by an incident bundle (non-finite or outlier inputs: :func:`vidstab.incidents.capture.sample_report`),
+A sample named bad by an incident bundle (non-finite or outlier inputs: :func:`vidstab.evidence.capture.sample_report`),
 by the in-job rerun (:mod:`vidstab.recovery.rerun`, a reproducible data fault) or by a user goes into the run's
 quarantine list, ``RUN_DIR/vidstab/quarantine.jsonl``: one JSON line per sample (``sample_id, reason, step,
 bundle, rank, source, time``). Any rank appends whole lines in one ``write`` to a file opened with

@@ -200,7 +200,7 @@ def _replay(argv: list[str]) -> int:
 
 def _read_incidents(run_dir: Path) -> list[dict]:
     """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
-    from ..incidents.capture import list_incidents
+    from ..evidence.capture import list_incidents
     from ..files.limits import read_json_file
 
     out = []

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...files.atomic import write_json_atomic
-from ...incidents.capture import read_incident
+from ...evidence.capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
 from ...recovery.quarantine import QuarantineList

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ...incidents.capture import json_float
+from ...evidence.capture import json_float
 from ...events import events_dir, iter_event_file
 from ...files.limits import read_json_file
 

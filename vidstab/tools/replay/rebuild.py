@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ...incidents.capture import Incident, weights_entry
+from ...evidence.capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
 from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
 from ...checkpoint.frozen import FROZEN_KEY, fingerprint, read_header_metadata

@@ -32,7 +32,7 @@ Schema (version 1) of ``incident.json`` -- the contract in ``docs/ARCHITECTURE.m
     tensors            keys stored in batch.safetensors;  skipped_keys: non-tensor batch entries
     versions           {"torch", "accelerate", "vidstab", "python"};  time (unix);  extra {...}
 
-``stats`` is :func:`vidstab.incidents.localize.tensor_stats`: shape, dtype, min/max/absmax/mean/std over the
+``stats`` is :func:`vidstab.evidence.localize.tensor_stats`: shape, dtype, min/max/absmax/mean/std over the
 finite values, and ``nonfinite``/``nan``/``inf`` counts.
 """
 
@@ -338,7 +338,7 @@ def write_incident(
             ``ConfigMixin``) or ``{"factory": "module:function", "kwargs": {...}}``, optionally with
             ``"loss_fn": "module:function"`` and ``"loss_fn_kwargs": {...}``
             (``loss = loss_fn(model, batch, **loss_fn_kwargs)``).
-        localization: the result of :func:`vidstab.incidents.localize.locate_nonfinite`, if it ran.
+        localization: the result of :func:`vidstab.evidence.localize.locate_nonfinite`, if it ran.
         extra: anything else JSON-able (optimizer name, loss scale, data position ...).
     """
     run_dir = Path(run_dir)
@@ -354,7 +354,7 @@ def write_incident(
             tensors[str(k)] = v.detach().to("cpu", copy=True).contiguous()
         else:
             skipped.append(str(k))
-    # The output gradient (vidstab.incidents.replay_record) is evidence about the step, not a sample's input.
+    # The output gradient (vidstab.evidence.replay_record) is evidence about the step, not a sample's input.
     report = sample_report({k: v for k, v in tensors.items() if k != OUTPUT_GRAD_KEY}, [str(s) for s in sample_ids])
 
     meta: dict[str, Any] = {

@@ -60,8 +60,8 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from vidstab import statedict_io as sio
-from vidstab.atomic import fsync_paths
+from vidstab.files import statedict_io as sio
+from vidstab.files.atomic import fsync_paths
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
 
 

@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from benchmarks.scenarios import heldout as H  # noqa: E402
 from benchmarks.scenarios.evaluation import fixed_noise_loss  # noqa: E402
-from vidstab.lr import scale_lrs  # noqa: E402
-from vidstab.strict_json import dumps_strict  # noqa: E402
+from vidstab.recovery.lr import scale_lrs  # noqa: E402
+from vidstab.files.strict_json import dumps_strict  # noqa: E402
 
 FAMILY = "plain_tf_flow"
 SEED = 110
@@ -65,7 +65,7 @@ def run_arm(schedule: str, fault: str | None, steps: int, arm: str, workdir: Pat
     """One run of the held-out loop; ``arm`` in ``ARMS``."""
     import vidstab
     from vidstab.config import GuardConfig
-    from vidstab.recovery import RunAborted
+    from vidstab.recovery.policy import RunAborted
     from vidstab.reference.objective import step_generator
 
     run = H.HeldoutRun(FAMILY, schedule, seed, fault, steps=steps)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':14s} {'clean (twin)':17s} {'':>8s} {str(c['first_action'] or '-'):>7s} {'True':>8s} {row['clean_loss']:>9.4g} {1:>8d} {c['steps_lost']:>5d}"
               f"   (clean guarded: {c['final_loss']:.4g})")
     out["seconds"] = round(time.time() - started, 1)
-    print(dumps_strict(out))  # strict JSON: non-finite floats as strings (vidstab.strict_json)
+    print(dumps_strict(out))  # strict JSON: non-finite floats as strings (vidstab.files.strict_json)
     return out
 
 

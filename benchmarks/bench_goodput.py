@@ -3,7 +3,7 @@
 A run of ``--steps`` steps of ``--step-seconds`` each saves every k steps (a ``--save-seconds`` stall); failures
 come at the same wall-clock times for every configuration (a Poisson process of mean ``--mtbf-hours``, seeded);
 each costs ``--restart-seconds`` and the work since the last save. ``auto`` is the real controller
-(:class:`vidstab.checkpoint_interval.AutoInterval`) reading the real ledger (:class:`vidstab.goodput.LedgerBuilder`)
+(:class:`vidstab.run.checkpoint_interval.AutoInterval`) reading the real ledger (:class:`vidstab.run.goodput.LedgerBuilder`)
 fed the run's events as they happen, starting from ``--prior-hours``. Printed: the ETTR of each configuration,
 the interval ``auto`` settled on and the formula's value for the true inputs. Last line: one JSON object.
 
@@ -40,8 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vidstab.checkpoint_interval import AutoInterval, optimal_interval_seconds  # noqa: E402
-from vidstab.goodput import LedgerBuilder  # noqa: E402
+from vidstab.run.checkpoint_interval import AutoInterval, optimal_interval_seconds  # noqa: E402
+from vidstab.run.goodput import LedgerBuilder  # noqa: E402
 
 
 class _Ledger:

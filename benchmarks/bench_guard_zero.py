@@ -4,7 +4,7 @@ figures of ``bench_guard_overhead.py``).
 
 Run directly, the script launches itself on 2 CPU processes through ``accelerate launch --use_deepspeed
 --zero_stage 2 --gradient_clipping 1.0`` (``ACCELERATE_USE_CPU`` unset, as docs/deepspeed.md says; the gloo
-process group through ``vidstab.deepspeed_support.accelerator_kwargs_handlers``). Each rank trains one
+process group through ``vidstab.engines.deepspeed_support.accelerator_kwargs_handlers``). Each rank trains one
 ``bench_guard_overhead.py`` model (``--model``: ``transformer``, a one-layer encoder of hidden 64 on 128 tokens,
 the default; or ``mlp``) prepared by Accelerate under ZeRO (fp32, AdamW, a constant LambdaLR, DeepSpeed's
 gradient_clipping 1.0), with two step variants on the SAME engine, one step of each per round in a random order
@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     from bench_guard_memory import UserWork
 
     import vidstab
-    from vidstab.deepspeed_support import accelerator_kwargs_handlers, is_deepspeed
+    from vidstab.engines.deepspeed_support import accelerator_kwargs_handlers, is_deepspeed
 
     ds_logger.setLevel(logging.WARNING)
     torch.set_num_threads(1)

@@ -61,7 +61,7 @@ def main() -> None:
 
     import torch
 
-    from vidstab.resume_check import BatchFingerprints
+    from vidstab.run.resume_check import BatchFingerprints
 
     fps = BatchFingerprints()
     strings = [(None, ["shapes-s0-00001", "shapes-s0-00002", "shapes-s0-00003", "shapes-s0-00004"], None)]

@@ -13,7 +13,7 @@ Rows (each a real ``python -m vidstab ...`` process; peak memory is the child's 
 - ``quarantine_60mb``: ``vidstab quarantine`` listing a quarantine list of 60 MB (under the 64 MiB cap), and
   ``quarantine_ids_60mb``: what a resuming trainer reads of it (``QuarantineList.ids()``, one call);
 - ``quarantine_330mb``: ``vidstab quarantine`` on a 330 MB list (over the cap);
-- ``resume_check_300mb_log``: the resume-fidelity check (``vidstab.resume_check.ResumeCheck``, run at every
+- ``resume_check_300mb_log``: the resume-fidelity check (``vidstab.run.resume_check.ResumeCheck``, run at every
   resume) comparing 3 replayed steps against a 300 MB event log;
 - ``load_60mb_manifest``: ``CheckpointManager.load("latest")`` of a checkpoint whose ``manifest.json`` is 60 MB
   (under its cap).
@@ -81,7 +81,7 @@ def make_inputs(work: Path) -> dict[str, list[str]]:
     return {"incidents_120mb": ["incidents", str(work / "big")],
             "replay_huge_model": ["replay", str(next((work / "huge" / "vidstab" / "incidents").iterdir()))],
             "quarantine_60mb": ["quarantine", str(work / "q60")],
-            "quarantine_ids_60mb": ["--code", "from vidstab.quarantine import QuarantineList\n"
+            "quarantine_ids_60mb": ["--code", "from vidstab.recovery.quarantine import QuarantineList\n"
                                     f"print(len(QuarantineList({str(work / 'q60')!r}).ids()))"],
             "quarantine_330mb": ["quarantine", str(work / "q330")],
             "resume_check_300mb_log": ["--code", RESUME_CHECK.format(run=str(work / "log300"), metrics=repr(METRICS))],
@@ -90,7 +90,7 @@ def make_inputs(work: Path) -> dict[str, list[str]]:
 
 RESUME_CHECK = textwrap.dedent("""
     from vidstab.events import EventLog
-    from vidstab.resume_check import ResumeCheck
+    from vidstab.run.resume_check import ResumeCheck
     check = ResumeCheck({run!r}, rank=0, world_size=1, steps=3)
     check.begin(10)
     log = EventLog({run!r}, rank=0)
@@ -146,7 +146,7 @@ def event_log(run: Path, size: int) -> None:
 def write_inputs(work: Path) -> None:
     import torch
 
-    from vidstab.capture import write_incident
+    from vidstab.evidence.capture import write_incident
 
     spec = {"class": "vidstab.reference.model:VideoDiT", "loss_fn": "vidstab.reference.objective:replay_loss",
             "config": {"in_channels": 4, "hidden_size": 16, "num_layers": 1, "num_heads": 2}}
@@ -168,7 +168,7 @@ def write_inputs(work: Path) -> None:
     from accelerate import Accelerator
 
     from vidstab.checkpoint import CheckpointManager
-    from vidstab.strict_json import dumps_strict
+    from vidstab.files.strict_json import dumps_strict
 
     ckpt = CheckpointManager(Accelerator(cpu=True), str(work / "manifest60"))
     ckpt.register("model", torch.nn.Linear(8, 8))

@@ -7,7 +7,7 @@ variants, on 2 real CPU processes (gloo, DDP) so the straggler detector has rank
 
 * ``guard``      - the guard with the ``straggler`` detector off and no watchdog;
 * ``resilient``  - the same guard with the ``straggler`` detector on (its default) and a running
-  :class:`vidstab.watchdog.Watchdog` (its default timeouts, its thread polling once a second), beaten at the
+  :class:`vidstab.run.watchdog.Watchdog` (its default timeouts, its thread polling once a second), beaten at the
   three phases the trainer reports (``data``, ``forward_backward``, ``guard``).
 
 Each rank's own compute time travels in the vector the guard reduces in both variants (it is part of the guard,
@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> dict | None:
 
     import vidstab
     from vidstab.reference.model import VideoDiT
-    from vidstab.watchdog import Watchdog
+    from vidstab.run.watchdog import Watchdog
 
     torch.set_num_threads(1)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="vidstab-bench-watchdog-"))

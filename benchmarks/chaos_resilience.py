@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vidstab.events import iter_event_file  # noqa: E402
-from vidstab.watchdog import Watchdog, WatchdogConfig  # noqa: E402
+from vidstab.run.watchdog import Watchdog, WatchdogConfig  # noqa: E402
 
 BEATS_PER_STEP = 4  # data, forward_backward, guard, and the next step's data or a checkpoint (recipes/train.py)
 PLAIN = ["--no_vidstab", "--watchdog_timeout", "0", "--no_auto_resume"]

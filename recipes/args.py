@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_resilience_flags(p: argparse.ArgumentParser) -> None:
-    """Hang watchdog and in-job restart (vidstab.watchdog, vidstab.elastic); see docs/faults.md."""
+    """Hang watchdog and in-job restart (vidstab.run.watchdog, vidstab.run.elastic); see docs/faults.md."""
     res = p.add_argument_group("resilience")
     res.add_argument("--watchdog_timeout", type=float, default=300.0, metavar="SECONDS",
                      help="A rank that makes no progress for max(SECONDS, multiple x its slowest step) dumps its stacks and "
@@ -165,8 +165,8 @@ def add_resilience_flags(p: argparse.ArgumentParser) -> None:
 
 
 def watchdog_config(args: argparse.Namespace):
-    """The ``vidstab.watchdog.WatchdogConfig`` of the resilience flags."""
-    from vidstab.watchdog import WatchdogConfig
+    """The ``vidstab.run.watchdog.WatchdogConfig`` of the resilience flags."""
+    from vidstab.run.watchdog import WatchdogConfig
 
     return WatchdogConfig(timeout_s=args.watchdog_timeout, multiple=args.watchdog_multiple, first_step_s=args.watchdog_first_step)
 

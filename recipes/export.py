@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vidstab.atomic import write_json_atomic
+from vidstab.files.atomic import write_json_atomic
 from vidstab.reference.sampling import make_scheduler
 
 SAMPLING_FILE = "sampling.json"

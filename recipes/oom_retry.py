@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 import vidstab
+import vidstab.recovery.oom
 from vidstab.signals import shape_bucket
 
 
@@ -84,8 +85,8 @@ def run_in_pieces(ctx: Any, step: int, kept: list[Kept], size: int) -> vidstab.S
                     loss = per_sample.mean() * (len(idx) * per_micro / batch)  # the piece's share of the micro-batch
                 except RuntimeError as exc:  # as in train_step: the same collectives on every rank
                     error = exc
-                    if vidstab.oom.is_oom(exc):
-                        vidstab.oom.release(exc, latents.device)
+                    if vidstab.recovery.oom.is_oom(exc):
+                        vidstab.recovery.oom.release(exc, latents.device)
                         if len(idx) == 1:
                             _quarantine(ctx, step, _pick(k.sample_ids, idx), latents.shape, bucket)
                     loss = model(torch.zeros_like(latents[:1]), draws["timesteps"][:1]).float().sum() * 0.0

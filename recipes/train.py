@@ -51,6 +51,8 @@ def _exit_unless_this_vidstab() -> None:
 _exit_unless_this_vidstab()
 
 import vidstab  # noqa: E402
+import vidstab.recovery.oom  # noqa: E402
+import vidstab.run.run_dir  # noqa: E402
 from args import (RUN_CONTROL_FLAGS, watchdog_config, apply_backend_flags, check_trackers, lr_scheduler_kwargs, parse_args, resolve_max_train_steps,
                   scaled_learning_rate)
 import sharding  # recipes/sharding.py: --fsdp
@@ -59,20 +61,20 @@ import preflight  # recipes/preflight.py: --audit's memory per bucket
 from export import export_pipeline
 from validation import run_validation
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
-from vidstab.deepspeed_support import accelerator_kwargs_handlers
-from vidstab.checkpoint_interval import auto_interval
-from vidstab.goodput import GoodputLog
-from vidstab.host_memory import ChildrenMemory, DataLoaderWorkerKilled, record_worker_killed
-from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
+from vidstab.engines.deepspeed_support import accelerator_kwargs_handlers
+from vidstab.run.checkpoint_interval import auto_interval
+from vidstab.run.goodput import GoodputLog
+from vidstab.run.host_memory import ChildrenMemory, DataLoaderWorkerKilled, record_worker_killed
+from vidstab.run.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.faults import FaultInjector
-from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
-from vidstab.run_record import run_environment
+from vidstab.run.preemption import PreemptionHandler
+from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted, rollback_cause
+from vidstab.run.run_record import run_environment
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
-from vidstab.watchdog import Watchdog
+from vidstab.run.watchdog import Watchdog
 
 logger = get_logger("vidstab.train")
 
@@ -184,8 +186,8 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     # DDP's gradient all-reduce in step (one sample after an OOM, its memory released first), and
                     # the guard decides in lockstep: an OOM skips the step, another error rolls back.
                     keep = latents.shape[0]
-                    if vidstab.oom.is_oom(exc):
-                        vidstab.oom.release(exc, latents.device)
+                    if vidstab.recovery.oom.is_oom(exc):
+                        vidstab.recovery.oom.release(exc, latents.device)
                         keep = 1
                     loss = model(torch.zeros_like(latents[:keep]), draws["timesteps"][:keep]).float().sum() * 0.0
                 guard.backward(loss, batch=captured, sample_ids=batch["sample_ids"], per_sample_loss=per_sample,
@@ -406,12 +408,12 @@ def validate(run: Run, step: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.elastic)
+# Resilience: in-job restart (torch elastic) and last words for the next attempt (vidstab.run.elastic)
 # --------------------------------------------------------------------------------------------------------
 def incident_note(args: argparse.Namespace, rank: int, step: int, bundle: Path) -> str:
     """One line for an incident bundle just written: where it is, the command that replays it, and whether the
     replay will have trained weights (the bundle names a checkpoint) or only a fresh initialisation."""
-    from vidstab.limits import read_json_file
+    from vidstab.files.limits import read_json_file
 
     try:
         checkpoint = read_json_file(Path(bundle) / "incident.json").get("checkpoint")
@@ -625,7 +627,7 @@ def train(run: Run) -> int:
 def run_main(argv: list[str] | None = None) -> int:
     """:func:`main`; a launch that cannot start (the output folder, the launch, the config, the checkpoint) ends with
     one line naming the problem and exit code 2, not a traceback; the main process says it, the others only exit."""
-    user_errors = (vidstab.run_dir.RunDirError, vidstab.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
+    user_errors = (vidstab.run.run_dir.RunDirError, vidstab.run.elastic.LaunchMismatch, vidstab.ConfigError, CheckpointError)
     try:
         return main(argv)
     except DataLoaderWorkerKilled:  # said in one message by the rank it happened on, and in its event log

@@ -164,7 +164,7 @@ def yaml_value(value: object) -> str:
 
 
 def markdown(text: str) -> str:
-    """A docstring as table text: RST literals as Markdown code, a run-folder path (``vidstab/incidents``, not a
+    """A docstring as table text: RST literals as Markdown code, a run-folder path (``vidstab/checkpoints``, not a
     file of this repository) under ``OUTPUT_DIR/``, and no ``|`` that would end the cell."""
     text = re.sub(r"``(.+?)``", r"`\1`", text)
     text = re.sub(r":\w+:`~?([\w.]+)`", r"`\1`", text)
@@ -187,7 +187,7 @@ def sections() -> list[tuple[str, str, type]]:
     from vidstab.checkpoint import CheckpointConfig
     from vidstab.config import GuardConfig
     from vidstab.detectors import DETECTORS
-    from vidstab.recovery import RecoveryConfig
+    from vidstab.recovery.policy import RecoveryConfig
 
     out = [("GuardConfig", "", GuardConfig)]
     out += [(f"`{name}` ({cfg.__name__})", f"{name}.", cfg) for name, (cfg, _) in DETECTORS.items()]

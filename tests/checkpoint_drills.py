@@ -590,7 +590,7 @@ def drill_bundle_weights_reachable_or_refused(work: Path, sharded: bool = False)
     a rollback saves that step again with other weights, ``vidstab replay`` refuses the bundle with a
     message instead of replaying on weights the incident never saw. ``sharded``: the same with DCP shards
     (what an FSDP2 run writes), which replay reads into its one plain model."""
-    from vidstab.capture import write_incident
+    from vidstab.evidence.capture import write_incident
     from vidstab.reference.model import VideoDiT
     from vidstab.reference.objective import DiffusionObjective, step_generator
     from vidstab.tools.replay import ReplayError, replay
@@ -664,7 +664,7 @@ def drill_frozen_base_weights(work: Path) -> str:
 def drill_resume_event(work: Path) -> str:
     """A loop that resumes through ``CheckpointManager.load`` gets a ``resume`` event naming the
     checkpoint (and what was skipped); a rollback's load logs ``rollback``, not ``resume``."""
-    from vidstab.recovery import Recovery
+    from vidstab.recovery.policy import Recovery
 
     out = work / "run"
     train_and_save(out, [2, 4])

@@ -14,14 +14,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from replay_user_model import make_batch, make_model, video_mse  # noqa: E402
 
-from vidstab.capture import (  # noqa: E402
+from vidstab.evidence.capture import (  # noqa: E402
     IncidentError,
     json_float,
     list_incidents,
     read_incident,
     write_incident,
 )
-from vidstab.localize import locate_nonfinite  # noqa: E402
+from vidstab.evidence.localize import locate_nonfinite  # noqa: E402
 
 SPEC = {
     "factory": "replay_user_model:make_model",

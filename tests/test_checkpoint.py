@@ -18,8 +18,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from vidstab import statedict_io as sio
-from vidstab.run_dir import RUN_ID_FILE
+from vidstab.files import statedict_io as sio
+from vidstab.run.run_dir import RUN_ID_FILE
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, verify_checkpoint_files
 from trainer_utils import torchrun_cmd
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from vidstab.capture import INCIDENTS_DIR, write_incident
+from vidstab.evidence.capture import INCIDENTS_DIR, write_incident
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
 
 from trainer_utils import free_port

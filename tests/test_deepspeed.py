@@ -166,7 +166,7 @@ def test_a_deepspeed_checkpoint_on_another_world_size_is_refused_with_what_to_do
 def test_cpu_deepspeed_runs_get_gloo_and_skip_the_shm_op_build(monkeypatch):
     import deepspeed.ops
 
-    from vidstab.deepspeed_support import SHM_OP, accelerator_kwargs_handlers
+    from vidstab.engines.deepspeed_support import SHM_OP, accelerator_kwargs_handlers
 
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     assert accelerator_kwargs_handlers() == []  # not a DeepSpeed run: nothing

@@ -39,7 +39,7 @@ def test_every_configuration_field_is_on_the_configuration_page():
         "docs/configuration.md is not what the code says: run python scripts/config_reference.py")
     from vidstab.checkpoint import CheckpointConfig
     from vidstab.config import GuardConfig
-    from vidstab.recovery import RecoveryConfig
+    from vidstab.recovery.policy import RecoveryConfig
 
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
     for cls in (GuardConfig, RecoveryConfig, CheckpointConfig):  # the oracle is the dataclass, not the script

@@ -103,7 +103,7 @@ def test_guarded_example_fsdp_two_processes_skip_rollback_sharded_checkpoint_res
 def test_plain_example_fsdp_with_the_same_faults_ends_with_ruined_weights(tmp_path):
     proc = launch("plain_loop.py", "--output_dir", str(tmp_path / "plain"), *FSDP_DRILL)
     # The plain loop has no vidstab, so no exit fence: after its last line it may end in gloo's exit-time
-    # std::terminate (vidstab/exit_fence.py: the guarded example did in 2 of 32 runs before the fence). Its
+    # std::terminate (vidstab/run/exit_fence.py: the guarded example did in 2 of 32 runs before the fence). Its
     # weights are what this test is about.
     exit_abort = proc.returncode != 0 and "terminate called without an active exception" in proc.stderr
     assert proc.returncode == 0 or exit_abort, proc.stderr[-4000:]

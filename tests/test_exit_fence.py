@@ -1,5 +1,5 @@
 """A multi-process run that has done all its work exits 0: vidstab's exit fence lets gloo's worker threads
-drop their finished work while the interpreter is whole (vidstab/exit_fence.py). Without the fence the
+drop their finished work while the interpreter is whole (vidstab/run/exit_fence.py). Without the fence the
 script below ends in std::terminate in about 3 runs of 10 on this 2-core machine (measured; a test cannot
 assert a race loses, so only the fenced runs are asserted, several times)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainer_utils import torchrun_cmd
 
-from vidstab.exit_fence import wait_for_quiet_collective_threads
+from vidstab.run.exit_fence import wait_for_quiet_collective_threads
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_after_collective.py"
 REPO = Path(__file__).resolve().parents[1]

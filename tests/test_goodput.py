@@ -113,7 +113,7 @@ def expected_buckets(run, schedules=(ATTEMPT0, ATTEMPT1)):
 
 
 def test_the_ledger_matches_the_event_log_bucket_by_bucket_and_sums_to_the_wall_time(drill):
-    from vidstab.goodput import ledger
+    from vidstab.run.goodput import ledger
 
     run, stderr = drill
     assert "exitcode: 75" in stderr  # the launcher restarted the group after the watchdog ended the hung rank
@@ -175,7 +175,7 @@ def test_the_in_run_ledger_reads_only_new_lines_and_agrees_with_the_ledger_of_th
     """The trainer's goodput events come from an incremental ledger: replayed into a fresh folder a piece of a
     line at a time, from the restarted attempt's start on (as a restarted process sees it), it must end equal
     to the ledger of the finished files."""
-    from vidstab.goodput import GoodputLog, ledger
+    from vidstab.run.goodput import GoodputLog, ledger
 
     run, _ = drill
     lines = (run / "vidstab" / "events-rank0.jsonl").read_bytes().splitlines(keepends=True)
@@ -199,7 +199,7 @@ def test_the_in_run_ledger_reads_only_new_lines_and_agrees_with_the_ledger_of_th
 def test_the_interval_formula_is_the_minimum_of_the_time_lost_to_saves_and_failures():
     """C + sqrt(2 (M + R) C + C^2) against a grid search of the fraction of time lost, C/t + (t/2 + R)/M
     (a save every t seconds, half an interval of work lost per failure), for saves much shorter than the MTBF."""
-    from vidstab.checkpoint_interval import optimal_interval_seconds
+    from vidstab.run.checkpoint_interval import optimal_interval_seconds
 
     for save, mtbf, restart in ((10.0, 3600.0 * 24, 0.0), (2.0, 3600.0, 60.0), (30.0, 3600.0 * 8, 600.0)):
         grid = np.linspace(save, 20 * np.sqrt(2 * save * mtbf), 200_000)
@@ -211,8 +211,8 @@ def test_the_interval_formula_is_the_minimum_of_the_time_lost_to_saves_and_failu
 
 
 def test_the_interval_advice_comes_from_the_drills_measurements(drill):
-    from vidstab.checkpoint_interval import optimal_interval_seconds, recommend
-    from vidstab.goodput import ledger
+    from vidstab.run.checkpoint_interval import optimal_interval_seconds, recommend
+    from vidstab.run.goodput import ledger
 
     run, _ = drill
     led = ledger(run)
@@ -234,7 +234,7 @@ def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_fo
     from the ledger (logged with its inputs) and the next save comes at the end, not 10 steps later."""
     from trainer_utils import run_trainer
 
-    from vidstab.checkpoint_interval import optimal_interval_seconds
+    from vidstab.run.checkpoint_interval import optimal_interval_seconds
 
     out = tmp_path / "run"
     run_trainer(out, "--max_train_steps", "20", "--checkpointing_steps", "auto", "--num_validation_videos", "0")

@@ -1,4 +1,4 @@
-"""Host memory (vidstab/host_memory.py): a steady climb of a rank's resident memory warns once, with the slope and
+"""Host memory (vidstab/run/host_memory.py): a steady climb of a rank's resident memory warns once, with the slope and
 the projected time to the limit; a data-loader worker killed by a signal is recorded as such.
 
 Real components: a real Accelerator and attached guard whose loop keeps allocating host memory each step; a real
@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 import vidstab
-from vidstab.host_memory import DataLoaderWorkerKilled, HostMemoryWatch, memory_limit_mib, resident_mib
+from vidstab.run.host_memory import DataLoaderWorkerKilled, HostMemoryWatch, memory_limit_mib, resident_mib
 
 
 def _attached(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vidstab.capture import write_incident
+from vidstab.evidence.capture import write_incident
 from vidstab.events import EventLog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_a_deeply_nested_event_line_is_a_note_in_report_and_events_not_a_recursi
 
 
 def test_the_restart_path_reads_an_event_log_with_a_deep_line(tmp_path):
-    from vidstab.elastic import previous_attempt
+    from vidstab.run.elastic import previous_attempt
 
     run = a_run(tmp_path / "run")
     with open(run / "vidstab" / "events-rank0.jsonl", "a") as fh:

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from replay_user_model import make_batch, make_model, video_mse  # noqa: E402
 
-from vidstab.localize import NonFiniteLocator, locate_nonfinite, tensor_stats  # noqa: E402
+from vidstab.evidence.localize import NonFiniteLocator, locate_nonfinite, tensor_stats  # noqa: E402
 
 
 def _hook_count(model: torch.nn.Module) -> int:

@@ -1,11 +1,11 @@
-"""vidstab.lr.scale_lrs: the one LR multiplier behind the guard's back-off and the LR faults."""
+"""vidstab.recovery.lr.scale_lrs: the one LR multiplier behind the guard's back-off and the LR faults."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vidstab.lr import scale_lrs
+from vidstab.recovery.lr import scale_lrs
 
 
 def _sgd(lr=0.1):
@@ -41,7 +41,7 @@ def test_lr_figures_are_the_three_readings_at_once(schedule):
     """``LRMultiplier.figures()`` (read on every optimizer step) is the group's LR, the schedule's peak times the
     multiplier (OneCycleLR's ``max_lr`` when larger) and the scheduler's last LR, through a schedule, a back-off and
     an LR written by hand."""
-    from vidstab.lr import LRMultiplier
+    from vidstab.recovery.lr import LRMultiplier
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.1)

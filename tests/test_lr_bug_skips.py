@@ -12,7 +12,7 @@ from accelerate import Accelerator
 
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.recovery import Recovery, RecoveryConfig
+from vidstab.recovery.policy import Recovery, RecoveryConfig
 
 
 def _events(run_dir, kind):

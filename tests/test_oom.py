@@ -1,4 +1,4 @@
-"""Out of memory is an incident of its own (vidstab/oom.py, the ``oom`` detector): the step is skipped on every
+"""Out of memory is an incident of its own (vidstab/recovery/oom.py, the ``oom`` detector): the step is skipped on every
 rank, its memory released, no rollback and no LR change; an ``oom`` event names the phase, bucket and micro-batch.
 
 Single-process cases with a real Accelerator and a real guard: the explicit form (the trainer's forward OOM,
@@ -17,7 +17,7 @@ from accelerate.state import AcceleratorState
 
 import vidstab
 from vidstab.detectors import Verdict
-from vidstab.oom import is_oom
+from vidstab.recovery.oom import is_oom
 
 
 class OOMInBackward(torch.autograd.Function):

@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 import vidstab
 from test_guard_distributed import launch
 from vidstab.faults import FaultInjector
-from vidstab.oom import OptimizerStateDiverged, StepMarks, WriteOrder
+from vidstab.recovery.oom import OptimizerStateDiverged, StepMarks, WriteOrder
 
 pytestmark = pytest.mark.xdist_group("oom_attached")
 

@@ -110,5 +110,5 @@ def test_deepspeed_an_optimizer_oom_on_one_rank_ends_the_launch_instead_of_hangi
     assert proc.returncode != 0  # ended (the fixture's timeout bounds it): rank 1 stopped, rank 0 left the gather
     traces = _traces(out, LAST)
     assert "stopped" in traces[1][-1] and all("stopped" not in x for x in traces[0])
-    assert "[rank1]: vidstab.oom.OptimizerStateDiverged: vidstab: step 1, rank 1: out of memory inside DeepSpeed" in log
+    assert "[rank1]: vidstab.recovery.oom.OptimizerStateDiverged: vidstab: step 1, rank 1: out of memory inside DeepSpeed" in log
     assert _optimizer_ooms(out, LAST) == [(1, 1, None)]

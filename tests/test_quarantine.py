@@ -8,7 +8,7 @@ import json
 
 from test_guard_distributed import launch
 
-from vidstab.quarantine import QuarantineList
+from vidstab.recovery.quarantine import QuarantineList
 from vidstab.tools.cli import main as cli
 
 BAD = "13"

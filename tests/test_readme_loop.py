@@ -87,7 +87,7 @@ def test_readme_attach_diff_runs_before_and_after(tmp_path):
     # the step with the NaN sample was skipped on every rank and its micro-batch captured
     assert list((out / "vidstab" / "incidents").glob("step000002-rank0*")), os.listdir(out / "vidstab" / "incidents")
     assert any(p.name.startswith("checkpoint-") for p in out.iterdir())  # the script's own checkpoints, as before
-    from vidstab.quarantine import QuarantineList
+    from vidstab.recovery.quarantine import QuarantineList
 
     assert QuarantineList(out).ids() == {"10"}  # guard.track_samples: the NaN sample named by its index, quarantined
 

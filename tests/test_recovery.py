@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.preemption import PreemptionHandler
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted
+from vidstab.run.preemption import PreemptionHandler
+from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted
 
 
 class LRGuard:
@@ -142,7 +142,7 @@ def test_preemption_handler_sets_flag_calls_back_and_restores_handlers():
 
 _CTRL_C = textwrap.dedent("""
     import os, signal, sys, time
-    from vidstab.preemption import PreemptionHandler
+    from vidstab.run.preemption import PreemptionHandler
     with PreemptionHandler() as h:
         os.kill(os.getpid(), signal.SIGINT)
         assert h.stop_requested

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.recovery import Recovery, RecoveryConfig, RunAborted, rollback_cause
+from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted, rollback_cause
 
 BASE_LR = 0.01
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(TESTS))
 
 from replay_user_model import make_batch, make_model, video_mse  # noqa: E402
 
-from vidstab.capture import write_incident  # noqa: E402
+from vidstab.evidence.capture import write_incident  # noqa: E402
 from vidstab.tools.replay import ReplayReport, main, replay  # noqa: E402
 
 USER_SPEC = {

@@ -1,4 +1,4 @@
-"""The PEFT part of the replay spec (vidstab/adapter_record.py, vidstab/tools/replay/adapters.py): a LoRA-wrapped
+"""The PEFT part of the replay spec (vidstab/evidence/adapter_record.py, vidstab/tools/replay/adapters.py): a LoRA-wrapped
 diffusers model's class, config, adapter config and base source are recorded as plain JSON, and the replay
 rebuilds base + adapter from them alone -- the base as the run loaded it (from_pretrained, safetensors only),
 verified by a frozen-base checkpoint's fingerprint -- and refuses, naming the field, what it does not rebuild."""
@@ -19,7 +19,7 @@ from peft import LoraConfig  # noqa: E402
 from tiny_cogvideox import TARGET_MODULES, tiny_transformer  # noqa: E402
 
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
-from vidstab.replay_record import model_spec_of  # noqa: E402
+from vidstab.evidence.replay_record import model_spec_of  # noqa: E402
 from vidstab.tools.replay import ReplayError, build_model  # noqa: E402
 from vidstab.tools.replay.rebuild import _load_weights  # noqa: E402
 

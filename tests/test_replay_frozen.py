@@ -20,7 +20,7 @@ from replay_user_model import make_batch, make_lora_model, video_mse  # noqa: E4
 
 import vidstab  # noqa: E402
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager  # noqa: E402
-from vidstab.quarantine import QuarantineList  # noqa: E402
+from vidstab.recovery.quarantine import QuarantineList  # noqa: E402
 from vidstab.tools.replay import ReplayError, replay  # noqa: E402
 
 SPEC = {"factory": "replay_user_model:make_lora_model", "kwargs": {"channels": 4, "hidden": 16, "rank": 2},

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from replay_user_model import make_batch, make_model, video_mse  # noqa: E402
 
 import vidstab  # noqa: E402
-from vidstab.capture import write_incident  # noqa: E402
+from vidstab.evidence.capture import write_incident  # noqa: E402
 from vidstab.tools.replay import replay  # noqa: E402
 
 SPEC = {"factory": "replay_user_model:make_model", "kwargs": {"channels": 4, "hidden": 16},

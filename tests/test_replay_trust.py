@@ -20,7 +20,7 @@ sys.path.insert(0, str(TESTS))
 
 from replay_user_model import make_batch  # noqa: E402
 
-from vidstab.capture import write_incident  # noqa: E402
+from vidstab.evidence.capture import write_incident  # noqa: E402
 from vidstab.tools.replay import UntrustedCodeError, main, replay  # noqa: E402
 from vidstab.tools.trusted_import import UntrustedImportError, resolve  # noqa: E402
 
@@ -96,17 +96,17 @@ def test_malicious_loss_function_is_refused_before_it_is_imported(tmp_path, caps
 
 def test_a_vidstab_function_that_writes_files_is_not_a_model_factory(tmp_path, capsys):
     target = tmp_path / "written-by-bundle"
-    b = bundle(tmp_path / "run", {"factory": "vidstab.atomic:write_atomic",
+    b = bundle(tmp_path / "run", {"factory": "vidstab.files.atomic:write_atomic",
                                   "kwargs": {"path": str(target), "data": "x"}, "loss_fn": "replay_user_model:video_mse"})
     assert main([str(b)]) == 2
-    assert "vidstab.atomic:write_atomic" in capsys.readouterr().err
+    assert "vidstab.files.atomic:write_atomic" in capsys.readouterr().err
     assert not target.exists()
     # ... nor a class spec naming a function
     with pytest.raises(UntrustedImportError, match="defines no class 'write_atomic'"):
-        resolve("vidstab.atomic:write_atomic", "model.class", kind="model_class")
+        resolve("vidstab.files.atomic:write_atomic", "model.class", kind="model_class")
     # ... and a class the module only imports (a re-export) is checked after the import
     with pytest.raises(UntrustedImportError, match="not a torch.nn.Module class"):
-        resolve("vidstab.capture:Path", "model.class", kind="model_class")
+        resolve("vidstab.evidence.capture:Path", "model.class", kind="model_class")
 
 
 def test_trusted_names_resolve_old_bundle_paths_included(tmp_path):

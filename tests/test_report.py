@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vidstab.capture import write_incident
+from vidstab.evidence.capture import write_incident
 from vidstab.events import EventLog
-from vidstab.strict_json import json_float
+from vidstab.files.strict_json import json_float
 from vidstab.tools.report import SECTIONS, load_run, write_report
 from vidstab.tools.report.series import _bin
 
@@ -256,7 +256,7 @@ def _strict(text: str):
 
 
 def test_nan_loss_is_strict_json_in_every_file_and_the_report_reads_it_and_old_null_logs(tmp_path):
-    """vidstab.strict_json's one convention: a NaN loss is logged as "nan" (not a NaN token, not null), the
+    """vidstab.files.strict_json's one convention: a NaN loss is logged as "nan" (not a NaN token, not null), the
     report shows it as non-finite, and an event log from before the convention (null) still reads the same."""
     run = _user_loop(tmp_path / "run", accum=1, nan_micro=3)  # no accumulation: step 3's logged loss is NaN
     files = sorted(p for p in run.rglob("*") if p.suffix in (".json", ".jsonl"))

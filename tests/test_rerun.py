@@ -12,7 +12,7 @@ import pytest
 
 from trainer_utils import events, run_trainers
 
-from vidstab.quarantine import QuarantineList
+from vidstab.recovery.quarantine import QuarantineList
 
 
 def _reruns(out):

@@ -18,7 +18,7 @@ import torch
 from test_guard_distributed import launch
 
 from vidstab.engines import ZeroEngine
-from vidstab.quarantine import QuarantineList
+from vidstab.recovery.quarantine import QuarantineList
 
 BAD = 5  # tests/scripts/rerun_attached.py: the data set's NaN sample
 
@@ -189,7 +189,7 @@ def test_where_it_cannot_rerun_the_attached_form_is_told_what_to_pass_once(tmp_p
     model, opt = acc.prepare(model, opt)
     guard = vidstab.attach(acc, model, opt, run_dir=tmp_path)
     verdicts = []
-    caplog.set_level("WARNING", logger="vidstab.rerun")
+    caplog.set_level("WARNING", logger="vidstab.recovery.rerun")
     for step in range(4):
         x = torch.randn(2, 4)
         x[0, 0] = float("nan") if step else x[0, 0]

@@ -124,7 +124,7 @@ def test_a_rank_sigkilled_at_a_random_step_restarts_resumes_and_ends_bitwise_equ
     # launcher's log saw the kill within the restart downtime, and the buckets tile the wall time.
     from test_goodput import assert_the_launcher_restarted_in_the_downtime, expected_buckets
 
-    from vidstab.goodput import ledger
+    from vidstab.run.goodput import ledger
 
     led, resumed = ledger(out), step - step % 2
     want, wall = expected_buckets(out, ([(s, "rework" if s >= resumed else "productive") for s in range(step)],

@@ -14,8 +14,8 @@ from accelerate.state import AcceleratorState, GradientState
 
 import vidstab
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.recovery import Recovery
-from vidstab.resume_check import batch_fingerprint
+from vidstab.recovery.policy import Recovery
+from vidstab.run.resume_check import batch_fingerprint
 
 from trainer_utils import events, run_trainer
 
@@ -111,7 +111,7 @@ def test_the_reference_trainer_resumed_from_an_earlier_checkpoint_on_2_processes
 
 
 def test_a_rollback_that_rewinds_the_data_replays_the_steps_before_the_failure_quietly(tmp_path):
-    from vidstab.recovery import RecoveryConfig
+    from vidstab.recovery.policy import RecoveryConfig
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)

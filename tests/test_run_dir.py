@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 import vidstab
-from vidstab.run_dir import LOCK_FILE, PREVIOUS_RUNS, RunDirInUse, RunDirNotEmpty, claim_run_dir
+from vidstab.run.run_dir import LOCK_FILE, PREVIOUS_RUNS, RunDirInUse, RunDirNotEmpty, claim_run_dir
 
 _HOLDER = textwrap.dedent("""
     import sys, time

@@ -12,9 +12,9 @@ import pytest
 from test_hostile_input import DEEP, a_bundle, cli, deep_json, no_traceback
 from trainer_utils import run_trainer
 
-from vidstab.capture import IncidentError, read_incident
-from vidstab.quarantine import QuarantinedDataset, QuarantineError, QuarantineList
-from vidstab.run_dir import RunDirError
+from vidstab.evidence.capture import IncidentError, read_incident
+from vidstab.recovery.quarantine import QuarantinedDataset, QuarantineError, QuarantineList
+from vidstab.run.run_dir import RunDirError
 
 GOOD = json.dumps({"sample_id": "clip-7", "reason": "non-finite latents", "step": 3, "bundle": None, "rank": 0,
                    "source": "capture", "time": 0.0}) + "\n"
@@ -129,7 +129,7 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_bundle_is_named_without_blocking(tmp_
 
 def test_the_resume_check_reads_an_event_log_with_a_deep_line(tmp_path):
     from vidstab.events import EventLog
-    from vidstab.resume_check import ResumeCheck
+    from vidstab.run.resume_check import ResumeCheck
 
     log = EventLog(tmp_path, rank=0)
     for step in range(4):

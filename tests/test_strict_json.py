@@ -1,13 +1,13 @@
-"""vidstab.strict_json's one convention, through the writers that use it: non-finite -> "nan"/"inf"/"-inf"."""
+"""vidstab.files.strict_json's one convention, through the writers that use it: non-finite -> "nan"/"inf"/"-inf"."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from vidstab.atomic import fsync_paths, write_json_atomic
+from vidstab.files.atomic import fsync_paths, write_json_atomic
 from vidstab.events import EventLog
-from vidstab.strict_json import from_json_safe, json_float
+from vidstab.files.strict_json import from_json_safe, json_float
 
 
 def _refuse(token):

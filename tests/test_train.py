@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vidstab.strict_json import json_float
+from vidstab.files.strict_json import json_float
 
 from trainer_utils import REPO, events, losses_by_step, run_trainer, run_trainers
 
@@ -22,7 +22,7 @@ import args as train_args  # noqa: E402  (recipes/args.py: the trainer's flags)
 
 
 def _finite(x):
-    """A logged number that is finite. Event logs are strict JSON (vidstab.strict_json): a non-finite number is
+    """A logged number that is finite. Event logs are strict JSON (vidstab.files.strict_json): a non-finite number is
     "nan"/"inf"/"-inf" (null in logs from before that convention, and for a value not measured)."""
     f = json_float(x)
     return f is not None and math.isfinite(f)

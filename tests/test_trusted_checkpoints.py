@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_drills import Trainee, crc_entry, expect_error, manifest, train_and_save, unremovable, write_manifest
 from vidstab.checkpoint import CheckpointConfig, CheckpointError, layout
-from vidstab.run_dir import RUN_ID_FILE, RunDirNotWritable, claim_run_dir, run_id
+from vidstab.run.run_dir import RUN_ID_FILE, RunDirNotWritable, claim_run_dir, run_id
 
 
 def _rewrite(folder: Path, name: str, data: bytes) -> None:

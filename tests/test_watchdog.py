@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from vidstab.elastic import LaunchInfo, previous_attempt, shared_store_warning
+from vidstab.run.elastic import LaunchInfo, previous_attempt, shared_store_warning
 from vidstab.events import EventLog
 from vidstab.faults import Fault, FaultInjector, validate_faults
-from vidstab.watchdog import WATCHDOG_EXIT_CODE, Watchdog, WatchdogConfig
+from vidstab.run.watchdog import WATCHDOG_EXIT_CODE, Watchdog, WatchdogConfig
 
 from trainer_utils import REPO, TRAIN
 
@@ -28,7 +28,7 @@ def _script(tmp_path, body: str) -> subprocess.CompletedProcess:
 def test_a_hung_rank_dumps_every_threads_stack_logs_a_hang_event_and_exits_75(tmp_path):
     proc = _script(tmp_path, """
         import sys, threading, time
-        from vidstab.watchdog import Watchdog, WatchdogConfig
+        from vidstab.run.watchdog import Watchdog, WatchdogConfig
 
         def stuck_in_the_data_loader():
             time.sleep(600)
@@ -59,7 +59,7 @@ def test_a_rank_that_keeps_getting_slower_but_keeps_going_is_never_killed(tmp_pa
     # slowest step seen, so only a rank that stops altogether is declared hung.
     proc = _script(tmp_path, """
         import sys, time
-        from vidstab.watchdog import Watchdog, WatchdogConfig
+        from vidstab.run.watchdog import Watchdog, WatchdogConfig
 
         with Watchdog(sys.argv[1], config=WatchdogConfig(timeout_s=1.5, multiple=10, first_step_s=30)) as wd:
             pause = 0.25

@@ -82,7 +82,7 @@ class GuardConfig:
     (``vidstab/quarantine.jsonl``), which :class:`vidstab.QuarantinedDataset` keeps out of later epochs and resumes."""
     rerun_suspect_steps: bool = True
     """Re-run a step skipped for a non-finite value, a spike or an exception on the same weights, on every rank,
-    and say whether it is the data, the numerics, a transient fault or one rank's hardware (vidstab/rerun.py);
+    and say whether it is the data, the numerics, a transient fault or one rank's hardware (vidstab/recovery/rerun.py);
     needs ``guard.set_replay_fn``, or in the attached form a diffusers model (its recorded inputs and output
     gradient). Costs a forward+backward per micro-batch, only on such steps."""
     rerun_peer_check: bool = True

@@ -3,7 +3,7 @@
 In the attached form (``vidstab.attach``) the loop's own code prints nothing about vidstab, so the guard says it:
 on the main process only, one line per skipped step (an update refused), one line per incident bundle of any rank
 (with the command that replays it; the ranks' paths are gathered on the skipped steps, which every rank judges in
-lockstep), one line per in-place rollback (:mod:`vidstab.auto_rollback`) and a summary at ``guard.close()``. Steps
+lockstep), one line per in-place rollback (:mod:`vidstab.recovery.auto_rollback`) and a summary at ``guard.close()``. Steps
 are the script's (:mod:`vidstab.step_numbering`), with the trajectory step beside them where in-place rollbacks made
 the two differ. The explicit form and the reference trainer print their own.
 """

@@ -14,7 +14,7 @@ before the next line. In-process readers (:func:`iter_event_file`,
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
 with ``kind`` in ``metrics | warn | skip | rollback | checkpoint | incident | resume | stop | start |
-fault | overflow``. Strict JSON, with vidstab's one convention (:mod:`vidstab.strict_json`): a non-finite
+fault | overflow``. Strict JSON, with vidstab's one convention (:mod:`vidstab.files.strict_json`): a non-finite
 float is the string ``"nan"``, ``"inf"`` or ``"-inf"``, and ``null`` means "no value" (not measured this
 step). Logs written before this convention spelled a non-finite float ``null``; readers take both
 (``strict_json.json_float`` reads a value; the report counts a ``null`` loss as non-finite).
@@ -35,8 +35,8 @@ from typing import Any, Iterator, Mapping
 
 import orjson
 
-from .limits import TooLarge, bounded_lines, env_name, limits, loads_bounded
-from .strict_json import to_json_safe
+from .files.limits import TooLarge, bounded_lines, env_name, limits, loads_bounded
+from .files.strict_json import to_json_safe
 
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
@@ -259,7 +259,7 @@ def iter_event_file(path: str | Path, notes: list[str] | None = None, start: int
 
     Lines that do not parse are skipped, with a note appended to ``notes`` when given: a torn last line is
     expected after a kill, anything else deserves a look. A line longer than
-    ``vidstab.limits.Limits.event_line_bytes`` or nested deeper than ``json_depth`` is skipped unread, with
+    ``vidstab.files.limits.Limits.event_line_bytes`` or nested deeper than ``json_depth`` is skipped unread, with
     a note naming it.
     """
     path = Path(path)

@@ -37,7 +37,7 @@ chosen optimizer step, the failures the seeds describe:
                 compute (the fastest: a measurement that includes waiting for a slow peer would compound)
 ==============  ==========================================================================================
 
-Out-of-memory drills (:mod:`vidstab.oom`; the trainer's forward calls :meth:`FaultInjector.maybe_oom`):
+Out-of-memory drills (:mod:`vidstab.recovery.oom`; the trainer's forward calls :meth:`FaultInjector.maybe_oom`):
 
 ===================  =====================================================================================
 ``oom``              a ``torch.OutOfMemoryError`` is raised in that rank's forward, once
@@ -68,7 +68,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .lr import scale_lrs
+from .recovery.lr import scale_lrs
 
 FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike", "lr_ramp", "exception", "inf_module",
                "flaky_activation", "hang", "kill", "kill_in_save", "slow")
@@ -226,7 +226,7 @@ class FaultInjector:
     def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
         """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.
 
-        The scheduler's base LRs are scaled too (:func:`vidstab.lr.scale_lrs`), so the change survives
+        The scheduler's base LRs are scaled too (:func:`vidstab.recovery.lr.scale_lrs`), so the change survives
         ``lr_scheduler.step()`` the way a wrong schedule would, until a rollback reloads the optimizer and
         scheduler state.
         """
@@ -365,7 +365,7 @@ def _is_number(text: str) -> bool:
 
 
 def _base_lrs(lr_scheduler: object | None) -> list[float] | None:
-    from .lr import torch_scheduler
+    from .recovery.lr import torch_scheduler
 
     return list(getattr(torch_scheduler(lr_scheduler), "base_lrs", None) or []) or None
 

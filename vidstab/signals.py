@@ -17,7 +17,7 @@ Columns (float64: a hash, a rank id or a count is exact), first those summed ove
           bucket_sum[nb], bucket_count[nb]
     max:  grad_norm, norm_nan, norm_nonfinite, norm_known, in_absmax, param_sq, update_sq, param_measured,
           loss_scale, slowest (seconds and rank in one number), bucket, -bucket,
-          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown), oom (the largest micro-batch that ran out of memory, 0: none; vidstab.oom),
+          micro_steps, lr, lr_peak, lr_scheduled (-1: unknown), oom (the largest micro-batch that ran out of memory, 0: none; vidstab.recovery.oom),
           oom_in_step, neg_oom_in_step (the previous optimizer step ran out of memory on a rank: 1 before touching
           its state, 2 after; the maximum and the negated minimum over ranks)
 
@@ -314,7 +314,7 @@ class Window:
         self.exceptions = 0
         self.exception_flags: list[bool] = []
         self.oom_batch = 0  # the largest micro-batch of the window that ran out of memory (0: none)
-        self.oom_in_step = 0  # the previous optimizer step ran out of memory here: 1 untouched, 2 touched (vidstab.oom)
+        self.oom_in_step = 0  # the previous optimizer step ran out of memory here: 1 untouched, 2 touched (vidstab.recovery.oom)
         self.in_values: list[torch.Tensor] = []  # per input tensor: max, min, sum, norm (0-d each)
         # The input tensors themselves, for the cold path's exact non-finite count: references only (the
         # guard's incident capture holds the same batches until the step).

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vidstab.strict_json import from_json_safe, to_json_safe
+from vidstab.files.strict_json import from_json_safe, to_json_safe
 
 from .recorder import CACHE_DIR, FAILURE_FACTOR, HEALTHY_WINDOW
 
@@ -321,7 +321,7 @@ def record(run: HeldoutRun, cache_dir: Path = CACHE_DIR, healthy: HeldoutRecordi
 
 def _run(run: HeldoutRun, healthy: HeldoutRecording | None) -> HeldoutRecording:
     from vidstab import signals
-    from vidstab.lr import scale_lrs
+    from vidstab.recovery.lr import scale_lrs
     from vidstab.reference.objective import step_generator
 
     started = time.time()

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from vidstab.strict_json import from_json_safe, to_json_safe
+from vidstab.files.strict_json import from_json_safe, to_json_safe
 
 from .catalogue import Scenario
 

@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from vidstab import checkpoint as ck
-from vidstab import statedict_io as sio
+from vidstab.files import statedict_io as sio
 from vidstab.checkpoint import CheckpointConfig, CheckpointManager
-from vidstab.preemption import PreemptionHandler
+from vidstab.run.preemption import PreemptionHandler
 
 
 def build(hidden: int = 256, init_seed: int = 0, data_seed: int = 1234):

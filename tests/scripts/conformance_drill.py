@@ -153,7 +153,7 @@ def digest(tensors) -> str:
 def snapshot(engine: str, model, opt, sched, guard, counter: Counter, ema: EMA) -> dict:
     """A digest of each piece of state a step can change, on this rank (the ZeRO partitions without padding)."""
     if engine.startswith("zero"):
-        from vidstab.deepspeed_support import ZeroPartitions
+        from vidstab.engines.deepspeed_support import ZeroPartitions
 
         parts = ZeroPartitions(model)
         tensors, _ = parts.state()

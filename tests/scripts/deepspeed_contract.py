@@ -82,7 +82,7 @@ def readme(stage: int, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_readme_loop import _diff, _side
 
-    from vidstab.deepspeed_support import ZeroPartitions
+    from vidstab.engines.deepspeed_support import ZeroPartitions
 
     accelerator, model, optimizer, lr_scheduler, dtype = build(stage, "no", 2, micro_batch=2, prepare=False)
     latents = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))

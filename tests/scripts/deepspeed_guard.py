@@ -3,7 +3,7 @@
 Run A takes ``--steps`` optimizer steps (``--accum`` micro-steps each) with three bad steps: a NaN input on
 rank 1 (``--nan_step``), the loss x1e6 on every rank (a gradient spike, ``--spike_step``) and the LR x100 for
 one step (a user's LR bug, ``--lr_step``). Then the engine, scheduler and guard go back to their state before
-step 0 (:class:`vidstab.deepspeed_support.ZeroPartitions`) and run B takes the same batches except the bad
+step 0 (:class:`vidstab.engines.deepspeed_support.ZeroPartitions`) and run B takes the same batches except the bad
 steps'. Each rank writes ``rank{R}.json``: per step of run A what vidstab, Accelerate and DeepSpeed say, and
 whether a skipped step left the fp32 partitions, the optimizer moments and the module weights bitwise
 unchanged; and whether run A's final state equals run B's bitwise.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ds_common import batch, build, same, state_copy, user_step
 
 import vidstab
-from vidstab.deepspeed_support import ZeroPartitions
+from vidstab.engines.deepspeed_support import ZeroPartitions
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def refusals(out: Path) -> None:
 
     from vidstab import CheckpointManager
     from vidstab.checkpoint import CheckpointError
-    from vidstab.deepspeed_support import DeepSpeedUnsupported
+    from vidstab.engines.deepspeed_support import DeepSpeedUnsupported
 
     cases = {"stage0": dict(stage=0), "offload_param": dict(stage=3, zero_extra={"offload_param": {"device": "cpu"}}),
              "ds_scheduler": dict(ds_scheduler=True), "other_version": {}, "accepted": {}}

@@ -8,7 +8,7 @@ import hashlib
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 
-from vidstab.deepspeed_support import ZeroPartitions, accelerator_kwargs_handlers
+from vidstab.engines.deepspeed_support import ZeroPartitions, accelerator_kwargs_handlers
 
 
 def build(stage: int, precision: str, accum: int, lr: float = 1e-2, zero_extra: dict | None = None,

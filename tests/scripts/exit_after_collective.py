@@ -1,6 +1,6 @@
 """A 2-process gloo script that all-gathers a view of a tensor, drops its last Python reference and ends:
 without vidstab's exit fence it ends in std::terminate (SIGABRT) in about 3 runs of 10 on a 2-core machine
-(see vidstab/exit_fence.py). ``--fence`` registers the fence, as the guard and checkpoint manager do."""
+(see vidstab/run/exit_fence.py). ``--fence`` registers the fence, as the guard and checkpoint manager do."""
 
 import sys
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 if "--fence" in sys.argv:
-    from vidstab.exit_fence import register_exit_fence
+    from vidstab.run.exit_fence import register_exit_fence
 
     register_exit_fence()
 torch.set_grad_enabled(False)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from vidstab import signals
-from vidstab.exit_fence import register_exit_fence
+from vidstab.run.exit_fence import register_exit_fence
 from vidstab.guard.param_probe import ParamProbe
 
 

@@ -6,7 +6,7 @@ explicit form, cells one after another (the engines, forms, loops and state dige
 
 FSDP2 (and DDP) cells: at iteration 1 every rank's optimizer fails before touching anything; at iteration 3 rank
 1's fails half-way through its update. DeepSpeed cells: at iteration 1 every rank's optimizer fails inside the
-engine's step; vidstab stops the process there (:class:`vidstab.oom.OptimizerStateDiverged`); every rank failed
+engine's step; vidstab stops the process there (:class:`vidstab.recovery.oom.OptimizerStateDiverged`); every rank failed
 alike, so the script catches the stop and goes on with the next cell, except in the last cell, where the drill
 strikes rank 1 alone (``oom_in_step@1:1``) and nothing is caught: the launch must end, not hang.
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conformance_drill as drill  # noqa: E402
 
 from vidstab.faults import FaultInjector  # noqa: E402
-from vidstab.oom import OptimizerStateDiverged  # noqa: E402
+from vidstab.recovery.oom import OptimizerStateDiverged  # noqa: E402
 
 UNTOUCHED, PARTWAY, ITERATIONS = 1, 3, 6
 LAST_FAULT = "oom_in_step@1:1"

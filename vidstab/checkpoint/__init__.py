@@ -11,7 +11,7 @@ The package, one concern per file (see ``docs/ARCHITECTURE.md``):
 - :mod:`.layout` -- folder and file names, ``manifest.json``, the ``latest``/``last_good`` pointer files,
   listing, and verification of every file against the manifest (:func:`verify_checkpoint_files`).
 - :mod:`.writer` -- writing one checkpoint folder: files checksummed while written, manifest last, fsync,
-  atomic rename (:func:`vidstab.atomic.publish_folder`), pointers, rotation after the new one is complete.
+  atomic rename (:func:`vidstab.files.atomic.publish_folder`), pointers, rotation after the new one is complete.
 - :mod:`.reader` -- verifying a folder and handing the bytes to a backend to decode.
 - :mod:`.full_state` -- the full-state backend: one safetensors (+ JSON) file per registered object,
   RNG per rank (single process and DDP).

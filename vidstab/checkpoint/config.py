@@ -20,7 +20,8 @@ class CheckpointConfig:
     the abandoned one go first); the ones ``latest`` and ``last_good`` point to are kept in addition."""
     keep_for_incidents: int = 2
     """Also keep the checkpoints named by the incident bundles of the last this-many distinct checkpoints
-    (``vidstab/incidents``, newest step first), so a bundle still finds the weights it replays on; 0: none."""
+    (``OUTPUT_DIR/vidstab/incidents``, newest step first), so a bundle still finds the weights it replays on;
+    0: none."""
     async_save: bool = True
     """Copy state to host memory synchronously, write it in a background thread (the loop waits only for the copy)."""
     subdir: str = "vidstab/checkpoints"

@@ -5,7 +5,7 @@ state must be identical on every rank, or the ranks decide differently (one skip
 replicas diverge without an error). They all come from the files the main process wrote, but a rank on
 another node reads its own copy when folders are node-local (``ProjectConfiguration(save_on_each_node=True)``),
 and a stale or different copy there used to go unnoticed. After every load, each rank hashes each
-replicated object's state (sha256 of its pickle-free encoding, :mod:`vidstab.statedict_io`), the hashes
+replicated object's state (sha256 of its pickle-free encoding, :mod:`vidstab.files.statedict_io`), the hashes
 are compared across ranks, and a copy that differs from rank 0's is either replaced by rank 0's (its
 encoding broadcast as bytes: safetensors + JSON, never a pickle) or refused with an error naming the object
 and the ranks.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import statedict_io as sio
+from ..files import statedict_io as sio
 from .config import CheckpointError
 
 __all__ = ["encode_state", "decode_state", "ensure_identical"]

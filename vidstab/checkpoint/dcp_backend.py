@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import statedict_io as sio
+from ..files import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
 from .full_state import FullStateBackend
 from ..signals import local_tensor
@@ -75,7 +75,7 @@ def _inner_optimizer(obj: Any) -> torch.optim.Optimizer:
 def _streaming_writer(path: str, algo: str, fsync: bool):
     """A ``HuggingFaceStorageWriter`` (``save_distributed``: each rank writes its own shard file, same names,
     same safetensors header metadata, read back by ``HuggingFaceStorageReader``) whose :meth:`write_data`
-    streams each rank's tensors straight from memory into the file with :func:`vidstab.statedict_io.write_safetensors`:
+    streams each rank's tensors straight from memory into the file with :func:`vidstab.files.statedict_io.write_safetensors`:
     checksummed while written (in a second thread), writeback started every 16 MiB, not fsync'd (the
     manager fsyncs every file of the checkpoint in one concurrent batch).
 
@@ -286,7 +286,7 @@ class ShardedBackend(FullStateBackend):
     def _dcp_state(self, objects: dict[str, Any], through_dcp: set[str] = frozenset()) -> tuple[dict[str, dict], dict[str, dict]]:
         """``({object: {key: tensor/DTensor}}, {object: JSON structure})`` of what goes through DCP: models,
         optimizers (their non-tensor state as the structure) and any other object whose state holds
-        DTensors (an EMA of sharded weights: its tensors by the keys of :func:`vidstab.statedict_io.flatten`,
+        DTensors (an EMA of sharded weights: its tensors by the keys of :func:`vidstab.files.statedict_io.flatten`,
         the rest of its state as the structure; also one the checkpoint being loaded, ``through_dcp``, saved
         that way: an EMA saved sharded loads into plain tensors at world size 1)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

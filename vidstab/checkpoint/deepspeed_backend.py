@@ -2,7 +2,7 @@
 
 DeepSpeed's own checkpoints (``engine.save_checkpoint``, ``accelerator.save_state``) are pickles that need
 ``torch.load(weights_only=False)``. Here every rank writes what it owns, as plain tensors
-(:class:`vidstab.deepspeed_support.ZeroPartitions`); the module weights are rebuilt from them at load::
+(:class:`vidstab.engines.deepspeed_support.ZeroPartitions`); the module weights are rebuilt from them at load::
 
     model.json                    the engine's layout (ZeRO stage, world size, partition sizes; main process)
     model.safetensors             the module's full weights in their training dtype (main process; gathered at
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .. import statedict_io as sio
-from ..deepspeed_support import ZeroPartitions, engine_of
+from ..files import statedict_io as sio
+from ..engines.deepspeed_support import ZeroPartitions, engine_of
 from .config import CheckpointError
 from .dcp_backend import is_optimizer
 from .full_state import FullStateBackend

@@ -8,7 +8,7 @@
 Models are saved from ``accelerator.get_state_dict`` (the full, unsharded state dict, written by the main
 process) and loaded with ``strict=True`` into the unwrapped model (parameters that do not require grad are
 fingerprinted instead of saved, see :mod:`.frozen`); every other object goes through the
-pickle-free codec :mod:`vidstab.statedict_io`. This serves single-process and DDP runs; sharded (FSDP2)
+pickle-free codec :mod:`vidstab.files.statedict_io`. This serves single-process and DDP runs; sharded (FSDP2)
 models and their optimizers use the DCP backend instead.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import statedict_io as sio
+from ..files import statedict_io as sio
 from .config import CheckpointConfig, CheckpointError
 from .dtypes import check_like, log_casts, optimizer_expectation
 from .frozen import FROZEN_KEY, FingerprintCache, check_frozen, frozen_keys

@@ -29,7 +29,7 @@ sequence; its *trajectory* is its chain of parents, so after a rollback the aban
 steps of the old trajectory) are never fallbacks and are the first to be rotated away.
 
 A checkpoint knows its run and its step. The manifest records the ``run_id`` of the run that wrote it
-(:func:`vidstab.run_dir.run_id`) and, in ``steps``, the state files that carried the checkpoint's step when
+(:func:`vidstab.run.run_dir.run_id`) and, in ``steps``, the state files that carried the checkpoint's step when
 it was saved (``{"trainer.json": {"step": 12}, "vidstab.json": {"step_count": 12}}``). The folder name, the manifest's
 ``step`` and those files must agree, or the folder is *unverifiable* like one without a manifest: never
 loaded, rotated or replaced, and named when a resume finds nothing else. A checkpoint of another run (a
@@ -53,10 +53,10 @@ import stat
 import threading
 from typing import Any, Iterator
 
-from .. import statedict_io as sio
-from ..atomic import TMP_PREFIX, fsync_dir
-from ..limits import env_name, limits, loads_bounded
-from ..run_dir import RUN_ID_RE
+from ..files import statedict_io as sio
+from ..files.atomic import TMP_PREFIX, fsync_dir
+from ..files.limits import env_name, limits, loads_bounded
+from ..run.run_dir import RUN_ID_RE
 from .config import CheckpointError, CheckpointInfo
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",

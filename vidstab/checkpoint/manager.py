@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from .. import run_dir
-from .. import statedict_io as sio
-from ..atomic import fsync_paths
-from ..deepspeed_support import DeepSpeedUnsupported
+from ..run import run_dir
+from ..files import statedict_io as sio
+from ..files.atomic import fsync_paths
+from ..engines.deepspeed_support import DeepSpeedUnsupported
 from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
-from ..exit_fence import register_exit_fence
-from ..limits import read_json_file
+from ..run.exit_fence import register_exit_fence
+from ..files.limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
 from .consistency import ensure_identical
@@ -113,7 +113,7 @@ class CheckpointManager:
         """Dedicated gloo process group for the writer's collectives (None at world size 1): they run in a
         background thread while training uses the default group, and a dead peer errors within seconds."""
         self.run_id = self._agree_run_id()
-        """The run's identity (:func:`vidstab.run_dir.run_id`, rank 0's), recorded in every manifest; another
+        """The run's identity (:func:`vidstab.run.run_dir.run_id`, rank 0's), recorded in every manifest; another
         run's checkpoints are refused (``CheckpointConfig.allow_other_run``). None: the run folder holds none
         and cannot be given one (checkpoints are then not told apart by run)."""
         self._warned_unidentified = False
@@ -479,7 +479,7 @@ class CheckpointManager:
 
     def _incident_checkpoints(self) -> set[str]:
         """Folder names (in this root) of the checkpoints the newest incident bundles replay on."""
-        from ..capture import META_FILE, list_incidents  # capture imports this package: import late
+        from ..evidence.capture import META_FILE, list_incidents  # capture imports this package: import late
 
         names: list[str] = []
         for bundle in reversed(list_incidents(self.output_dir)):

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Callable
 
-from ..limits import env_name, limits
+from ..files.limits import env_name, limits
 from .config import CheckpointError
 from .layout import check_carried_steps, read_manifest, verify_file
 

@@ -6,7 +6,7 @@
 2. The main process learns every other rank's file digests (:mod:`.manager` owns how: the ranks' barrier),
    writes ``manifest.json`` last and the new ``latest`` (and, when healthy, ``last_good``) pointer contents to
    temp files, fsyncs its data files, the manifest, the pointer temp files and the folder in one concurrent
-   batch, renames the folder to ``step_{STEP:06d}`` (:func:`vidstab.atomic.publish_folder`), replaces the
+   batch, renames the folder to ``step_{STEP:06d}`` (:func:`vidstab.files.atomic.publish_folder`), replaces the
    pointers atomically, fsyncs ``vidstab/checkpoints/`` (:func:`publish`), and only then rotates old ones
    (:func:`rotate`).
 
@@ -28,9 +28,9 @@ from typing import Callable
 
 import torch
 
-from .. import statedict_io as sio
-from ..atomic import TMP_PREFIX, fsync_dir, fsync_paths, publish_folder
-from ..strict_json import dumps_strict
+from ..files import statedict_io as sio
+from ..files.atomic import TMP_PREFIX, fsync_dir, fsync_paths, publish_folder
+from ..files.strict_json import dumps_strict
 from .config import CheckpointError
 from .layout import (MANIFEST, OTHER_RUN_PREFIX, SCHEMA, UNVERIFIED_PREFIX, check_carried_steps, pointer_tmp, read_manifest, read_pointer,
                      replace_pointer, rotation_order, set_aside_name)

@@ -162,7 +162,7 @@ class StepStats:
     exception_ranks: list[int] = field(default_factory=list)
     """Ranks whose caller reported an exception for a micro-step (``guard.backward(error=...)``)."""
     oom_ranks: list[int] = field(default_factory=list)
-    """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.oom`)."""
+    """Ranks that ran out of memory in a micro-step's forward or backward (:mod:`vidstab.recovery.oom`)."""
     oom_micro_batch: int | None = None
     """The largest micro-batch (samples) that ran out of memory on any rank (``None``: no OOM)."""
     optimizer_oom: str | None = None
@@ -191,7 +191,7 @@ class StepStats:
     """The lowest rank with a non-finite loss or input or an exception this step (``None``: none)."""
     batch_fp: str | None = None
     """A fingerprint of the step's batch over every rank (the ranks' CRC-32s of their sample ids, summed; ``None``
-    when the loop gives no ids): a resume is checked against it (:mod:`vidstab.resume_check`)."""
+    when the loop gives no ids): a resume is checked against it (:mod:`vidstab.run.resume_check`)."""
     bucket: str = "default"
     """The step's shape bucket (``guard.backward(..., bucket=...)``, by default the shape of the first input with
     the most dimensions); ``"mixed"`` when its ranks or micro-steps were of different buckets."""

@@ -1,7 +1,7 @@
 """A rank ran out of memory in a micro-step's forward or backward -> SKIP on every rank (no rollback: the weights
 were not touched). After ``advise_after`` OOMs in one shape bucket the finding says which micro-batch to use.
 
-Inside ``optimizer.step()`` the judge is whether the update was applied (:class:`vidstab.oom.StepMarks`): a rank
+Inside ``optimizer.step()`` the judge is whether the update was applied (:class:`vidstab.recovery.oom.StepMarks`): a rank
 that failed before touching its weights and optimizer state skipped the step; when every rank did, the step was
 skipped everywhere alike and nothing more is needed. When a rank had updated part of its state, or some ranks
 applied the update and others did not, the ranks no longer agree: ROLLBACK at the next step, on every rank."""
@@ -15,7 +15,7 @@ from .base import Detector, DetectorConfig, Finding, StepStats, Verdict, check
 
 @dataclass
 class OOMConfig(DetectorConfig):
-    """Configuration of the ``oom`` detector (:mod:`vidstab.oom`)."""
+    """Configuration of the ``oom`` detector (:mod:`vidstab.recovery.oom`)."""
 
     action: str = "skip"
     """``warn | skip | rollback``. Skip: an OOM in the forward or backward leaves the weights as they were, so

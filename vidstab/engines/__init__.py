@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import signals
-from ..deepspeed_support import is_deepspeed
+from .deepspeed_support import is_deepspeed
 from .base import Engine
 from .fsdp import FSDPEngine
 from .zero import ZeroEngine

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import signals
-from ..oom import StepMarks, WriteOrder
+from ..recovery.oom import StepMarks, WriteOrder
 
 
 class Engine:

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO 1/2/3 (see the package): the guard steps the engine itself, checkpoints hold each rank's
-partitions. The engine internals it reads live in :mod:`vidstab.deepspeed_support` (tested versions only)."""
+partitions. The engine internals it reads live in :mod:`vidstab.engines.deepspeed_support` (tested versions only)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from .. import deepspeed_support
+from . import deepspeed_support
 from .base import Engine
 
 
 class ZeroEngine(Engine):
     """DeepSpeed ZeRO stage 1, 2 or 3 under Accelerate. Accelerate's ``accelerator.backward`` steps the engine
     itself, so the guard takes the backward without that step, reads the ZeRO optimizer's own pre-step norm, and
-    applies or skips through :class:`~vidstab.deepspeed_support.EngineStep` (skip: DeepSpeed's overflow path).
+    applies or skips through :class:`~vidstab.engines.deepspeed_support.EngineStep` (skip: DeepSpeed's overflow path).
     Norms and finiteness read only the real elements of each partition (ZeRO-3 leaves the padding unwritten)."""
 
     name = "deepspeed"
@@ -86,7 +86,7 @@ class ZeroEngine(Engine):
     def refuse_registered(self, name: str, obj: Any) -> None:
         """An EMA at ZeRO-3 holds one rank's partition of the weights; a registered object is kept once for all."""
         from ..checkpoint.config import CheckpointError
-        from ..script_state import is_ema
+        from ..recovery.script_state import is_ema
 
         super().refuse_registered(name, obj)
         plugin = getattr(getattr(self.accelerator, "state", None), "deepspeed_plugin", None)

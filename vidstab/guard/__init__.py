@@ -10,7 +10,7 @@
 ``result``             :class:`StepResult`
 =====================  ===================================================================================
 
-The LR multiplier the guard holds for recovery lives in :mod:`vidstab.lr`.
+The LR multiplier the guard holds for recovery lives in :mod:`vidstab.recovery.lr`.
 """
 
 from .core import GUARD_STATE_FILE, Guard, attach

@@ -11,7 +11,7 @@ the shape bucket as evidence. The guard is a small facade over parts that each o
 detectors                    the judges (:mod:`vidstab.detectors`), one instance per shape bucket where it matters
 :class:`OptimizerControl`    the only place the optimizer, the scheduler and the scaler are touched
 :class:`Reporter`            the event log, tracker metrics and incident bundles
-:class:`LRMultiplier`        the LR multiplier recovery backs off and restores (:mod:`vidstab.lr`)
+:class:`LRMultiplier`        the LR multiplier recovery backs off and restores (:mod:`vidstab.recovery.lr`)
 :class:`UserLoopPatches`     the patches on the user's own calls (``attach``)
 ===========================  ===================================================================================
 
@@ -33,20 +33,20 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import signals
-from ..atomic import write_json_atomic
+from ..files.atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import Detector, Finding, StepStats, Verdict
 from ..detectors.running import absorb, build_detectors, judge
 from ..detectors.windows import CountWindow
-from ..elastic import check_world_size
+from ..run.elastic import check_world_size
 from ..engines import engine_for
-from ..exit_fence import register_exit_fence
-from ..goodput import process_start_time
-from ..limits import read_json_file
-from ..lr import LRMultiplier
-from ..oom import is_oom, micro_batch_size, release
-from ..rerun import StepRerun
-from ..run_record import run_environment
+from ..run.exit_fence import register_exit_fence
+from ..run.goodput import process_start_time
+from ..files.limits import read_json_file
+from ..recovery.lr import LRMultiplier
+from ..recovery.oom import is_oom, micro_batch_size, release
+from ..recovery.rerun import StepRerun
+from ..run.run_record import run_environment
 from ..step_numbering import StepNumbering
 from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
@@ -92,7 +92,7 @@ class Guard:
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
         check_world_size(self.world_size)  # unjoined processes would write each other's rank-0 event log
-        register_exit_fence()  # a run with collectives must not abort at exit (vidstab/exit_fence.py); else a no-op
+        register_exit_fence()  # a run with collectives must not abort at exit (vidstab/run/exit_fence.py); else a no-op
         self.params = list(model.parameters())  # same objects as model.parameters(): Accelerate's FSDP path compares
         self.engine = engine_for(accelerator, model, self.params)
         """What differs between DDP, FSDP2 and DeepSpeed (:mod:`vidstab.engines`): backward, norm, apply, skip."""
@@ -111,7 +111,7 @@ class Guard:
                                quarantine=self.config.quarantine_bad_samples)
         self.patches = UserLoopPatches(self)
         self._stop_requested = False
-        self._oom_in_step = 0  # this step's optimizer ran out of memory: 1 untouched, 2 touched (vidstab.oom)
+        self._oom_in_step = 0  # this step's optimizer ran out of memory: 1 untouched, 2 touched (vidstab.recovery.oom)
         self._clip_flags = CountWindow(self.config.clip_rate.window)  # clipped or not, last applied steps
         self.last_result: StepResult | None = None
         """The result of the last optimizer step (the unmodified loop's way to read it)."""
@@ -127,9 +127,9 @@ class Guard:
             self._hook_handles.append(accelerator.register_save_state_pre_hook(self._save_state_hook))
             self._hook_handles.append(accelerator.register_load_state_pre_hook(self._load_state_hook))
         self.auto_rollback = None
-        """:class:`vidstab.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
+        """:class:`vidstab.recovery.auto_rollback.AutoRollback` when attached with ``rollback_every``: after each step."""
         self.rollback_not_kept = None
-        """:class:`vidstab.auto_rollback.RollbackNotKept` when attached without ``rollback_every``: after each step."""
+        """:class:`vidstab.recovery.auto_rollback.RollbackNotKept` when attached without ``rollback_every``: after each step."""
         self.console = None
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.numbering = StepNumbering()
@@ -297,7 +297,7 @@ class Guard:
         measure = self.control.measures(step) and stats.verdict < Verdict.ROLLBACK
         if skipped:
             self.control.skip(measure)
-            self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.lr)
+            self.lr.restore_schedule()  # the held scheduler would leave a bad LR in param_groups (vidstab.recovery.lr)
         else:
             stats.applied = self.control.apply(measure, step_scheduler)
             skipped = self.control.step_oom is not None and self._optimizer_oom(stats)
@@ -372,7 +372,7 @@ class Guard:
     def global_step(self, value: int) -> None:
         self.step_count = int(value)
 
-    # ------------------------------------------------------------------ learning rate (vidstab.lr)
+    # ------------------------------------------------------------------ learning rate (vidstab.recovery.lr)
     @property
     def lr_multiplier(self) -> float:
         """The persistent LR multiplier (recovery's back-off) over the base LRs seen at attach."""
@@ -503,8 +503,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     travels with ``accelerator.save_state``/``load_state`` as ``vidstab_guard.json``.
 
     ``rollback_every=N``: also roll back automatically, in place, inside the loop's own ``optimizer.step()``,
-    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.auto_rollback`);
-    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
+    to vidstab's own rollback checkpoints saved every ``N`` optimizer steps (:mod:`vidstab.recovery.auto_rollback`);
+    ``rollback_every="auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.run.checkpoint_interval`).
     ``recovery``: its retry budget, LR back-off and ``reset`` of the state carried over from an earlier launch
     (:class:`~vidstab.RecoveryConfig`; with ``rollback_every`` only). ``rollback_memory_budget_bytes``: the host
     memory per process for the copy of the newest healthy rollback checkpoint that in-place rollbacks restore from
@@ -527,22 +527,22 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, lr_schedule
     guard.console = StepConsole(guard)
     rep = guard.reporter
     if rep.model_spec is None and guard.config.capture_incidents:  # a diffusers model: replay needs no user code
-        from ..replay_record import OutputGradients, model_spec_of
+        from ..evidence.replay_record import OutputGradients, model_spec_of
 
         rep.model_spec = model_spec_of(accelerator.unwrap_model(model))
         if rep.model_spec is not None:
             rep.output_gradients = OutputGradients(model, accelerator, guard.patches.named_inputs)
     guard.rerun.attached(rep.output_gradients, guard.patches.forward_names)  # re-runs with no replay function
     if rollback_every:
-        from ..auto_rollback import AutoRollback
+        from ..recovery.auto_rollback import AutoRollback
 
         guard.auto_rollback = AutoRollback(guard, rollback_every, recovery=recovery,
                                            memory_budget_bytes=rollback_memory_budget_bytes)
-    from ..script_state import hold_emas
+    from ..recovery.script_state import hold_emas
 
     emas = hold_emas(guard)  # the script's EMAs vidstab can see take no skipped step
     if not rollback_every:
-        from ..auto_rollback import RollbackNotKept
+        from ..recovery.auto_rollback import RollbackNotKept
 
         guard.rollback_not_kept = RollbackNotKept(guard, emas)
     return guard

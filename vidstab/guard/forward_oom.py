@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch.utils import _pytree
 
-from ..oom import is_oom, micro_batch_size, release
+from ..recovery.oom import is_oom, micro_batch_size, release
 
 if TYPE_CHECKING:
     from .core import Guard

@@ -15,7 +15,7 @@ changing a batch the loop sees:
 
 Refused with a message: an iterable data set (no indices), a loader that dispatches batches from rank 0, a loader
 that may reorder batches. A worker killed by a signal (the kernel's OOM killer) is logged as a
-``dataloader_worker_killed`` event with the memory history (:mod:`vidstab.host_memory`). A loader rebuilt from this one (``accelerator.skip_first_batches``) is not tracked:
+``dataloader_worker_killed`` event with the memory history (:mod:`vidstab.run.host_memory`). A loader rebuilt from this one (``accelerator.skip_first_batches``) is not tracked:
 skip batches by iterating (``continue``), as diffusers' scripts do.
 """
 
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from ..host_memory import ChildrenMemory, record_worker_killed
-from ..quarantine import QuarantinedDataset
+from ..run.host_memory import ChildrenMemory, record_worker_killed
+from ..recovery.quarantine import QuarantinedDataset
 
 if TYPE_CHECKING:
     from .core import Guard
@@ -75,7 +75,7 @@ class TrackedLoader:
             sampler.__class__ = _recording(type(sampler))  # still the user's class for isinstance and accelerate
         self.drawn: deque = sampler._vidstab_drawn
         self.workers = ChildrenMemory()
-        """The workers' resident memory, read every few batches (:mod:`vidstab.host_memory`)."""
+        """The workers' resident memory, read every few batches (:mod:`vidstab.run.host_memory`)."""
 
     def __iter__(self) -> Iterator[Any]:
         self.drawn.clear()  # what an earlier epoch drew and the loop never took

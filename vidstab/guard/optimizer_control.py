@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..engines import Engine
-from ..oom import WriteOrder, is_oom, release
+from ..recovery.oom import WriteOrder, is_oom, release
 from .param_probe import ParamProbe
 
 
@@ -36,7 +36,7 @@ class OptimizerControl:
         """Which tensors the optimizer's step writes first: what the marks of an OOM inside it read."""
         self.step_oom: tuple[BaseException, bool] | None = None
         """The last ``apply`` ran out of memory inside the optimizer step: the error and whether the step had
-        touched a weight or the optimizer's state (:class:`vidstab.oom.StepMarks`); the guard takes it."""
+        touched a weight or the optimizer's state (:class:`vidstab.recovery.oom.StepMarks`); the guard takes it."""
         self.scheduler_held = False
         """A step was skipped: the user's next ``lr_scheduler.step()`` does nothing."""
         self.param_sums: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)

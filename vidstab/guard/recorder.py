@@ -12,7 +12,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from .. import signals
-from ..resume_check import batch_crc, host_ids
+from ..run.resume_check import batch_crc, host_ids
 
 
 class MicroBatch(NamedTuple):

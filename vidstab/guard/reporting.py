@@ -1,6 +1,6 @@
 """Reporting a judged step, after the optimizer step is enqueued: metrics lines, events, tracker logging, and on
-the offending ranks incident bundles (:mod:`vidstab.capture`) with the non-finite module localised
-(:mod:`vidstab.localize`). Evidence never decides anything: the verdict was taken before, the same on every rank.
+the offending ranks incident bundles (:mod:`vidstab.evidence.capture`) with the non-finite module localised
+(:mod:`vidstab.evidence.localize`). Evidence never decides anything: the verdict was taken before, the same on every rank.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import capture
+from ..evidence import capture
 from ..detectors import StepStats, Verdict
 from ..detectors.running import published
 from ..events import EventLog, log_to_trackers
-from ..localize import locate_nonfinite
-from ..host_memory import HostMemoryWatch, climb_line, resident_mib
-from ..quarantine import quarantine_bundle_dir
-from ..replay_record import OUTPUT_GRAD_KEY
+from ..evidence.localize import locate_nonfinite
+from ..run.host_memory import HostMemoryWatch, climb_line, resident_mib
+from ..recovery.quarantine import quarantine_bundle_dir
+from ..evidence.replay_record import OUTPUT_GRAD_KEY
 from ..signals import Layout, Window
 from .recorder import MicroBatch
 from .result import StepResult
@@ -44,9 +44,9 @@ class Reporter:
         self.localized = False
         self.replay_fn: Callable[[dict], torch.Tensor] | None = None
         self.output_gradients = None
-        """:class:`vidstab.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
+        """:class:`vidstab.evidence.replay_record.OutputGradients` when the model spec was recorded at attach (diffusers)."""
         self.host_memory = HostMemoryWatch()
-        """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.host_memory`)."""
+        """This rank's resident-memory readings and the warning of a steady climb (:mod:`vidstab.run.host_memory`)."""
 
     def tracked(self, step: int) -> bool:
         """Whether this step's metrics go to the accelerator's trackers (``log_with``, every ``log_every``)."""
@@ -140,7 +140,7 @@ class Reporter:
                 rel = str(path)
             self.events.log("incident", s.step, path=rel, sample_ids=id_list, detector=finding.detector, micro_step=i)
             added = quarantine_bundle_dir(self.run_dir, path) if self.config.quarantine_bad_samples else []
-            if added:  # vidstab/quarantine.py: later epochs and resumes skip them
+            if added:  # vidstab/recovery/quarantine.py: later epochs and resumes skip them
                 self.events.log("quarantine", s.step, sample_ids=added, bundle=rel, source="capture")
         return paths
 

@@ -44,4 +44,4 @@ class StepResult:
     incidents: list[Path] = field(default_factory=list)
     """All incident bundles written by this rank for this step."""
     rerun: "object | None" = None
-    """What re-running a skipped step on the same weights found (:class:`vidstab.rerun.RerunVerdict`), else None."""
+    """What re-running a skipped step on the same weights found (:class:`vidstab.recovery.rerun.RerunVerdict`), else None."""

@@ -39,7 +39,7 @@ def build_stats(
     rank's name for the window's shape bucket (the summary says whether every rank had it). ``sharded``: FSDP,
     parameter sums of squares add up over ranks. ``scale_known``: a GradScaler scale is in the vectors.
     ``has_scaler``: a non-finite norm with finite losses and inputs is an fp16 overflow. The LR figures are the
-    largest any rank had (:class:`vidstab.lr.LRMultiplier` gives each rank's)."""
+    largest any rank had (:class:`vidstab.recovery.lr.LRMultiplier` gives each rank's)."""
     L, x = layout, summary
     norm_known = x[L.norm_known] > 0
     grad_norm = math.nan if x[L.norm_nan] or not norm_known else math.inf if x[L.norm_nonfinite] else x[L.grad_norm]

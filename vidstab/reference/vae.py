@@ -39,8 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from vidstab.atomic import atomic_folder
-from vidstab.limits import read_json_file
+from vidstab.files.atomic import atomic_folder
+from vidstab.files.limits import read_json_file
 from vidstab.reference.data import BadSampleError, collate_videos, validate_video
 
 __all__ = [

@@ -200,8 +200,8 @@ def _replay(argv: list[str]) -> int:
 
 def _read_incidents(run_dir: Path) -> list[dict]:
     """Incident metadata of a run (the batch tensors are not needed to list incidents)."""
-    from ..capture import list_incidents
-    from ..limits import read_json_file
+    from ..evidence.capture import list_incidents
+    from ..files.limits import read_json_file
 
     out = []
     for folder in list_incidents(run_dir):
@@ -246,7 +246,7 @@ def _incidents(args: argparse.Namespace) -> int:
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    from ..quarantine import QuarantineList
+    from ..recovery.quarantine import QuarantineList
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -318,8 +318,8 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from ..checkpoint_interval import recommend
-    from ..goodput import format_table, ledger
+    from ..run.checkpoint_interval import recommend
+    from ..run.goodput import format_table, ledger
     from .terminal import printable
 
     if not args.expected_mtbf_hours > 0:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...strict_json import dumps_strict
+from ...files.strict_json import dumps_strict
 
 SEVERITIES = ("info", "warn", "block")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...oom import is_oom, release
+from ...recovery.oom import is_oom, release
 from .findings import finding
 
 LOW_HEADROOM = 0.1
@@ -134,7 +134,7 @@ def audit_model_memory(model: torch.nn.Module, buckets: Mapping[str, Any],
     inputs at its largest micro-batch (a tuple of positional or a mapping of keyword arguments); the loss is the
     mean square of the first output tensor and the optimizer AdamW (its state is most of a step's extra memory).
     ``before_forward(samples)``: a drill's hook (``oom_batch_above``)."""
-    from ...oom import micro_batch_size
+    from ...recovery.oom import micro_batch_size
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...limits import loads_bounded, read_json_file
+from ...files.limits import loads_bounded, read_json_file
 from .data import audit_tensors
 from .findings import _IDS_IN_MESSAGE, finding
 

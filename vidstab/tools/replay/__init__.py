@@ -10,7 +10,7 @@ field guides give -- cheapest to fix and most common first:
 2. **Precision and LR**: does the step fail only under the run's fp16/bf16 autocast, and does one
    optimizer update at the run's LR (but not at a tenth of it) blow the loss up?
 3. **Structure**: which module first produced a non-finite output from finite inputs, or first
-   produced a non-finite gradient (:mod:`vidstab.localize`).
+   produced a non-finite gradient (:mod:`vidstab.evidence.localize`).
 
 and writes a one-paragraph verdict, a table, and ``replay_report.json`` beside the bundle.
 

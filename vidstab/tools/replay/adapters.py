@@ -1,4 +1,4 @@
-"""Rebuilding a diffusers model with PEFT adapters from a bundle's ``model.peft`` record (:mod:`vidstab.adapter_record`).
+"""Rebuilding a diffusers model with PEFT adapters from a bundle's ``model.peft`` record (:mod:`vidstab.evidence.adapter_record`).
 
 The base comes back as the run had it: ``from_pretrained`` on the recorded path (or hub id, local cache
 only), safetensors files only, after its ``config.json`` is checked against the recorded config (so the
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...limits import read_json_file
-from ...replay_record import plain_json
+from ...files.limits import read_json_file
+from ...evidence.replay_record import plain_json
 from .base import ReplayError
 
 #: ``init_lora_weights`` values rebuilt: the plain initialisations, none of which reads the base or data.

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from ...atomic import write_json_atomic
-from ...capture import read_incident
+from ...files.atomic import write_json_atomic
+from ...evidence.capture import read_incident
 from .base import ABSMAX_LIMIT, REPORT_FILE, ReplayError
 from ..trusted_import import trusted
-from ...quarantine import QuarantineList
+from ...recovery.quarantine import QuarantineList
 from .rebuild import MAX_PARAMS, _load_weights, _resolve_checkpoint, build_model, import_object
 from .report import ReplayReport
 from .runner import _Replayer
@@ -70,7 +70,7 @@ def replay(
         trust: modules (``"my_project"`` trusts it and its submodules) or ``"module:attr"`` objects the
             bundle may name besides vidstab's own (:mod:`vidstab.tools.trusted_import`); anything else is
             refused with :class:`UntrustedCodeError` before it is imported.
-        max_params: the most parameters the rebuilt model may have (default ``vidstab.limits.Limits.params``,
+        max_params: the most parameters the rebuilt model may have (default ``vidstab.files.limits.Limits.params``,
             ``VIDSTAB_MAX_PARAMS``); a larger one is refused before its weights are allocated.
 
     Raises:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ...capture import IncidentError, list_incidents
+from ...evidence.capture import IncidentError, list_incidents
 from ..terminal import printable
 from .api import replay
 from .base import ABSMAX_LIMIT, EXIT_CANNOT_REPLAY, EXIT_OK, REPORT_FILE, ReplayError

@@ -20,9 +20,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ...capture import json_float
+from ...evidence.capture import json_float
 from ...events import events_dir, iter_event_file
-from ...limits import read_json_file
+from ...files.limits import read_json_file
 
 #: An LR more than this many times every LR the checkpoint's schedule and optimizer hold is an outlier.
 LR_OUTLIER_FACTOR = 10.0

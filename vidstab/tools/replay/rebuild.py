@@ -14,12 +14,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ...capture import Incident, weights_entry
+from ...evidence.capture import Incident, weights_entry
 from ...checkpoint import CheckpointError, verify_checkpoint_files
 from ...checkpoint.dcp_backend import DCP_DIR, SHARDED_INDEX
 from ...checkpoint.frozen import FROZEN_KEY, fingerprint, read_header_metadata
 from ...checkpoint.layout import read_manifest
-from ...limits import env_name, limits, read_json_file
+from ...files.limits import env_name, limits, read_json_file
 from ..trusted_import import ImportPathError, UntrustedImportError, resolve
 from .base import ReplayError, UntrustedCodeError
 
@@ -74,7 +74,7 @@ def build_model(spec: dict | None) -> nn.Module:
     """Rebuild a model from a bundle's ``model`` spec (``class`` + ``config`` or ``factory`` + ``kwargs``).
 
     Only trusted code is imported (see :func:`import_object`); an untrusted name raises before anything runs.
-    A model with more parameters than the cap (``MAX_PARAMS``, else ``vidstab.limits.Limits.params``) is
+    A model with more parameters than the cap (``MAX_PARAMS``, else ``vidstab.files.limits.Limits.params``) is
     refused before its weights are allocated.
     """
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ...strict_json import to_json_safe
+from ...files.strict_json import to_json_safe
 from ..terminal import printable
 
 
@@ -71,7 +71,7 @@ class ReplayReport:
     runs: list[RunResult] = field(default_factory=list)
     """Every run made, in order."""
     localization: dict | None = None
-    """:func:`vidstab.localize.locate_nonfinite` on the failing run, else ``None``."""
+    """:func:`vidstab.evidence.localize.locate_nonfinite` on the failing run, else ``None``."""
     data: dict = field(default_factory=dict)
     """Triage step 1: input statistics, leave-one-out, culprits, ``implicated``."""
     precision: dict = field(default_factory=dict)
@@ -88,7 +88,7 @@ class ReplayReport:
     """Where the JSON report was written."""
 
     def to_dict(self) -> dict:
-        """The JSON report (strict JSON after :func:`vidstab.capture.to_json_safe`)."""
+        """The JSON report (strict JSON after :func:`vidstab.evidence.capture.to_json_safe`)."""
         d = asdict(self)
         d["runs"] = [dict(asdict(r), finite=r.finite) for r in self.runs]
         return to_json_safe(d)

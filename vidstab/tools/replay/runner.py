@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ...localize import locate_nonfinite
+from ...evidence.localize import locate_nonfinite
 from .base import ReplayError
 from .report import RunResult, _fmt
 

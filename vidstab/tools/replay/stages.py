@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...capture import Incident, json_float, sample_report
+from ...evidence.capture import Incident, json_float, sample_report
 from .base import JUMP_FACTOR, LOO_INFLUENCE, SPIKE_TOLERANCE, _rel
 from .lr_evidence import lr_evidence
 from .report import ReplayReport, RunResult

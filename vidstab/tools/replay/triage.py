@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ...capture import Incident, json_float
+from ...evidence.capture import Incident, json_float
 from .base import SPIKE_TOLERANCE, ReplayError, _rel
 from .report import ReplayReport, RunResult, _fmt
 from .runner import _bits_equal, _dtype_name, _precision_dtype, _Replayer

@@ -1,4 +1,4 @@
-"""The report's Goodput section: the ledger (:mod:`vidstab.goodput`) as a stacked bar over time, one segment
+"""The report's Goodput section: the ledger (:mod:`vidstab.run.goodput`) as a stacked bar over time, one segment
 per attempt, and a table of seconds per bucket. Plain HTML and CSS: no figure to draw."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from ...goodput import BUCKETS, ledger
+from ...run.goodput import BUCKETS, ledger
 from .markup import _nodata
 
 COLOURS = {"productive": "#2e8b57", "skipped": "#e6a23c", "rework": "#d9534f", "triage": "#b07cc6",

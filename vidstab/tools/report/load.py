@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ...events import iter_event_file
-from ...limits import read_json_file
-from ...strict_json import json_float
+from ...files.limits import read_json_file
+from ...files.strict_json import json_float
 
 
 # An events-rank{R}.jsonl file is named by its rank.
@@ -36,7 +36,7 @@ class RankMetrics:
     """Field -> float values (``nan`` when absent, null or non-finite: the plots leave a gap)."""
     nonfinite: dict[str, np.ndarray]
     """Field -> True where the logged value is a non-finite number: ``"nan"``/``"inf"``/``"-inf"``
-    (:mod:`vidstab.strict_json`), or ``null`` -- how logs written before that convention spelled it."""
+    (:mod:`vidstab.files.strict_json`), or ``null`` -- how logs written before that convention spelled it."""
     loss_by_t: np.ndarray
     """``[records, buckets]`` bucket losses (``nan`` for an empty bucket or a record without them)."""
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...atomic import write_atomic
+from ...files.atomic import write_atomic
 from .figures import (_clip_section, _grad_section, _inputs_section, _loss_scale_section, _loss_section,
                       _lr_section, _timestep_section)
 from .goodput import _goodput_section

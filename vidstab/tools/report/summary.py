@@ -14,7 +14,7 @@ from .series import _merge, _nonfinite_loss_steps
 
 
 def _restarts_text(log: RunLog) -> str:
-    """Torch-elastic restarts of the job (vidstab.elastic): how many, and the cause and resume step of each."""
+    """Torch-elastic restarts of the job (vidstab.run.elastic): how many, and the cause and resume step of each."""
     seen = {}
     for e in log.events:
         if e.get("kind") == "restart":

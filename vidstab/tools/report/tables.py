@@ -137,8 +137,8 @@ def _incidents_section(log: RunLog, out_dir: Path) -> str:
 
 
 def _quarantine_section(log: RunLog) -> str:
-    """The run's quarantine list (:mod:`vidstab.quarantine`): samples kept out of later epochs and resumes."""
-    from ...quarantine import QuarantineError, QuarantineList
+    """The run's quarantine list (:mod:`vidstab.recovery.quarantine`): samples kept out of later epochs and resumes."""
+    from ...recovery.quarantine import QuarantineError, QuarantineList
 
     qlist = QuarantineList(log.run_dir)
     try:

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .checkpoint_interval import recommend
-from .events import events_dir, flush_open_logs, iter_event_file, log_to_trackers
-from .limits import limits, loads_bounded
+from ..events import events_dir, flush_open_logs, iter_event_file, log_to_trackers
+from ..files.limits import limits, loads_bounded
 
 BUCKETS = ("productive", "skipped", "rework", "triage", "checkpoint", "rollback", "restart", "hang", "startup",
            "data", "validation", "other")
@@ -256,7 +256,7 @@ def ledger(run_dir: str | Path, notes: list[str] | None = None) -> dict:
 
 def format_table(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> str:
     """The ledger as a plain-text table: one row per bucket, seconds and share of the wall time, per attempt;
-    then the checkpoint interval its measurements call for (:mod:`vidstab.checkpoint_interval`)."""
+    then the checkpoint interval its measurements call for (:mod:`vidstab.run.checkpoint_interval`)."""
     attempts = led["attempts"]
     wall = led["wall_seconds"] or 1.0
     head = f"{'bucket':<12}{'seconds':>10}{'share':>8}" + "".join(f"{'attempt ' + str(a['attempt']):>12}"
@@ -287,7 +287,7 @@ def format_table(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> s
 
 def summary_fields(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict:
     """The fields of a ``goodput`` event: the ETTR, the wall time, each bucket's seconds (rounded) and the
-    checkpoint interval the measurements call for (``interval``: :func:`vidstab.checkpoint_interval.recommend`)."""
+    checkpoint interval the measurements call for (``interval``: :func:`vidstab.run.checkpoint_interval.recommend`)."""
     advice = recommend(led, expected_mtbf_hours)
     if advice is not None:
         advice = {k: round(v, 4) if isinstance(v, float) else v for k, v in advice.items()}

@@ -7,7 +7,7 @@ gathered numbers everywhere, so the ranks stay in lockstep):
 
 1. re-runs each of the rank's micro-batches forward and backward through the replay function
    (``guard.set_replay_fn``; for a diffusers model given to ``vidstab.attach``, none needed: the model's
-   recorded inputs forward and its recorded output gradient backward, :mod:`vidstab.replay_record`) on the
+   recorded inputs forward and its recorded output gradient backward, :mod:`vidstab.evidence.replay_record`) on the
    unchanged weights, and averages the gradients over the ranks as the step
    did (DDP: one all-reduce of the gradients; FSDP2: the sharded module's own reduce-scatter);
 2. gathers one small row per rank (non-finite losses, finite loss sum and count, exceptions, local gradient
@@ -19,10 +19,10 @@ gathered numbers everywhere, so the ranks stay in lockstep):
 The verdict (``RerunVerdict``, in the ``rerun`` event, the step's incident bundles and ``StepResult.rerun``):
 
 * ``data`` / ``numerics``: reproduced, by the peer too. ``data`` when the inputs hold non-finite values or a
-  sample stands out (:func:`vidstab.capture.sample_report`, as ``vidstab replay`` triages): the samples are
-  named and quarantined (:mod:`vidstab.quarantine`); ``numerics`` when the inputs are clean.
+  sample stands out (:func:`vidstab.evidence.capture.sample_report`, as ``vidstab replay`` triages): the samples are
+  named and quarantined (:mod:`vidstab.recovery.quarantine`); ``numerics`` when the inputs are clean.
 * ``transient``: the rerun does not reproduce it (a bit flip, a flaky kernel, a one-off exception): counted
-  per rank; :class:`vidstab.recovery.Recovery` never lowers the LR nor spends the retry budget for it.
+  per rank; :class:`vidstab.recovery.policy.Recovery` never lowers the LR nor spends the retry budget for it.
 * ``suspect_hardware``: reproduced on the original rank and not by the peer on the same batch and weights:
   a ``warn`` event (``detector="suspect_hardware"``) from that rank names it and its host, and the host is
   appended to ``vidstab/suspect_hosts.txt`` so the next elastic restart can leave it out (docs/runbook.md, "Rerun
@@ -53,14 +53,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .capture import sample_report, update_incident
-from .detectors import StepStats, Verdict
+from ..evidence.capture import sample_report, update_incident
+from ..detectors import StepStats, Verdict
 from .quarantine import QuarantineList
-from .replay_record import OUTPUT_GRAD_KEY, OutputGradients, output_grad_loss
+from ..evidence.replay_record import OUTPUT_GRAD_KEY, OutputGradients, output_grad_loss
 
 __all__ = ["RERUN_DETECTORS", "RerunVerdict", "StepRerun", "SUSPECT_HOSTS_FILE"]
 
-logger = logging.getLogger("vidstab.rerun")
+logger = logging.getLogger("vidstab.recovery.rerun")
 
 RERUN_DETECTORS = frozenset({"nonfinite", "grad_spike", "loss_spike", "exception"})
 """Findings whose skip (or rollback) is re-run: a value the data, the numerics or the hardware can explain."""

@@ -26,7 +26,7 @@ thread's Python stack from :mod:`faulthandler`), logs a ``hang`` event, and ends
 ``os._exit(exit_code)`` -- ``75``, ``EX_TEMPFAIL`` of BSD ``sysexits.h`` ("temporary failure; the user is
 invited to retry"). Torch elastic (``accelerate launch --max_restarts N`` / ``torchrun --max_restarts N``)
 restarts the whole worker group on any non-zero worker exit, and the trainer then resumes from the latest
-checkpoint (:mod:`vidstab.elastic`). ``os._exit`` and not an exception: a hung main thread never reaches
+checkpoint (:mod:`vidstab.run.elastic`). ``os._exit`` and not an exception: a hung main thread never reaches
 the code that would handle one.
 """
 
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .events import events_dir, log_event
+from ..events import events_dir, log_event
 
 __all__ = ["WATCHDOG_EXIT_CODE", "PHASES", "WatchdogConfig", "Watchdog"]
 
-logger = logging.getLogger("vidstab.watchdog")
+logger = logging.getLogger("vidstab.run.watchdog")
 
 WATCHDOG_EXIT_CODE = 75
 """Exit status of a rank ended by the watchdog: ``EX_TEMPFAIL`` (``sysexits.h``). Any non-zero worker exit makes

@@ -74,7 +74,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, fsync: bool = True)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> Path:
-    """:func:`write_atomic` of strict JSON: :func:`vidstab.strict_json.dumps_strict` (``obj``, indent=1,
+    """:func:`write_atomic` of strict JSON: :func:`vidstab.files.strict_json.dumps_strict` (``obj``, indent=1,
     ``**dumps_kwargs``), so a non-finite number is written as ``"nan"``/``"inf"``/``"-inf"``."""
     dumps_kwargs.setdefault("indent", 1)
     return write_atomic(path, dumps_strict(obj, **dumps_kwargs) + "\n")

@@ -18,7 +18,7 @@ in the same rank's event log, and names what changed in a ``warn`` event
 * **optimizer/scheduler state**, the update: the first step matched but a later one did not: the first
   update differed (the optimizer's moments or step count were not restored).
 
-An exact resume is quiet. :class:`vidstab.recovery.Recovery` runs the check: ``resume()`` and a rollback that
+An exact resume is quiet. :class:`vidstab.recovery.policy.Recovery` runs the check: ``resume()`` and a rollback that
 rewinds the data start it, ``check_resume(step)`` starts it after a load the loop made itself, and
 ``on_step`` compares once the replay has logged ``steps`` steps. A rollback that skips the data (the
 default) compares the world size and the LR only: its batches differ on purpose.
@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .events import events_dir, flush_open_logs, iter_event_file, log_event
-from .strict_json import json_float
+from ..events import events_dir, flush_open_logs, iter_event_file, log_event
+from ..files.strict_json import json_float
 
 __all__ = ["batch_crc", "batch_fingerprint", "host_ids", "ResumeCheck", "compare_replay"]
 
-logger = logging.getLogger("vidstab.resume_check")
+logger = logging.getLogger("vidstab.run.resume_check")
 
 
 def host_ids(sample_ids: Any) -> Any:
@@ -187,7 +187,7 @@ class ResumeCheck:
         original: dict[int, tuple[dict, int | None]] = {}
         replayed: dict[int, dict] = {}
         world = None
-        # Bounded reads (vidstab.limits), one line at a time: the log may be long, and a line in it hostile.
+        # Bounded reads (vidstab.files.limits), one line at a time: the log may be long, and a line in it hostile.
         for rec in iter_event_file(self.path, end=offset):
             if rec.get("kind") == "start":
                 world = rec.get("world_size", world)

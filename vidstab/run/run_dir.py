@@ -44,13 +44,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .atomic import write_json_atomic
+from ..files.atomic import write_json_atomic
 from .elastic import LaunchInfo, check_world_size
 
 __all__ = ["RunDirError", "RunDirInUse", "RunDirNotEmpty", "RunDirNotWritable", "RunDirLock", "claim_run_dir", "run_id",
            "RUN_ID_FILE", "RUN_ID_RE", "LOCK_FILE", "PREVIOUS_RUNS"]
 
-logger = logging.getLogger("vidstab.run_dir")
+logger = logging.getLogger("vidstab.run.run_dir")
 
 LOCK_FILE = ".vidstab.lock"
 PREVIOUS_RUNS = "previous-runs"
@@ -120,7 +120,7 @@ def earlier_run(output_dir: str | os.PathLike, checkpoint_subdir: str | None = N
     """What in ``output_dir`` belongs to an earlier vidstab run: its ``vidstab/`` folder (event logs,
     incidents, recovery state) and its checkpoint folder, where they hold anything. Empty for a fresh folder."""
     if checkpoint_subdir is None:
-        from .checkpoint import CheckpointConfig
+        from ..checkpoint import CheckpointConfig
 
         checkpoint_subdir = CheckpointConfig().subdir
     found = []
@@ -151,7 +151,7 @@ def claim_run_dir(accelerator: Any, output_dir: str | os.PathLike, *, resume: An
         RunDirInUse: another live trainer holds the folder (the message names its host and pid).
         RunDirNotEmpty: an earlier run is there and the launch neither resumes nor overwrites it.
         RunDirNotWritable: the folder cannot be written (nothing in it was changed).
-        vidstab.elastic.LaunchMismatch: the launcher started more processes than the Accelerator joined.
+        vidstab.run.elastic.LaunchMismatch: the launcher started more processes than the Accelerator joined.
     """
     if accelerator is not None:
         check_world_size(accelerator.num_processes)  # a launch that did not join: say so, not "folder in use"
@@ -272,7 +272,7 @@ def _read_run_id(path: str) -> str | None:
 
 
 def _adopted_run_id(output_dir: str, checkpoint_subdir: str | None) -> str | None:
-    from .checkpoint import CheckpointConfig, layout  # the checkpoint package imports this module: import late
+    from ..checkpoint import CheckpointConfig, layout  # the checkpoint package imports this module: import late
 
     root = os.path.join(output_dir, checkpoint_subdir or CheckpointConfig().subdir)
     ids = {i.manifest.get("run_id") for i in layout.list_checkpoints(root)} - {None}

@@ -51,7 +51,7 @@ def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict
 class AutoInterval:
     """``--checkpointing_steps auto``: the steps between saves, re-chosen from the run's ledger after every save.
 
-    The main process reads the ledger (``goodput``: a :class:`vidstab.goodput.GoodputLog`, incremental) and every
+    The main process reads the ledger (``goodput``: a :class:`vidstab.run.goodput.GoodputLog`, incremental) and every
     rank takes its answer (``share``: a function sending rank 0's integer to every rank, since a save is
     collective); the interval stays within ``[floor, ceiling]`` steps and every change is logged as a
     ``checkpoint_interval`` event with its inputs and the formula's value.

@@ -20,14 +20,14 @@ import logging
 import sys
 from typing import Any
 
-from .checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
-from .checkpoint.full_state import rng_state, set_rng_state
-from .checkpoint_interval import auto_interval
+from ..checkpoint import CheckpointConfig, CheckpointError, CheckpointManager
+from ..checkpoint.full_state import rng_state, set_rng_state
+from ..run.checkpoint_interval import auto_interval
 from .lr import torch_scheduler
 from .oom import OptimizerStateDiverged
-from .recovery import Recovery, RecoveryConfig, RunAborted
+from .policy import Recovery, RecoveryConfig, RunAborted
 from .script_state import ScriptState, nonfinite_state
-from .signals import is_dtensor, local_tensor
+from ..signals import is_dtensor, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class AutoRollback:
     Args:
         guard: the attached :class:`~vidstab.Guard`.
         every: save a rollback checkpoint every this many optimizer steps (and on the first step of a launch);
-            ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.checkpoint_interval`).
+            ``"auto"``: at the interval the run's goodput ledger calls for (:mod:`vidstab.run.checkpoint_interval`).
         recovery: the retry budget, LR back-off and what counts as one incident (:class:`~vidstab.RecoveryConfig`).
         keep: rollback checkpoints kept (the newest healthy one is kept apart from these).
         memory_budget_bytes: ``CheckpointConfig.rollback_memory_budget_bytes`` of the rollback checkpoints.

@@ -19,7 +19,7 @@ def package_versions(names: tuple[str, ...] = RECORDED_PACKAGES) -> dict[str, st
         except metadata.PackageNotFoundError:
             versions[name] = None
     if versions.get("vidstab") is None:  # a checkout on PYTHONPATH without an install
-        from . import __version__
+        from .. import __version__
 
         versions["vidstab"] = __version__
     return versions

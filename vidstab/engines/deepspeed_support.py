@@ -202,7 +202,7 @@ class EngineStep:
         """The error that ends a process whose ``engine.step()`` ran out of memory: the engine updates this rank's
         partition and then gathers every rank's, so neither whether the ranks still hold one step nor a skip or
         rollback in lockstep can be had (a peer may be waiting inside the engine's gather)."""
-        from .oom import OptimizerStateDiverged
+        from ..recovery.oom import OptimizerStateDiverged
 
         wider = "more processes or ZeRO-3" if self.stage < 3 else "more processes"
         return OptimizerStateDiverged(

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 __all__ = ["PreemptionHandler"]
 
-logger = logging.getLogger("vidstab.preemption")
+logger = logging.getLogger("vidstab.run.preemption")
 
 
 class PreemptionHandler:

@@ -1,7 +1,7 @@
 """The learning-rate multiplier: what recovery backs off and restores, owned by the guard.
 
 The guard owns the multiplier and saves it with its state (``vidstab_guard.json``: ``lr_multiplier`` and the
-un-multiplied ``base_lrs``) so it survives checkpoints and reloads; :class:`~vidstab.recovery.Recovery`
+un-multiplied ``base_lrs``) so it survives checkpoints and reloads; :class:`~vidstab.recovery.policy.Recovery`
 decides when it changes (back-off on a rollback, return after a stable stretch: docs/ARCHITECTURE.md,
 "Recovery") and sets it through the guard. Everything that changes an optimizer's LR for either is here:
 

@@ -1,4 +1,4 @@
-"""PEFT adapters in the model spec a replay rebuilds from (:mod:`vidstab.replay_record`), recorded at attach.
+"""PEFT adapters in the model spec a replay rebuilds from (:mod:`vidstab.evidence.replay_record`), recorded at attach.
 
 A diffusers model fine-tuned with LoRA (``model.add_adapter(LoraConfig(...))``) is its base model plus
 adapters. A checkpoint of it holds only the adapters and a fingerprint of the frozen base
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .limits import read_json_file
+from ..files.limits import read_json_file
 from .replay_record import plain_json
 
 MAX_ADAPTERS = 16

@@ -13,7 +13,7 @@ It is built for runs that last weeks (docs/ARCHITECTURE.md, "Recovery"):
 - **The LR back-off depends on the cause**: a divergence (spikes, non-finite weights, a run of skipped
   steps) multiplies the LR by ``lr_backoff``; an exception (a CUDA error, a flaky node) or bad input data
   does not: lowering the LR does not fix a broken node or a broken sample. A ``transient`` failure (one the
-  in-job rerun did not reproduce: :mod:`vidstab.rerun`) never lowers the LR and never spends the retry
+  in-job rerun did not reproduce: :mod:`vidstab.recovery.rerun`) never lowers the LR and never spends the retry
   budget of the incident it falls into; only ``max_retries`` of them in a row at one failure point abort.
 - **A backed-off LR returns to the schedule gradually**: after the incident is over, every
   ``lr_restore_every`` steps without a skip or a rollback the multiplier is divided by ``lr_backoff``
@@ -38,19 +38,19 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .atomic import write_json_atomic
-from .checkpoint import CheckpointError, CheckpointManager
-from .checkpoint.manager import UNVERIFIED_ADVICE
-from .capture import incident_step, list_incidents
-from .events import log_event
-from .form_advice import recovery_setting
-from .limits import read_json_file
-from .resume_check import ResumeCheck
-from .step_numbering import numbering_of
+from ..files.atomic import write_json_atomic
+from ..checkpoint import CheckpointError, CheckpointManager
+from ..checkpoint.manager import UNVERIFIED_ADVICE
+from ..evidence.capture import incident_step, list_incidents
+from ..events import log_event
+from ..form_advice import recovery_setting
+from ..files.limits import read_json_file
+from ..run.resume_check import ResumeCheck
+from ..step_numbering import numbering_of
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
-logger = logging.getLogger("vidstab.recovery")
+logger = logging.getLogger("vidstab.recovery.policy")
 
 STATE_FILE = os.path.join("vidstab", "recovery.json")
 STATE_SCHEMA = 2
@@ -115,7 +115,7 @@ def rollback_cause(reason: Any, findings: Any = (), rerun: Any = None) -> str:
 
     ``reason`` is ``StepResult.rollback`` (``"detector: message"``) or a Finding; ``findings`` the step's
     findings (``StepResult.findings``), when known; ``rerun`` the step's rerun verdict
-    (``StepResult.rerun``, :class:`vidstab.rerun.RerunVerdict` or its dict), when there was one.
+    (``StepResult.rerun``, :class:`vidstab.recovery.rerun.RerunVerdict` or its dict), when there was one.
     """
     verdict = rerun.get("verdict") if isinstance(rerun, dict) else getattr(rerun, "verdict", None)
     if verdict == "transient":
@@ -175,7 +175,7 @@ class Recovery:
         # The first and latest step of the current run of skips in a row: the failure a rollback or an abort is
         # about (its bundles, its replay command), apart from earlier trouble the incident took in.
         self._run: tuple[int, int] | None = None
-        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/resume_check.py)
+        # Does a resume (or a rewinding rollback) replay what the original run did? (vidstab/run/resume_check.py)
         self.resume_check = ResumeCheck(self.run_dir, self.rank, accelerator.num_processes,
                                         complete=(lambda: guard.detectors) if hasattr(guard, "detectors") else None)
         loaded = self._read_state()
@@ -295,7 +295,7 @@ class Recovery:
 
     def check_resume(self, step: int) -> None:
         """After a checkpoint of ``step`` was loaded (:meth:`resume` calls it; call it after a load the loop
-        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.resume_check`);
+        makes itself): compare the first replayed steps with the original run's (:mod:`vidstab.run.resume_check`);
         :meth:`on_step` does it once they are logged, and a difference is a ``warn`` event. The carried-over LR
         multiplier replaces the checkpoint's (:meth:`apply_carried_over`)."""
         self.apply_carried_over()

@@ -2,14 +2,14 @@
 
 For a diffusers model (a ``ConfigMixin`` with ``from_config``: UNets, transformers, VAEs), :func:`model_spec_of`
 records its class and config, so a replay rebuilds it the way ``from_config`` does, and for one holding PEFT
-adapters (LoRA) also the adapters and where its base came from (:mod:`vidstab.adapter_record`). The loss is
+adapters (LoRA) also the adapters and where its base came from (:mod:`vidstab.evidence.adapter_record`). The loss is
 not needed either: :class:`OutputGradients` keeps, for each micro-step of the optimizer step, the gradient
 that reached the model's output -- where the backward started from. An incident bundle stores it beside the model's
 inputs (:data:`OUTPUT_GRAD_KEY`), and the replay's loss (:data:`OUTPUT_GRAD_LOSS`) is ``sum(output x that
 gradient)``, whose gradients with respect to the weights are the step's own. A user's ``model_spec`` (a
 factory, a loss function) takes precedence over all of this.
 
-The same record lets the in-job rerun (:mod:`vidstab.rerun`) re-run a skipped step of the attached form with no
+The same record lets the in-job rerun (:mod:`vidstab.recovery.rerun`) re-run a skipped step of the attached form with no
 replay function: :meth:`OutputGradients.rerun_batch` gives a micro-step's inputs with its output gradient, and
 :func:`output_grad_loss` is the loss both the rerun and ``vidstab replay`` run.
 """
@@ -29,7 +29,7 @@ OUTPUT_GRAD_LOSS = "vidstab.tools.replay.output_grad:output_grad_loss"
 
 def model_spec_of(model: torch.nn.Module) -> dict | None:
     """``{"class", "config", "loss_fn"}`` for a diffusers ``ConfigMixin`` model, plus ``"peft"`` for one holding
-    PEFT adapters (:mod:`vidstab.adapter_record`); None for any other model, and for adapters it cannot record."""
+    PEFT adapters (:mod:`vidstab.evidence.adapter_record`); None for any other model, and for adapters it cannot record."""
     config = getattr(model, "config", None)
     cls = type(model)
     if config is None or not callable(getattr(cls, "from_config", None)) or not hasattr(config, "items"):

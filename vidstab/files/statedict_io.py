@@ -139,7 +139,7 @@ def dumps(structure: Any) -> bytes:
 
 
 def loads(data: bytes, what: str = "JSON state") -> Any:
-    """Parse JSON written by :func:`dumps`, within :class:`vidstab.limits.Limits` (size, nesting)."""
+    """Parse JSON written by :func:`dumps`, within :class:`vidstab.files.limits.Limits` (size, nesting)."""
     return loads_bounded(data, what)
 
 

@@ -32,7 +32,7 @@ Schema (version 1) of ``incident.json`` -- the contract in ``docs/ARCHITECTURE.m
     tensors            keys stored in batch.safetensors;  skipped_keys: non-tensor batch entries
     versions           {"torch", "accelerate", "vidstab", "python"};  time (unix);  extra {...}
 
-``stats`` is :func:`vidstab.localize.tensor_stats`: shape, dtype, min/max/absmax/mean/std over the
+``stats`` is :func:`vidstab.evidence.localize.tensor_stats`: shape, dtype, min/max/absmax/mean/std over the
 finite values, and ``nonfinite``/``nan``/``inf`` counts.
 """
 
@@ -54,11 +54,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .atomic import atomic_folder, write_atomic
-from .limits import TooLarge, env_name, limits, not_a_regular_file, read_json_file
+from ..files.atomic import atomic_folder, write_atomic
+from ..files.limits import TooLarge, env_name, limits, not_a_regular_file, read_json_file
 from .localize import tensor_stats
 from .replay_record import OUTPUT_GRAD_KEY
-from .strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
+from ..files.strict_json import dumps_strict, json_float, to_json_safe  # json_float, to_json_safe: re-exported for bundle readers
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -128,7 +128,7 @@ class Incident:
 
 
 # ----------------------------------------------------------------------------------------------------
-# JSON helpers (the convention is vidstab/strict_json.py's)
+# JSON helpers (the convention is vidstab/files/strict_json.py's)
 
 
 def _dumps(meta: dict) -> str:
@@ -274,9 +274,9 @@ def weights_entry(folder: str | os.PathLike) -> dict | None:
     entry (size + checksum) of ``model.safetensors``, or for a sharded (DCP) checkpoint
     ``{"sharded": {shard file: entry, ...}}``; None when the manifest lists neither (or is damaged).
     Recorded in a bundle and compared by replay, which refuses a checkpoint rewritten since."""
-    from .checkpoint.config import CheckpointError
-    from .checkpoint.dcp_backend import DCP_DIR
-    from .checkpoint.layout import manifest_entry, read_manifest
+    from ..checkpoint.config import CheckpointError
+    from ..checkpoint.dcp_backend import DCP_DIR
+    from ..checkpoint.layout import manifest_entry, read_manifest
 
     entry = manifest_entry(folder, "model.safetensors")
     if entry is not None:
@@ -290,7 +290,7 @@ def weights_entry(folder: str | os.PathLike) -> dict | None:
 
 
 def _versions() -> dict[str, str | None]:
-    from . import __version__ as vidstab_version
+    from .. import __version__ as vidstab_version
 
     try:
         import accelerate
@@ -338,7 +338,7 @@ def write_incident(
             ``ConfigMixin``) or ``{"factory": "module:function", "kwargs": {...}}``, optionally with
             ``"loss_fn": "module:function"`` and ``"loss_fn_kwargs": {...}``
             (``loss = loss_fn(model, batch, **loss_fn_kwargs)``).
-        localization: the result of :func:`vidstab.localize.locate_nonfinite`, if it ran.
+        localization: the result of :func:`vidstab.evidence.localize.locate_nonfinite`, if it ran.
         extra: anything else JSON-able (optimizer name, loss scale, data position ...).
     """
     run_dir = Path(run_dir)
@@ -354,7 +354,7 @@ def write_incident(
             tensors[str(k)] = v.detach().to("cpu", copy=True).contiguous()
         else:
             skipped.append(str(k))
-    # The output gradient (vidstab.replay_record) is evidence about the step, not a sample's input.
+    # The output gradient (vidstab.evidence.replay_record) is evidence about the step, not a sample's input.
     report = sample_report({k: v for k, v in tensors.items() if k != OUTPUT_GRAD_KEY}, [str(s) for s in sample_ids])
 
     meta: dict[str, Any] = {

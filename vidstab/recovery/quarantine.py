@@ -1,7 +1,7 @@
 """Quarantine: samples named as bad are kept out of the rest of the run, across epochs and resumes.
 
-A sample named bad by an incident bundle (non-finite or outlier inputs: :func:`vidstab.capture.sample_report`),
-by the in-job rerun (:mod:`vidstab.rerun`, a reproducible data fault) or by a user goes into the run's
+A sample named bad by an incident bundle (non-finite or outlier inputs: :func:`vidstab.evidence.capture.sample_report`),
+by the in-job rerun (:mod:`vidstab.recovery.rerun`, a reproducible data fault) or by a user goes into the run's
 quarantine list, ``RUN_DIR/vidstab/quarantine.jsonl``: one JSON line per sample (``sample_id, reason, step,
 bundle, rank, source, time``). Any rank appends whole lines in one ``write`` to a file opened with
 ``O_APPEND`` (atomic for lines this short), so ranks never lock each other out; the list survives restarts
@@ -18,7 +18,7 @@ the file changed (one ``stat`` per item), so a sample quarantined in epoch 1 is 
 ``vidstab quarantine RUN_DIR`` lists it, ``--clear`` (all, or ``--sample ID``) releases samples; the report
 shows it.
 
-The list is read one bounded line at a time (:mod:`vidstab.limits`): a file larger than
+The list is read one bounded line at a time (:mod:`vidstab.files.limits`): a file larger than
 ``VIDSTAB_MAX_QUARANTINE_BYTES``, a line longer than ``VIDSTAB_MAX_EVENT_LINE_BYTES`` or nested deeper than
 ``VIDSTAB_MAX_JSON_DEPTH``, or a FIFO or device in its place is refused with :class:`QuarantineError` naming
 it (a resume stops there: which samples to keep out cannot be known); a line that is not JSON (cut by a kill)
@@ -35,11 +35,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .atomic import write_atomic
-from .events import ends_torn
-from .limits import TooLarge, bounded_lines, env_name, limits, loads_bounded, not_a_regular_file, read_json_file
-from .run_dir import RunDirError
-from .strict_json import to_json_safe
+from ..files.atomic import write_atomic
+from ..events import ends_torn
+from ..files.limits import TooLarge, bounded_lines, env_name, limits, loads_bounded, not_a_regular_file, read_json_file
+from ..run.run_dir import RunDirError
+from ..files.strict_json import to_json_safe
 
 __all__ = ["QUARANTINE_FILE", "QuarantineError", "QuarantineList", "QuarantinedDataset", "quarantine_bundle",
            "quarantine_bundle_dir"]

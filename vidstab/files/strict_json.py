@@ -7,7 +7,7 @@ files, ``replay_report.json``, the audit's ``--json`` report -- a non-finite flo
 what tells a 0/0 from an overflow; :func:`json_float` reads the string back as the float) and every file is
 dumped with ``allow_nan=False``, so it is standard JSON any tool can read. docs/ARCHITECTURE.md,
 "Strict JSON". The checkpoint state codec (``optimizer.json``, ``scheduler.json``, ... in
-:mod:`vidstab.statedict_io`) round-trips exact Python values, where a string must stay a string, so it wraps
+:mod:`vidstab.files.statedict_io`) round-trips exact Python values, where a string must stay a string, so it wraps
 the same spelling in a tag: ``{"__float__": "nan"}``.
 
 Old files: event logs written before this convention spelled a non-finite float ``null``. Readers take

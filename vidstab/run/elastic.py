@@ -2,7 +2,7 @@
 
 ``accelerate launch --max_restarts N`` and ``torchrun --max_restarts N`` run the script under torch elastic's
 agent, which restarts every worker of the group when any worker exits non-zero (a SIGKILLed rank, a rank
-the :mod:`vidstab.watchdog` ended, an uncaught exception) -- up to N times. The agent tells each new worker
+the :mod:`vidstab.run.watchdog` ended, an uncaught exception) -- up to N times. The agent tells each new worker
 which attempt it is in its environment (``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
 ``TORCHELASTIC_RUN_ID``; see the torchrun documentation, "Environment Variables"). vidstab writes no
 supervisor of its own: it reads that, resumes from the latest valid checkpoint without being told
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .events import events_dir, iter_event_file
+from ..events import events_dir, iter_event_file
 from .watchdog import PHASES
 
 __all__ = ["LaunchInfo", "previous_attempt", "shared_store_warning"]
 
 PROCESS_START = time.time()
-"""When this process imported vidstab.elastic: events written before it belong to an earlier attempt."""
+"""When this process imported vidstab.run.elastic: events written before it belong to an earlier attempt."""
 
 DEFAULT_RUN_ID = "none"
 """torchrun's default ``--rdzv_id``, which ``accelerate launch`` keeps: every job launched without one shares it."""

@@ -49,7 +49,7 @@ def _trainer_run(out: str, dry_run: bool, extra: list[str]):
     args = parse_args(["--output_dir", out, "--report_to", "none", "--no_async_save", "--lr_warmup_steps", "0",
                        "--max_train_steps", "1000", *size, *extra])
     run = Run(args)
-    run.data = batch_stream(run.accelerator, run.dataloader, 0)
+    run.data = batch_stream(run.accelerator, run.dataloader, 0, run.workers)
     return run
 
 

@@ -5,8 +5,8 @@ healthy step, and the per-step batch fingerprint on the hot path.
 Runs the reference trainer on 2 CPU processes three times (no fault; a NaN sample on rank 1 at step 10; one
 activation corrupted on rank 1 at step 10, first pass only) and prints, side by side: the median compute time
 of a healthy step (``local_seconds``), the rerun's ``seconds`` on each rank, the rerun as a multiple of a
-step, and the wall time of each run against the fault-free one. Then times ``BatchFingerprints.record`` (what
-every step pays for the fingerprint) against an empty call. Last line: one JSON object.
+step, and the wall time of each run against the fault-free one. Then times ``batch_crc`` on one micro-step's ids
+(what every step pays for the fingerprint its reduction carries). Last line: one JSON object.
 
     python benchmarks/bench_rerun.py [--steps 30]
 """
@@ -61,16 +61,14 @@ def main() -> None:
 
     import torch
 
-    from vidstab.run.resume_check import BatchFingerprints
+    from vidstab.run.resume_check import batch_crc
 
-    fps = BatchFingerprints()
-    strings = [(None, ["shapes-s0-00001", "shapes-s0-00002", "shapes-s0-00003", "shapes-s0-00004"], None)]
-    tensor = [(None, torch.arange(4), None)]
-    none = [(None, None, None)]
+    strings = [["shapes-s0-00001", "shapes-s0-00002", "shapes-s0-00003", "shapes-s0-00004"]]
+    tensor = [torch.arange(4)]
+    none = [None]
     n = 20000
-    per_call = {k: timeit.timeit(lambda r=refs: fps.record(0, r), number=n) / n * 1e6
-                for k, refs in (("4 string ids", strings), ("4 ids as a tensor", tensor), ("no ids", none))}
-    fps.pop(0)
+    per_call = {k: timeit.timeit(lambda r=ids: batch_crc(r), number=n) / n * 1e6
+                for k, ids in (("4 string ids", strings), ("4 ids as a tensor", tensor), ("no ids", none))}
     print("batch fingerprint per step (us): " + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()))
     out["fingerprint_us"] = {k: round(v, 3) for k, v in per_call.items()}
     print(json.dumps(out))

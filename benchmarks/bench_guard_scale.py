@@ -7,7 +7,7 @@ on this host, as every rank runs it:
 
 * ``new`` (``vidstab`` now): the two fixed-size all_reduces' result (the SUM columns summed, the MAX columns
   maximised over ranks) read to the host with the rank's own vector (``vidstab.signals.reduce_and_read``'s one
-  read), ``vidstab.guard.stats.anomalous``, ``build_stats`` + ``vidstab.detectors.judge`` + ``absorb`` and the
+  read), ``vidstab.guard.stats.anomalous``, ``build_stats`` + ``vidstab.detectors.running.judge`` + ``absorb`` and the
   metrics line (``vidstab.guard.reporting.metrics_line`` with the detectors' published thresholds). A step whose
   summary shows something also reads ``gather_rows``' result (every rank's vector, ``[world, width]``) and builds
   the statistics again with the rows, exactly as ``Guard.guarded_step`` decides (``decide_new`` below).

@@ -141,10 +141,9 @@ def _thresholds_of_a_run(run_dir, tracker) -> tuple[dict[int, dict], dict]:
 
 
 def test_thresholds_of_updates_made_later_reach_every_metrics_line(tmp_path):
-    """The guard makes a healthy step's updates of some detectors later (vidstab/detectors/screen.py); their
-    thresholds still reach that step's metrics line. Against the same run with a tracker, where every step is
-    caught up before its line is logged: the same thresholds on every line, the same final state, and the
-    tracker received them too."""
+    """Every step's detector thresholds reach its metrics line whether or not a tracker is attached. Against the
+    same run with a tracker: the same thresholds on every line, the same final state, and the tracker received
+    them too."""
     later, later_state = _thresholds_of_a_run(tmp_path / "later", None)
     tracker = _ListTracker()
     now, now_state = _thresholds_of_a_run(tmp_path / "now", tracker)

@@ -29,12 +29,14 @@ import conformance_drill as drill  # noqa: E402
 FORMS = ("explicit", "attached")  # the attached form last: the launch ends with its abort
 TWO = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 FAULT_DRILLS = ("nan", "spike", "lr_bug", "persistent", "ema")
-KILL_CELLS = {2: ["attached:zero3"]}
-"""SIGKILL + resume in CI: each cell costs a torch elastic restart (~20 s); benchmarks/conformance.py runs every cell."""
 
 
 def _cells(world: int) -> list[str]:
     return [f"{f}:{e}" for e in (("single",) if world == 1 else TWO) for f in FORMS]
+
+
+KILL_CELLS = {world: _cells(world) for world in (1, 2)}
+"""SIGKILL + resume of every cell: one launch per world size, one torch elastic restart serving all its cells."""
 
 
 @pytest.fixture(scope="module")
@@ -125,4 +127,7 @@ def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
     proc, out = kills[world]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     result = drill.evaluate_kill(out / f"{form}-{engine}", world)
+    if cell == "attached:fsdp2":  # the user's own save_state cannot resume a model sharded outside Accelerate
+        assert result["status"] == "warned" and "said at attach" in result["why"], result
+        return
     assert result["status"] == "pass", (cell, result.get("why"))

@@ -21,51 +21,47 @@ def _reruns(out):
 
 @pytest.mark.slow
 def test_a_data_fault_a_transient_fault_and_a_faulty_rank_are_each_classified(tmp_path):
-    data, flaky, rank1 = tmp_path / "data", tmp_path / "flaky", tmp_path / "rank1"
-    common = ("--max_train_steps", "6", "--checkpointing_steps", "3")
-    run_trainers((data, *common, "--inject_fault", "nan_batch@4:1"),
-                 (flaky, *common, "--inject_fault", "flaky_activation@4:1"),
-                 (rank1, *common, "--inject_fault", "inf_module@4:1=blocks.1.mlp"), nproc=2, timeout=400)
+    # One run, the three faults on rank 1 at different steps: each anomaly is re-run and classified on its own.
+    out = tmp_path / "run"
+    run_trainers((out, "--max_train_steps", "7", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@2:1",
+                  "--inject_fault", "flaky_activation@4:1", "--inject_fault", "inf_module@6:1=blocks.1.mlp"),
+                 nproc=2, timeout=400)
+    reruns = _reruns(out)
+    assert [(e["step"], e["verdict"], e["ranks"]) for e in reruns[0]] == [
+        (2, "data", [1]), (4, "transient", [1]), (6, "suspect_hardware", [1])]
+    data, flaky, hardware = reruns[0]
 
     # Data: reproduced on rank 1 and by its peer; the samples named on rank 1 and quarantined.
-    reruns = _reruns(data)
-    assert [(e["step"], e["verdict"], e["ranks"]) for e in reruns[0]] == [(4, "data", [1])]
-    assert reruns[0][0]["peer"] == {"1": True} and reruns[0][0]["reproduced"]["1"] is True
+    assert data["peer"] == {"1": True} and data["reproduced"]["1"] is True
     named = reruns[1][0]["samples"]
-    assert len(named) == 4 and set(named) <= QuarantineList(data).ids()
-    bundle = next((data / "vidstab" / "incidents").glob("step000004-rank1*"))
+    assert len(named) == 4 and set(named) <= QuarantineList(out).ids()
+    bundle = next((out / "vidstab" / "incidents").glob("step000002-rank1*"))
     assert json.loads((bundle / "incident.json").read_text())["rerun"]["verdict"] == "data"
 
-    # Transient: not reproduced on rank 1; the run goes on, counted for rank 1, nothing quarantined.
-    reruns = _reruns(flaky)
-    assert [(e["step"], e["verdict"], e["ranks"]) for e in reruns[0]] == [(4, "transient", [1])]
-    assert reruns[0][0]["transient_by_rank"] == {"1": 1} and reruns[1][0]["verdict"] == "transient"
-    assert [e["step"] for e in events(flaky, kind="skip")] == [4] and not QuarantineList(flaky).ids()
+    # Transient: not reproduced on rank 1; the run goes on, counted for rank 1, nothing more quarantined.
+    assert flaky["transient_by_rank"] == {"1": 1} and reruns[1][1]["verdict"] == "transient"
+    assert [e["step"] for e in events(out, kind="skip")][:2] == [2, 4] and QuarantineList(out).ids() == set(named)
 
     # Suspect hardware: rank 1 reproduces, its peer (rank 0) on the same micro-batches does not.
-    reruns = _reruns(rank1)
-    assert [(e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [("suspect_hardware", [1], {"1": False})]
-    warn = [e for e in events(rank1, 1, kind="warn") if e["detector"] == "suspect_hardware"]
+    assert hardware["peer"] == {"1": False}
+    warn = [e for e in events(out, 1, kind="warn") if e["detector"] == "suspect_hardware"]
     assert len(warn) == 1 and warn[0]["host"] and warn[0]["host"] in warn[0]["message"]
-    assert (rank1 / "vidstab" / "suspect_hosts.txt").read_text().split() == [warn[0]["host"]]
+    assert (out / "vidstab" / "suspect_hosts.txt").read_text().split() == [warn[0]["host"]]
 
-    # What the rerun cost, on the anomaly only: no healthy step re-runs anything.
-    for out in (data, flaky, rank1):
-        assert all(e["seconds"] > 0 for r in (0, 1) for e in events(out, r, kind="rerun"))
-        assert len(events(out, 0, kind="rerun")) == 1
+    # What the rerun cost, on the anomalies only: no healthy step re-runs anything.
+    assert all(e["seconds"] > 0 for r in (0, 1) for e in events(out, r, kind="rerun"))
 
 
 @pytest.mark.slow
 def test_under_fsdp_every_rank_reruns_together_without_a_peer_check(tmp_path):
-    data, flaky = tmp_path / "data", tmp_path / "flaky"
-    common = ("--max_train_steps", "6", "--checkpointing_steps", "3", "--fsdp")
-    run_trainers((data, *common, "--inject_fault", "nan_batch@4:1"),
-                 (flaky, *common, "--inject_fault", "flaky_activation@4:1"), nproc=2, timeout=400)
-    for out, verdict in ((data, "data"), (flaky, "transient")):
-        reruns = _reruns(out)
-        assert [(e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [(verdict, [1], {})]
-        assert reruns[1][0]["verdict"] == verdict
-    assert len(_reruns(data)[1][0]["samples"]) == 4
+    out = tmp_path / "run"
+    run_trainers((out, "--max_train_steps", "6", "--checkpointing_steps", "3", "--fsdp", "--inject_fault",
+                  "nan_batch@2:1", "--inject_fault", "flaky_activation@4:1"), nproc=2, timeout=400)
+    reruns = _reruns(out)
+    assert [(e["step"], e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [
+        (2, "data", [1], {}), (4, "transient", [1], {})]
+    assert [e["verdict"] for e in reruns[1]] == ["data", "transient"]
+    assert len(reruns[1][0]["samples"]) == 4
 
 
 def test_one_process_a_nan_sample_is_data_an_overflowing_layer_numerics_a_one_off_corruption_transient(tmp_path):

@@ -142,6 +142,7 @@ def batch_stream(accelerator: Accelerator, dataloader, start: int, workers: Chil
     while True:
         dataloader.set_epoch(epoch)
         loader = accelerator.skip_first_batches(dataloader, index) if index else dataloader
+        workers.new_epoch()
         for batch in loader:
             workers.sample()
             yield batch

@@ -20,7 +20,8 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 import vidstab
-from vidstab.run.host_memory import DataLoaderWorkerKilled, HostMemoryWatch, memory_limit_mib, resident_mib
+from vidstab.run.host_memory import (ChildrenMemory, DataLoaderWorkerKilled, HostMemoryWatch, memory_limit_mib,
+                                     resident_mib)
 
 
 def _attached(tmp_path):
@@ -84,6 +85,17 @@ class KilledAt(torch.utils.data.Dataset):
             time.sleep(1.0)  # the loop is back in the loader's next() when the signal's SIGCHLD reaches it
             os.kill(os.getpid(), signal.SIGKILL)
         return torch.full((4,), float(i))
+
+
+def test_each_epochs_new_loader_worker_is_read_at_its_first_batch():
+    """A new epoch's workers are new processes: read at its first batch, not only every ``every`` batches."""
+    memory = ChildrenMemory(every=16)
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2, num_workers=1)
+    for _ in range(2):
+        memory.new_epoch()
+        for _ in loader:
+            memory.sample()
+    assert len(memory.history) == 2 and all(len(h) == 1 for h in memory.history.values()), memory.history
 
 
 def test_a_data_loader_worker_killed_by_a_signal_is_recorded_with_the_memory_history(tmp_path, capfd):

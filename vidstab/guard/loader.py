@@ -81,6 +81,7 @@ class TrackedLoader:
         self.drawn.clear()  # what an earlier epoch drew and the loop never took
         patches = self.guard.patches
         batches = iter(self.loader)
+        self.workers.new_epoch()
         while True:
             try:
                 batch = next(batches)

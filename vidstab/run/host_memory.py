@@ -216,17 +216,24 @@ def _exit_signal(exc: BaseException, pids: list[int]) -> str | None:
 
 class ChildrenMemory:
     """The resident memory of this process's children (a data loader's workers), read every ``every`` calls of
-    :meth:`sample`; the last ``keep`` readings of each, as ``[batch, MiB]``."""
+    :meth:`sample` and at the first call of each epoch (:meth:`new_epoch`: a new epoch's workers are new
+    processes); the last ``keep`` readings of each, as ``[batch, MiB]``."""
 
     def __init__(self, every: int = 16, keep: int = 16) -> None:
         self.every, self.keep = every, keep
         self.calls = 0
+        self.due = True
         self.history: dict[int, list[list[float]]] = {}
+
+    def new_epoch(self) -> None:
+        """The loader starts an epoch: read its workers at the next :meth:`sample`."""
+        self.due = True
 
     def sample(self) -> None:
         self.calls += 1
-        if (self.calls - 1) % self.every:
+        if (self.calls - 1) % self.every and not self.due:
             return
+        self.due = False
         pid = os.getpid()
         try:
             children = [int(c) for t in os.listdir(f"/proc/{pid}/task")

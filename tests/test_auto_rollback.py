@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 
 import vidstab
+from vidstab.checkpoint import CheckpointError
 from vidstab.events import iter_event_file
 
 
@@ -116,6 +117,10 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     info = ckpt.load("step_000008")["_checkpoint"]
     assert (info["step"], info["trajectory_step"]) == (8, 8) and [i.trajectory_step for i in ckpt.list()] == [8, 12, 16]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), by_step[8]["weights"]))
+    # One whose trajectory_step is no step number cannot be verified: never loaded.
+    (root / "step_000019" / "manifest.json").write_text(json.dumps(dict(saved["step_000019"], trajectory_step="12")))
+    with pytest.raises(CheckpointError, match="unreadable manifest \\('trajectory_step' is '12'\\)"):
+        ckpt.load("step_000019")
 
 
 def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp_path, capsys):

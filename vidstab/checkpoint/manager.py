@@ -564,9 +564,10 @@ class CheckpointManager:
 
         Every file is verified (present, size, checksum) and decoded before anything is applied; an
         invalid checkpoint is skipped with a warning in favour of the previous valid one. Returns the
-        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "trajectory_step", "skipped"}`` saying which
-        checkpoint was used (``step``: the script's, its folder's name; ``trajectory_step``: the trajectory's,
-        the same but where in-place rollbacks made them differ, and for a folder written before it was recorded). Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
+        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "trajectory_step", "skipped"}`` saying
+        which checkpoint was used (``step``: the script's, its folder's name; ``trajectory_step``: the
+        trajectory's, the same unless in-place rollbacks made them differ; a folder written before it was
+        recorded: the same). Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
         ``"last_good"`` (a fresh run); raises :class:`CheckpointError` if there are checkpoints but none
         is valid, ``which`` is a folder and neither it nor an older one is valid, ``which`` names no
         checkpoint ("no such checkpoint", listing what exists), or the checkpoint was written by another

@@ -464,7 +464,8 @@ class Recovery:
         self._persist()
         # to_step: the checkpoint's step as the script numbered it (its folder's name), its trajectory's beside it.
         log_event(self.run_dir, self.rank, "rollback", failed_step + 1, reason=reason_text, checkpoint=info["path"],
-                  to_step=info["step"], **trajectory_fields(info["step"], target, key="to_trajectory_step"), retries=self.retries, max_retries=self.config.max_retries, cause=cause,
+                  to_step=info["step"], **trajectory_fields(info["step"], target, key="to_trajectory_step"),
+                  retries=self.retries, max_retries=self.config.max_retries, cause=cause,
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed_step, incident_first_step=open_incident["first_step"],
@@ -474,8 +475,7 @@ class Recovery:
             logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (%s), cause %s, "
                            "LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
                            open_incident["first_step"], where, info["path"], step_label(info["step"], target), cause,
-                           multiplier,
-                           "" if backoff != 1.0 else " (not lowered for this cause)",
+                           multiplier, "" if backoff != 1.0 else " (not lowered for this cause)",
                            "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
         out["skip_data"] = self.config.skip_data

@@ -94,6 +94,8 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     assert by_step[15]["scheduler_step"] >= by_step[9]["scheduler_step"]  # nor the schedule
     assert by_step[16]["lr"] == pytest.approx(0.5 * 1e-2)  # on schedule, with the back-off of the divergence
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    own = tmp_path / "checkpoint-24"  # the script's own checkpoint
+    acc.save_state(str(own))
     guard.close()
     # The rollback checkpoints after it are named after the loop's step, every 4 steps of the trajectory (12 and 16,
     # 7 steps behind), which each records beside it: the manifest, the checkpoint event, a load.
@@ -121,6 +123,16 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     (root / "step_000019" / "manifest.json").write_text(json.dumps(dict(saved["step_000019"], trajectory_step="12")))
     with pytest.raises(CheckpointError, match="unreadable manifest \\('trajectory_step' is '12'\\)"):
         ckpt.load("step_000019")
+    # A relaunch from the script's own checkpoint numbers on as the run did, the trajectory 7 steps behind.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    relaunched = _loop(tmp_path, set(), steps=1, before_step=lambda step, g: g.accelerator.load_state(str(own)))[4]
+    relaunched.close()
+    assert [(e["step"], e.get("trajectory_step")) for e in _kinds(tmp_path, "resume")][-1] == (24, 17)
+    first = _kinds(tmp_path, "checkpoint")[-1]  # the relaunch's first step is saved
+    assert (first["step"], first["trajectory_step"], first["path"]) == (25, 18, "vidstab/rollback/step_000025")
 
 
 def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp_path, capsys):

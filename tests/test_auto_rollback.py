@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 import vidstab
 from vidstab.checkpoint import CheckpointError
@@ -124,8 +125,6 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     with pytest.raises(CheckpointError, match="unreadable manifest \\('trajectory_step' is '12'\\)"):
         ckpt.load("step_000019")
     # A relaunch from the script's own checkpoint numbers on as the run did, the trajectory 7 steps behind.
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     relaunched = _loop(tmp_path, set(), steps=1, before_step=lambda step, g: g.accelerator.load_state(str(own)))[4]

@@ -7,11 +7,15 @@ Accelerate, real checkpoints on disk (2 processes: tests/test_diffusers_example.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 
 import vidstab
+from vidstab.checkpoint import CheckpointError
 from vidstab.events import iter_event_file
 
 
@@ -91,7 +95,43 @@ def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rn
     assert by_step[15]["scheduler_step"] >= by_step[9]["scheduler_step"]  # nor the schedule
     assert by_step[16]["lr"] == pytest.approx(0.5 * 1e-2)  # on schedule, with the back-off of the divergence
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    own = tmp_path / "checkpoint-24"  # the script's own checkpoint
+    acc.save_state(str(own))
     guard.close()
+    # The rollback checkpoints after it are named after the loop's step, every 4 steps of the trajectory (12 and 16,
+    # 7 steps behind), which each records beside it: the manifest, the checkpoint event, a load.
+    root = tmp_path / "vidstab" / "rollback"
+    saved = {p.name: json.loads((p / "manifest.json").read_text()) for p in root.glob("step_*")}
+    assert {n: (m["step"], m["trajectory_step"]) for n, m in saved.items()} == {
+        "step_000008": (8, 8), "step_000019": (19, 12), "step_000023": (23, 16)}
+    assert [(e["step"], e.get("trajectory_step"), e["path"]) for e in _kinds(tmp_path, "checkpoint")][-2:] == [
+        (19, 12, "vidstab/rollback/step_000019"), (23, 16, "vidstab/rollback/step_000023")]
+    # A load (a resume's, in a new manager) reads both numbers back, and the weights of then.
+    ckpt = vidstab.CheckpointManager(acc, str(tmp_path), vidstab.CheckpointConfig(subdir="vidstab/rollback"))
+    for name, obj in (("model", model), ("optimizer", opt), ("vidstab", guard)):
+        ckpt.register(name, obj)
+    info = ckpt.load("latest")["_checkpoint"]
+    assert (info["path"], info["step"], info["trajectory_step"]) == ("vidstab/rollback/step_000023", 23, 16)
+    assert guard.global_step == 23 and all(torch.equal(a, b) for a, b in zip(model.parameters(), by_step[23]["weights"]))
+    assert [(e["step"], e["trajectory_step"]) for e in _kinds(tmp_path, "resume")] == [(23, 16)]
+    # A folder written before the trajectory step was recorded (script's and trajectory's step one) still loads.
+    old = root / "step_000008" / "manifest.json"
+    old.write_text(json.dumps({k: v for k, v in saved["step_000008"].items() if k != "trajectory_step"}))
+    info = ckpt.load("step_000008")["_checkpoint"]
+    assert (info["step"], info["trajectory_step"]) == (8, 8) and [i.trajectory_step for i in ckpt.list()] == [8, 12, 16]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), by_step[8]["weights"]))
+    # One whose trajectory_step is no step number cannot be verified: never loaded.
+    (root / "step_000019" / "manifest.json").write_text(json.dumps(dict(saved["step_000019"], trajectory_step="12")))
+    with pytest.raises(CheckpointError, match="unreadable manifest \\('trajectory_step' is '12'\\)"):
+        ckpt.load("step_000019")
+    # A relaunch from the script's own checkpoint numbers on as the run did, the trajectory 7 steps behind.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    relaunched = _loop(tmp_path, set(), steps=1, before_step=lambda step, g: g.accelerator.load_state(str(own)))[4]
+    relaunched.close()
+    assert [(e["step"], e.get("trajectory_step")) for e in _kinds(tmp_path, "resume")][-1] == (24, 17)
+    first = _kinds(tmp_path, "checkpoint")[-1]  # the relaunch's first step is saved
+    assert (first["step"], first["trajectory_step"], first["path"]) == (25, 18, "vidstab/rollback/step_000025")
 
 
 def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp_path, capsys):
@@ -115,16 +155,37 @@ def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp
 
 
 def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_path, capsys):
-    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)), steps=24)
+    # Two incidents; a short health window makes the rollback checkpoints after the first rollback healthy, so the
+    # second goes back to one saved after the first.
+    acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)) | set(range(30, 36)),
+                                                steps=40, config=vidstab.GuardConfig(health_window=4))
     guard.close()
     err = capsys.readouterr().err.splitlines()
     skips = [x for x in err if "update refused, step skipped (lr_bound:" in x]
     # Steps 10-13 skipped, the fifth in a row (14) rolled back; the bad LR at 15 is refused again, and from then on the
     # loop's step and the trajectory's differ by the 7 steps the rollback undid: both are named.
-    assert [x.split(":")[1].strip() for x in skips] == [*(f"step {s}" for s in range(10, 14)), "step 15 (trajectory step 8)"]
-    (rollback,) = [x for x in err if "rolled back in place to" in x]
-    assert rollback.startswith("vidstab: step 14: rolled back in place to vidstab/rollback/step_000008 (trajectory step 8)")
-    assert err[-1].startswith("vidstab: 24 optimizer steps guarded, 5 skipped, 1 rolled back in place; events: vidstab events")
+    assert [x.split(":")[1].strip() for x in skips] == [*(f"step {s}" for s in range(10, 14)), "step 15 (trajectory step 8)",
+                                                        *(f"step {s} (trajectory step {s - 7})" for s in range(30, 34)),
+                                                        "step 35 (trajectory step 20)"]
+    assert [x for x in err if "rolled back in place to" in x] == [
+        "vidstab: step 14: rolled back in place to step 8 from vidstab/rollback/step_000008, rollback 1/3 of this "
+        "incident, cause divergence, LR multiplier x0.5",
+        "vidstab: step 34 (trajectory step 27): rolled back in place to step 27 (trajectory step 20) from "
+        "vidstab/rollback/step_000027, rollback 1/3 of this incident, cause divergence, LR multiplier x0.25"]
+    assert err[-1].startswith("vidstab: 40 optimizer steps guarded, 10 skipped, 2 rolled back in place; events: vidstab events")
+    # The rollback checkpoints are named after the loop's step, saved every 4 steps of the trajectory, which each
+    # records beside it; a rollback event names its target both ways; recovery counts the trajectory's steps.
+    saves = [(e["step"], e.get("trajectory_step"), e["path"].split("/")[-1]) for e in _kinds(tmp_path, "checkpoint")]
+    assert saves == [(1, None, "step_000001"), (4, None, "step_000004"), (8, None, "step_000008"),
+                     (12, None, "step_000012"), (19, 12, "step_000019"), (23, 16, "step_000023"),
+                     (27, 20, "step_000027"), (31, 24, "step_000031"), (39, 24, "step_000039")]
+    rollbacks = [(e["step"], e["failed_step"], e.get("trajectory_step"), e["to_step"], e.get("to_trajectory_step"),
+                  e["checkpoint"]) for e in _kinds(tmp_path, "rollback")]
+    assert rollbacks == [(15, 14, None, 8, None, "vidstab/rollback/step_000008"),
+                         (35, 34, 27, 27, 20, "vidstab/rollback/step_000027")]
+    assert [(e["step"], e["action"]) for e in _kinds(tmp_path, "recovery")] == [(23, "incident_over")]
+    manifest = json.loads((tmp_path / "vidstab" / "rollback" / "step_000039" / "manifest.json").read_text())
+    assert (manifest["step"], manifest["trajectory_step"], manifest["parent"]["name"]) == (39, 24, "step_000027")
 
 
 def test_without_rollback_every_a_rollback_request_is_said_not_silently_skipped(tmp_path, capsys):

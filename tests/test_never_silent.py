@@ -53,8 +53,8 @@ def test_two_processes_say_each_skip_bundle_and_rollback_once_on_the_main_proces
     assert [x for x in lines if "incident bundle" in x] == [
         f"vidstab: step 3: rank 1 wrote incident bundle {bundle}; replay it with: vidstab replay {bundle}"]
     (rollback,) = [x for x in lines if "rolled back in place" in x]
-    assert rollback.startswith("vidstab: step 16: rolled back in place to vidstab/rollback/step_000012 (trajectory "
-                               "step 12), rollback 1/3 of this incident, cause divergence")
+    assert rollback.startswith("vidstab: step 16: rolled back in place to step 12 from vidstab/rollback/step_000012, "
+                               "rollback 1/3 of this incident, cause divergence")
     # The rollback event: the script's numbering, with the checkpoint's (trajectory) step as to_step.
     events = [e for e in iter_event_file(out / "vidstab" / "events-rank0.jsonl") if e["kind"] == "rollback"]
     assert [(e["step"], e["failed_step"], e["to_step"], e.get("trajectory_step")) for e in events] == [(17, 16, 12, None)]
@@ -123,7 +123,7 @@ def test_a_rollback_checkpoint_that_cannot_be_written_is_said_and_the_run_goes_o
     guard = _loop(tmp_path, bad_lr_steps=set(), steps=10, before_step=break_the_folder)[4]
     guard.close()
     err = capsys.readouterr().err
-    assert err.count("the rollback checkpoint of trajectory step 8 was not written (") == 1, err[-2000:]
+    assert err.count("the rollback checkpoint of step 8 was not written (") == 1, err[-2000:]
     assert "Traceback" not in err and err.splitlines()[-1].startswith("vidstab: 10 optimizer steps guarded, 0 skipped")
     warns = [e for e in iter_event_file(tmp_path / "vidstab" / "events-rank0.jsonl")
              if e["kind"] == "warn" and e["detector"] == "rollback_every"]

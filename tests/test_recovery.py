@@ -83,12 +83,14 @@ def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):
     assert state["step"] == 10 and state["batches_consumed"] == 10
     assert state["skip_data"] is True and state["rewind_data"] is False
     assert state["_checkpoint"]["path"] == "vidstab/checkpoints/step_000010"
+    assert state["_checkpoint"]["trajectory_step"] == 10  # the explicit form's counter rewinds: one numbering
     assert all(torch.equal(model.state_dict()[k], v) for k, v in good.items())
     assert guard.lr_multiplier == 0.5 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
     # A restart before the next save resumes on the rolled-back trajectory.
     assert (tmp_path / "vidstab" / "checkpoints" / "latest").read_text().strip() == "step_000010"
     ev = _events(tmp_path, "rollback")
     assert ev[-1]["step"] == 23 and ev[-1]["to_step"] == 10 and ev[-1]["retries"] == 1
+    assert "to_trajectory_step" not in ev[-1] and "trajectory_step" not in ev[-1]
     assert ev[-1]["cause"] == "divergence" and ev[-1]["lr_multiplier"] == 0.5
 
     # Cumulative back-off, even though the checkpoint holds multiplier 1.0.

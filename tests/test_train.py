@@ -136,6 +136,11 @@ def test_a_schedule_bug_for_good_rolls_back_then_stops_with_a_message(tmp_path):
     assert f"vidstab events {out} --kind skip" in said
     rollbacks = events(out, kind="rollback")
     assert len(rollbacks) == 2 and all(r["to_step"] <= 6 for r in rollbacks), rollbacks
+    # The trainer's step rewinds with the weights: its folders and events carry one numbering, the script's.
+    assert all(r["checkpoint"].endswith(f"step_{r['to_step']:06d}") and "to_trajectory_step" not in r
+               and "trajectory_step" not in r for r in rollbacks), rollbacks
+    saves = events(out, kind="checkpoint")
+    assert saves and all(e["path"].endswith(f"step_{e['step']:06d}") and "trajectory_step" not in e for e in saves)
     assert [e["action"] for e in events(out, kind="recovery")][-1] == "abort"
 
 

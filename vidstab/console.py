@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from .detectors import Verdict
+from .step_numbering import step_label
 
 
 class StepConsole:
@@ -72,9 +73,10 @@ class StepConsole:
         rec = info.get("_recovery", {})
         ckpt = info.get("_checkpoint", {})
         budget = self.guard.auto_rollback.recovery.config.max_retries
-        self.say(f"vidstab: {self.label(step)}: rolled back in place to {ckpt.get('path')} (trajectory step "
-                 f"{ckpt.get('step')}), rollback {rec.get('retries')}/{budget} of this incident, cause "
-                 f"{rec.get('cause')}, LR multiplier x{rec.get('lr_multiplier', 1.0):.4g}")
+        saved = step_label(ckpt.get("step"), ckpt.get("trajectory_step"))  # the checkpoint's steps, as it recorded them
+        self.say(f"vidstab: {self.label(step)}: rolled back in place to {saved} from {ckpt.get('path')}, rollback "
+                 f"{rec.get('retries')}/{budget} of this incident, cause {rec.get('cause')}, LR multiplier "
+                 f"x{rec.get('lr_multiplier', 1.0):.4g}")
 
     def summary(self) -> None:
         """The last line of the run (main process)."""

@@ -36,8 +36,7 @@ class StepNumbering:
 
     def fields(self, step: int, trajectory: int | None = None) -> dict[str, Any]:
         """An event's ``trajectory_step`` field for the script's ``step``, where the two differ (else none)."""
-        t = self.trajectory(step) if trajectory is None else int(trajectory)
-        return {} if t == int(step) else {"trajectory_step": t}
+        return trajectory_fields(step, self.trajectory(step) if trajectory is None else trajectory)
 
 
 def step_label(step: int, trajectory: int | None = None) -> str:
@@ -45,6 +44,14 @@ def step_label(step: int, trajectory: int | None = None) -> str:
     if trajectory is None or int(trajectory) == int(step):
         return f"step {int(step)}"
     return f"step {int(step)} (trajectory step {int(trajectory)})"
+
+
+def trajectory_fields(step: int, trajectory: int | None, key: str = "trajectory_step") -> dict[str, Any]:
+    """``{key: trajectory}`` where the trajectory's step differs from the script's ``step``, else none: how an
+    event carries the trajectory step beside its ``step`` (or beside another step field, under another ``key``)."""
+    if trajectory is None or int(trajectory) == int(step):
+        return {}
+    return {key: int(trajectory)}
 
 
 def numbering_of(guard: Any) -> StepNumbering:

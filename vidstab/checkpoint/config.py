@@ -92,10 +92,23 @@ class CheckpointInfo:
     name: str
     """Folder name, e.g. ``step_000100``."""
     step: int
-    """Optimizer step the checkpoint was taken at."""
+    """Optimizer step the checkpoint was taken at, as the script counted it (its folder's name)."""
     healthy: bool
     """``healthy`` as passed to ``save`` and parameters finite: usable as a rollback target."""
     time: float
     """Unix time the manifest was written."""
     manifest: dict = field(repr=False, default_factory=dict)
     """The parsed manifest."""
+
+    @property
+    def trajectory_step(self) -> int:
+        """The trajectory's step of the checkpoint (the steps its weights took): ``step`` unless in-place rollbacks
+        made the two differ (the manifest's ``trajectory_step``; see :mod:`vidstab.step_numbering`)."""
+        return trajectory_step_of(dict(self.manifest, step=self.step))
+
+
+def trajectory_step_of(manifest: dict) -> int:
+    """The trajectory's step of the checkpoint whose (checked) manifest is ``manifest``: its ``trajectory_step``,
+    or its ``step`` where it records none (a folder written before it was recorded, when the two were one)."""
+    trajectory = manifest.get("trajectory_step")
+    return int(manifest["step"] if trajectory is None else trajectory)

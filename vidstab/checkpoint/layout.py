@@ -28,6 +28,11 @@ or the one loaded on resume or rollback). The newest checkpoint is the one ``lat
 sequence; its *trajectory* is its chain of parents, so after a rollback the abandoned checkpoints (newer
 steps of the old trajectory) are never fallbacks and are the first to be rotated away.
 
+Steps are the script's (:mod:`vidstab.step_numbering`): the folder is named after the step the script had counted
+when it saved, and the manifest's ``step`` says the same. Where in-place rollbacks (the attached form's
+``rollback_every``) made the trajectory's step (the steps the weights took) differ, the manifest records it as
+``trajectory_step``; a manifest without one (written before it was recorded) is of a step that was both.
+
 A checkpoint knows its run and its step. The manifest records the ``run_id`` of the run that wrote it
 (:func:`vidstab.run.run_dir.run_id`) and, in ``steps``, the state files that carried the checkpoint's step when
 it was saved (``{"trainer.json": {"step": 12}, "vidstab.json": {"step_count": 12}}``). The folder name, the manifest's
@@ -57,14 +62,14 @@ from ..files import statedict_io as sio
 from ..files.atomic import TMP_PREFIX, fsync_dir
 from ..files.limits import env_name, limits, loads_bounded
 from ..run.run_dir import RUN_ID_RE
-from .config import CheckpointError, CheckpointInfo
+from .config import CheckpointError, CheckpointInfo, trajectory_step_of
 
 __all__ = ["MANIFEST", "SCHEMA", "STEP_RE", "TMP_PREFIX", "POINTERS", "step_name", "file_stem", "rel",
            "read_manifest", "verify_file", "verify_checkpoint_files", "read_pointer", "pointer_tmp",
            "replace_pointer", "list_checkpoints", "candidates", "trajectory", "newest", "rotation_order",
            "remove_stale", "check_file_name", "manifest_entry", "unverifiable", "UNVERIFIED_PREFIX",
            "OTHER_RUN_PREFIX", "set_aside_name", "parse_once", "check_carried_steps", "STEP_KEYS", "carried_steps",
-           "own_checkpoints", "other_run_error"]
+           "own_checkpoints", "other_run_error", "trajectory_step_of"]
 
 logger = logging.getLogger("vidstab.checkpoint")
 
@@ -202,6 +207,9 @@ def _check_manifest(name: str, man: Any) -> dict:
     rid = man.get("run_id")
     if rid is not None and not (isinstance(rid, str) and RUN_ID_RE.fullmatch(rid)):
         raise CheckpointError(f"{name}: unreadable manifest ('run_id' is {str(rid)[:80]!r})")
+    trajectory = man.get("trajectory_step")
+    if trajectory is not None and (not isinstance(trajectory, int) or isinstance(trajectory, bool) or trajectory < 0):
+        raise CheckpointError(f"{name}: unreadable manifest ('trajectory_step' is {str(trajectory)[:40]!r})")
     steps = man.get("steps")
     if steps is not None and not (isinstance(steps, dict) and all(
             isinstance(f, str) and isinstance(keys, dict) and all(

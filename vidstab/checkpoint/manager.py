@@ -31,6 +31,7 @@ from ..engines.deepspeed_support import DeepSpeedUnsupported
 from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
 from ..run.exit_fence import register_exit_fence
+from ..step_numbering import trajectory_fields
 from ..files.limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
@@ -128,7 +129,7 @@ class CheckpointManager:
         self.last_saved: str | None = None
         """Path of the newest checkpoint this manager finished writing."""
         self.last_loaded: dict | None = None
-        """``{"path", "step", "skipped": [[path, reason], ...]}`` of the last :meth:`load`."""
+        """``{"path", "step", "trajectory_step", "skipped": [[path, reason], ...], ...}`` of the last :meth:`load`."""
         self._head: dict | None = None  # {"name", "sequence"}: what the next save's state descends from
         budget = self.config.rollback_memory_budget_bytes
         self.memory = None if budget == 0 else MemoryCopy(default_budget_bytes() if budget is None else budget)
@@ -191,10 +192,15 @@ class CheckpointManager:
         return self.engine.load_backend(manifest.get("backend"), self.backends)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None) -> str:
+    def save(self, step: int, healthy: bool = True, trainer_state: dict | None = None,
+             trajectory_step: int | None = None) -> str:
         """Save a checkpoint of ``step``; returns the final folder path (complete once :meth:`wait` returns
         when saving asynchronously). Raises :class:`CheckpointError` for a failure of this save (sync)
-        or of the previous async one."""
+        or of the previous async one.
+
+        ``step`` is the script's step (the folder's name, the manifest's ``step``, the ``checkpoint`` event's);
+        ``trajectory_step`` the trajectory's, where in-place rollbacks made the two differ (the attached form:
+        :mod:`vidstab.step_numbering`), recorded in the manifest and returned by :meth:`load` beside it."""
         # ONE agreement of all ranks before anything is written (each collective adds to the stall):
         # the previous async save's outcome, whether the parameters are finite, this snapshot's outcome,
         # and the folder nonce (rank 0's, the others add 0).
@@ -250,6 +256,7 @@ class CheckpointManager:
         except OSError as e:
             logger.warning("could not create %s: %s", tmp_dir, e)
         job = SaveJob(step, name, tmp_dir, files, healthy, params_finite, t0)
+        job.trajectory_step = step if trajectory_step is None else int(trajectory_step)
         job.backend = backend.name
         if self.is_main:
             job.steps = self._carried_steps(trainer_state or {}, step)
@@ -438,14 +445,16 @@ class CheckpointManager:
         manifest = write_manifest(job, digests, backend=job.backend, config_hash=self.config_hash,
                                   vidstab_version=__version__, world_size=self.world_size,
                                   objects={n: file_stem(n) for n in self._objects}, sequence=sequence, parent=self._head,
-                                  **({"run_id": self.run_id} if self.run_id else {}), steps=steps)
+                                  **({"run_id": self.run_id} if self.run_id else {}), steps=steps,
+                                  trajectory_step=job.trajectory_step)
         # Its event and every line of the steps it covers reach the disk in the same fsync batch as its files,
         # before the rename and ``latest`` publish it: a kill after that loses none of them. ``seconds``: writing.
         blocking, went_on = job.blocking if job.blocking is not None else (time.perf_counter() - job.t0, time.time())
         log_event(self.output_dir, self.rank, "checkpoint", job.step,
                   path=rel(os.path.join(self.root, job.name), self.output_dir), healthy=manifest["healthy"],
                   params_finite=job.params_finite, seconds=round(time.perf_counter() - job.t0, 4),
-                  blocking_seconds=round(blocking, 4), blocking_ended=went_on)
+                  blocking_seconds=round(blocking, 4), blocking_ended=went_on,
+                  **trajectory_fields(job.step, job.trajectory_step))
         log = flush_log(self.output_dir, self.rank)
         try:
             final = publish(job, self.root, manifest["healthy"], unsynced + ([str(log)] if log else []),
@@ -555,8 +564,10 @@ class CheckpointManager:
 
         Every file is verified (present, size, checksum) and decoded before anything is applied; an
         invalid checkpoint is skipped with a warning in favour of the previous valid one. Returns the
-        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "skipped"}`` saying which
-        checkpoint was used. Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
+        saved ``trainer_state`` plus ``"_checkpoint": {"path", "step", "trajectory_step", "skipped"}`` saying
+        which checkpoint was used (``step``: the script's, its folder's name; ``trajectory_step``: the
+        trajectory's, the same unless in-place rollbacks made them differ; a folder written before it was
+        recorded: the same). Returns ``None`` when there is no checkpoint at all for ``"latest"`` /
         ``"last_good"`` (a fresh run); raises :class:`CheckpointError` if there are checkpoints but none
         is valid, ``which`` is a folder and neither it nor an older one is valid, ``which`` names no
         checkpoint ("no such checkpoint", listing what exists), or the checkpoint was written by another
@@ -609,7 +620,8 @@ class CheckpointManager:
         else:
             backend.apply(payload, self._objects)
         ts = dict(payload["trainer"])
-        info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"], "skipped": skipped,
+        info = {"path": rel(path, self.output_dir), "step": payload["manifest"]["step"],
+                "trajectory_step": layout.trajectory_step_of(payload["manifest"]), "skipped": skipped,
                 "source": source, "seconds": round(time.perf_counter() - started, 4)}
         if repaired:
             info["repaired_from_rank0"] = repaired
@@ -620,7 +632,7 @@ class CheckpointManager:
         self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
         if resume_event:
             log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
-                      requested=which, skipped=skipped)
+                      requested=which, skipped=skipped, **trajectory_fields(man["step"], info["trajectory_step"]))
         return ts
 
     def _read_agreed(self, which: str, cands: list[str]) -> tuple[str, dict, list[list[str]]]:

@@ -62,6 +62,7 @@ class SaveJob:
     """One save in flight on one rank."""
 
     step: int
+    """The step as the script counts it: the folder's name, the manifest's ``step``."""
     name: str
     tmp_dir: str
     files: list[FileSpec]
@@ -84,6 +85,8 @@ class SaveJob:
     """This rank's answer to that check (True when there was nothing to check)."""
     steps: dict[str, dict[str, int]] | None = None
     """The step each JSON state file carries (:func:`~.layout.carried_steps`), for the manifest's ``steps``."""
+    trajectory_step: int | None = None
+    """The trajectory's step, where in-place rollbacks made it differ from ``step`` (:mod:`vidstab.step_numbering`)."""
     blocking: tuple[float, float] | None = None
     """An async save: (seconds the loop was blocked in ``save``, unix time it went on); a sync save blocks throughout."""
 

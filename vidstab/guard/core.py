@@ -443,15 +443,20 @@ class Guard:
         self.recorder.reset()
         self._last_verdict, self._params_finite = Verdict.OK, True
 
+    # The steps in-place rollbacks undid travel with the script's own checkpoint (a relaunch numbers on as the run did),
+    # never in vidstab's rollback checkpoints: loading one must not wind the numbering back (auto_rollback.py sets it).
     def _save_state_hook(self, models: Any, weights: Any, output_dir: str) -> None:
         if self.accelerator.is_main_process:
-            write_json_atomic(Path(output_dir) / GUARD_STATE_FILE, self.state_dict())
+            write_json_atomic(Path(output_dir) / GUARD_STATE_FILE, dict(self.state_dict(), steps_lost=self.numbering.lost))
 
     def _load_state_hook(self, models: Any, input_dir: str) -> None:
         path = Path(input_dir) / GUARD_STATE_FILE
         if path.exists():
-            self.load_state_dict(read_json_file(path))
-            self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier)
+            state = read_json_file(path)
+            self.load_state_dict(state)
+            self.numbering.lost = int(state.get("steps_lost", 0))
+            self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier,
+                            **self.numbering.fields(self.step_count))
 
     def close(self) -> None:
         """Let the last automatic rollback checkpoint (``rollback_every``) finish writing on this rank, log

@@ -1,7 +1,8 @@
 """Automatic rollback for an unmodified training loop (``vidstab.attach(..., rollback_every=N)``).
 
 vidstab keeps its own rollback checkpoints of the model, the optimizer and the guard, every ``N`` optimizer
-steps, in ``OUTPUT_DIR/vidstab/rollback/``. When the guard asks for a rollback, they are loaded *in place*,
+steps, in ``OUTPUT_DIR/vidstab/rollback/step_N`` (``N`` the loop's step, the trajectory's in the manifest beside it:
+:mod:`vidstab.step_numbering`). When the guard asks for a rollback, they are loaded *in place*,
 inside the loop's own ``optimizer.step()``: the weights, the optimizer's moments and the detectors'
 statistics go back to the last healthy checkpoint, while the loop's step counter, the LR scheduler's
 position, the random number generators and the data keep going. The steps since that checkpoint are lost
@@ -103,8 +104,8 @@ class AutoRollback:
         if result is None or result.micro:
             return
         step = guard.global_step  # the loop's count of optimizer steps, this one included
-        # Recovery and the rollback checkpoints count the trajectory's steps: after an in-place rollback the loop's
-        # count goes on, but the run must get past the failure point again before the incident is over.
+        # Recovery counts the trajectory's steps: after an in-place rollback the loop's count goes on, but the run must
+        # get past the failure point again before the incident is over. The checkpoints carry both numbers.
         trajectory = self.guard.numbering.trajectory(step)
         if result.rollback is not None:
             self._roll_back(result, step, trajectory)
@@ -116,11 +117,12 @@ class AutoRollback:
         if due or not self._saved_this_launch:
             self._saved_this_launch = True
             try:
-                path = self.ckpt.save(trajectory, healthy=guard.healthy)
+                path = self.ckpt.save(step, healthy=guard.healthy, trajectory_step=trajectory)
             except CheckpointError as e:  # every rank learns it together; the older rollback targets stay
-                self._say(f"vidstab: {guard.numbering.label(result.step)}: the rollback checkpoint of trajectory step "
-                          f"{trajectory} was not written ({e}); a rollback goes to an older one, the next interval "
-                          f"tries again", "warn", result.step, detector="rollback_every", figures={}, bad_ranks=[])
+                self._say(f"vidstab: {guard.numbering.label(result.step)}: the rollback checkpoint of "
+                          f"{guard.numbering.label(step)} was not written ({e}); a rollback goes to an older one, the "
+                          f"next interval tries again", "warn", result.step, detector="rollback_every", figures={},
+                          bad_ranks=[])
                 return
             self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             if self.interval is not None:
@@ -147,7 +149,7 @@ class AutoRollback:
         if state is not None:
             if guard.console is not None:  # the failing step as numbered before this rollback
                 guard.console.rolled_back(result.step, state)
-            self.guard.numbering.lost += trajectory - int(state["_checkpoint"]["step"])
+            self.guard.numbering.lost += trajectory - int(state["_checkpoint"]["trajectory_step"])
         set_rng_state(rng)
         # The optimizer's LRs came back from the checkpoint, at the schedule's position of then: the schedule
         # goes on from where it is now, on the base LRs the rollback restored (with its back-off).

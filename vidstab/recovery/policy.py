@@ -46,7 +46,7 @@ from ..events import log_event
 from ..form_advice import recovery_setting
 from ..files.limits import read_json_file
 from ..run.resume_check import ResumeCheck
-from ..step_numbering import numbering_of
+from ..step_numbering import numbering_of, step_label, trajectory_fields
 
 __all__ = ["RecoveryConfig", "Recovery", "RunAborted", "rollback_cause"]
 
@@ -406,7 +406,7 @@ class Recovery:
                     f"cause {cause}: {reason_text}")
             # The script's own `latest` must not resume the failing trajectory either: keep only what is not newer
             # than vidstab's last healthy checkpoint.
-            good = self.ckpt.last_good()
+            good = self.ckpt.last_good()  # its step as the script numbered it, as the script's own checkpoints are
             good_step = next((i.step for i in self.ckpt.list() if good and os.path.samefile(i.path, good)), None)
             discarded = self._discard_own_checkpoints(good_step) if good_step is not None else []
             log_event(self.run_dir, self.rank, "recovery", failed_step + 1, action="abort", message=what, cause=cause,
@@ -436,6 +436,7 @@ class Recovery:
         self._set_lr_multiplier(old_multiplier * backoff)  # the load brought back the checkpoint's
         multiplier = self.lr_multiplier
         info = state["_checkpoint"]
+        target = int(info.get("trajectory_step", info["step"]))  # the trajectory's step the run goes back to
         # A restart before the next save should resume on this trajectory, not the abandoned one.
         self.ckpt.set_latest(info["path"])
         if choice != "last_good":  # the target that failed again is no rollback target any more
@@ -452,28 +453,29 @@ class Recovery:
             open_incident = {"first_step": first, "last_failure": step, "last_failed_step": failed_step,
                              "retries": int(budget == "retries"), "transient": int(budget == "transient"),
                              "cause": cause}
-        self.state.update(incident=open_incident, stable_since=int(info["step"]),
-                          rollbacks_total=self.rollbacks_total + 1)
+        self.state.update(incident=open_incident, stable_since=target, rollbacks_total=self.rollbacks_total + 1)
         # Skipping the data, the batches differ on purpose: only the world size and the LR are compared.
-        self.resume_check.begin(int(info["step"]), what="rollback", same_data=not self.config.skip_data,
+        self.resume_check.begin(target, what="rollback", same_data=not self.config.skip_data,
                                 lr_ratio=multiplier / old_multiplier, until=self.numbering.trajectory(first))
-        self.state["history"].append({"time": time.time(), "step": step, "to_step": info["step"],
+        # The history counts the trajectory's steps (step: after the failure, to_step: the target's), as recovery does.
+        self.state["history"].append({"time": time.time(), "step": step, "to_step": target,
                                       "checkpoint": info["path"], "reason": reason_text, "incident": incident,
                                       "cause": cause, "lr_multiplier": multiplier})
         self._persist()
-        # to_step: the checkpoint's step, which is the trajectory's (its folder is named after it).
+        # to_step: the checkpoint's step as the script numbered it (its folder's name), its trajectory's beside it.
         log_event(self.run_dir, self.rank, "rollback", failed_step + 1, reason=reason_text, checkpoint=info["path"],
-                  to_step=info["step"], retries=self.retries, max_retries=self.config.max_retries, cause=cause,
+                  to_step=info["step"], **trajectory_fields(info["step"], target, key="to_trajectory_step"),
+                  retries=self.retries, max_retries=self.config.max_retries, cause=cause,
                   lr_multiplier=multiplier, old_lr_multiplier=old_multiplier, skip_data=self.config.skip_data,
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed_step, incident_first_step=open_incident["first_step"],
                   transient=open_incident.get("transient", 0), source=info.get("source"),
                   restore_seconds=info.get("seconds"), **self.numbering.fields(failed_step, failed))
         if self.accelerator.is_main_process and self.form != "attached":  # one line per rollback, not one per rank
-            logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (trajectory step "
-                           "%d), cause %s, LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
-                           open_incident["first_step"], where, info["path"], info["step"], cause, multiplier,
-                           "" if backoff != 1.0 else " (not lowered for this cause)",
+            logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (%s), cause %s, "
+                           "LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,
+                           open_incident["first_step"], where, info["path"], step_label(info["step"], target), cause,
+                           multiplier, "" if backoff != 1.0 else " (not lowered for this cause)",
                            "skipping" if self.config.skip_data else "replaying", reason_text)
         out = dict(state)
         out["skip_data"] = self.config.skip_data
@@ -490,16 +492,17 @@ class Recovery:
         good = self.ckpt.last_good()
         if not history or good is None:
             return "last_good"
-        last = history[-1]
-        good_step = next((i.step for i in self.ckpt.list() if os.path.samefile(i.path, good)), None)
-        if good_step != last["to_step"] or step > last["step"]:
+        last = history[-1]  # in the trajectory's steps, as the checkpoints' trajectory_step
+        good_info = next((i for i in self.ckpt.list() if os.path.samefile(i.path, good)), None)
+        if good_info is None or good_info.trajectory_step != last["to_step"] or step > last["step"]:
             return "last_good"
-        older = [i for i in self.ckpt.list() if i.healthy and i.step < good_step]
+        older = sorted((i for i in self.ckpt.list() if i.healthy and i.trajectory_step < good_info.trajectory_step),
+                       key=lambda i: (i.trajectory_step, i.step))
         if not older:
             return "last_good"
         if self.accelerator.is_main_process:
-            logger.warning("step_%06d failed again before the run got past the failure it was rolled back for: "
-                           "rolling back further, to %s", good_step, older[-1].name)
+            logger.warning("%s failed again before the run got past the failure it was rolled back for: "
+                           "rolling back further, to %s", good_info.name, older[-1].name)
         return older[-1].path
 
     def _discard_own_checkpoints(self, target_step: int) -> list[str]:

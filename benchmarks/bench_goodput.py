@@ -87,7 +87,7 @@ def simulate(steps: int, step_s: float, save_s: float, restart_s: float, failure
             if auto is not None:
                 auto.saved(_NoEvents, step)
     return {"ettr": steps * step_s / t, "interval": auto.steps if auto is not None else every,
-            "failures": fi, "ledger_ettr": book.ledger()["ettr"]}
+            "failures": fi, "ledger_ettr": book.ledger()["ettr"], "rework_steps": book.ledger()["steps"]["rework"]}
 
 
 class _NoEvents:

@@ -7,8 +7,7 @@ checkpoints that maximises availability is ``C + sqrt(2 (M + R) C + C^2)``; for 
 wall time give ``M = T / (n + 1)``, the next failure counted as already due, so an interval never bets on more
 failure-free time than the run has survived (``E[T / (n + 1)] = M (1 - exp(-T / M))``: never optimistic, unlike
 the one-sample ``T / n``); before the first failure it is also at most the prior, ``expected_mtbf_hours``.
-What that costs a long run that fails less often than its prior: saves about twice as often as the prior's
-interval during its first prior-length of time (about ``sqrt(C P / 2)`` seconds more stall, once).
+Cost to a long run failing less often than its prior ``P``: about ``sqrt(C P / 2)`` s more save stall, once.
 """
 
 from __future__ import annotations

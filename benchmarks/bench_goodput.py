@@ -22,6 +22,8 @@ outside, with the same signal. Each row's ETTR and buckets are its run's ledger 
     python benchmarks/bench_goodput.py --real            # real runs: 1,200 steps, every 20/100/400 and auto,
                                                          # a kill every 400 steps (about 8 min on 2 CPU cores)
     python benchmarks/bench_goodput.py --real --prior-hours-real 0.0025   # and auto with that prior
+    python benchmarks/bench_goodput.py --real --seeds 1 2 --steps 2400 --fixed 20 50 100 400 --timeout 900
+                                   # two schedules, pooled: ETTR, and the runs' counts priced at pooled costs
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def simulate(steps: int, step_s: float, save_s: float, restart_s: float, failure
             if auto is not None:
                 auto.saved(_NoEvents, step)
     return {"ettr": steps * step_s / t, "interval": auto.steps if auto is not None else every,
-            "failures": fi, "ledger_ettr": book.ledger()["ettr"]}
+            "failures": fi, "ledger_ettr": book.ledger()["ettr"], "rework_steps": book.ledger()["steps"]["rework"]}
 
 
 class _NoEvents:
@@ -201,7 +203,10 @@ def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: fl
     changes = [e for e in _NewLines(out / "vidstab" / "events-rank0.jsonl")() if e.get("kind") == "checkpoint_interval"]
     formula = led["interval"]
     return {"ettr": led["ettr"], "wall_seconds": led["wall_seconds"], "buckets": led["buckets"],
-            "steps": led["steps"], "restarts": led["restarts"], "kills": len(kills),
+            "steps": led["steps"], "restarts": led["restarts"], "kills": len(kills), "saves": led["counts"]["checkpoint"],
+            "first_startup": led["attempts"][0]["buckets"]["startup"],
+            "failure_seconds": sum(led["buckets"][b] for b in ("restart", "hang", "rollback"))
+            + sum(a["buckets"]["startup"] for a in led["attempts"][1:]),
             "killed_at_steps": [k["at_step"] for k in kills],
             "interval": changes[-1]["steps"] if changes else None,
             "interval_changes": [(e["step"], e["steps"]) for e in changes],
@@ -236,6 +241,43 @@ def compare_real(steps: int, fixed: list[int], mean_gap: float, seed: int, prior
             "schedule_formula_steps": schedule, "auto": autos}
 
 
+def pool(runs: list[dict], mean_gap: float) -> dict:
+    """Every seed's rows together, per configuration: ETTR as the sum of productive over the sum of wall time,
+    the kills, and ``ettr_at_pooled_costs``: each run's own counts (kept and redone steps, saves, kills) priced
+    at the costs pooled over every run (step, save stall, failure, first start-up, the rest), so that the
+    shared machine's load, which moves start-up and restarts by up to 2x between runs, drops out of the
+    comparison and what is left is what the interval trades."""
+    every = [r for run in runs for r in run["rows"].values()]
+    kept = sum(r["steps"]["productive"] for r in every)
+    step = sum(r["buckets"]["productive"] for r in every) / kept
+    save = sum(r["buckets"]["checkpoint"] for r in every) / max(1, sum(r["saves"] for r in every))
+    failure = sum(r["failure_seconds"] for r in every) / max(1, sum(r["restarts"] for r in every))
+    first = sum(r["first_startup"] for r in every) / len(every)
+    traded = ("productive", "rework", "checkpoint", "restart", "hang", "rollback", "startup")
+    rest = sum(r["wall_seconds"] - sum(r["buckets"][b] for b in traded) for r in every) / len(every)
+    out = {}
+    for name in runs[0]["rows"]:
+        rows = [run["rows"][name] for run in runs]
+        useful = sum(r["steps"]["productive"] for r in rows) * step
+        priced = useful + sum(r["steps"]["rework"] * step + r["saves"] * save + r["restarts"] * failure
+                              + first + rest for r in rows)
+        out[name] = {"ettr": sum(r["buckets"]["productive"] for r in rows) / sum(r["wall_seconds"] for r in rows),
+                     "ettr_at_pooled_costs": useful / priced, "kills": sum(r["kills"] for r in rows),
+                     "rework_steps": sum(r["steps"]["rework"] for r in rows),
+                     "saves": sum(r["saves"] for r in rows), "intervals": [r["interval"] for r in rows]}
+    fixed = [k for k in out if not k.startswith("auto")]
+    for key in ("ettr", "ettr_at_pooled_costs"):
+        best = max(fixed, key=lambda k: out[k][key])
+        for name in out:
+            if name.startswith("auto"):
+                out[name][f"minus_best_points ({key})"] = 100 * (out[name][key] - out[best][key])
+                out[name][f"best_fixed ({key})"] = best
+    rows = {f"{i}:{k}": r for i, run in enumerate(runs) for k, r in run["rows"].items()}
+    return {"rows": out, "costs": {"step_seconds": step, "save_seconds": save, "failure_seconds": failure,
+                                   "first_startup_seconds": first, "rest_seconds": rest},
+            "schedule_formula_steps": schedule_formula_steps(rows, mean_gap)}
+
+
 def schedule_formula_steps(rows: dict, mean_gap: float) -> float:
     """The formula's interval in steps for the schedule's true failure rate and the costs pooled over every run
     (mean save stall, step and failure cost measured by the ledgers): a failure every ``mean_gap`` steps of
@@ -261,18 +303,36 @@ def _print_real_row(every: str, r: dict) -> None:
 def main_real(args) -> int:
     started = time.monotonic()
     priors = [None, *(args.prior_hours_real or [])]
-    r = compare_real(args.steps, args.fixed, args.kill_every_steps, args.seed, priors, Path(args.work),
-                     args.timeout)
-    print(f"kill schedule (steps each attempt executes before its kill): {r['kill_gap_steps']}")
-    for name, a in r["auto"].items():
-        ratio = a["interval_vs_formula"]
-        print(f"{name}: settled on {a['interval']} steps, the formula for its run's measured inputs "
-              f"{a['formula_steps']} steps ({'n/a' if ratio is None else f'{ratio:.2f}x'}); minus best fixed "
-              f"(every {r['best_fixed']}) = {a['minus_best_points']:+.2f} points; the formula for the schedule's "
-              f"true rate and the pooled costs: {r['schedule_formula_steps']:.0f} steps "
-              f"({a['interval_vs_schedule_formula'] or float('nan'):.2f}x)")
+    seeds, runs = args.seeds or [args.seed], []
+    for seed in seeds:
+        work = Path(args.work) if len(seeds) == 1 else Path(args.work) / f"seed-{seed}"
+        print(f"seed {seed}:", flush=True)
+        r = compare_real(args.steps, args.fixed, args.kill_every_steps, seed, priors, work, args.timeout)
+        runs.append(r)
+        print(f"kill schedule (steps each attempt executes before its kill): {r['kill_gap_steps']}")
+        for name, a in r["auto"].items():
+            ratio = a["interval_vs_formula"]
+            print(f"{name}: settled on {a['interval']} steps, the formula for its run's measured inputs "
+                  f"{a['formula_steps']} steps ({'n/a' if ratio is None else f'{ratio:.2f}x'}); minus best fixed "
+                  f"(every {r['best_fixed']}) = {a['minus_best_points']:+.2f} points; the formula for the "
+                  f"schedule's true rate and this seed's pooled costs: {r['schedule_formula_steps']:.0f} steps "
+                  f"({a['interval_vs_schedule_formula'] or float('nan'):.2f}x)", flush=True)
+    pooled = pool(runs, args.kill_every_steps)
+    print(f"pooled over seeds {seeds} (costs: {', '.join(f'{k} {v:.3f}' for k, v in pooled['costs'].items())}); "
+          f"the formula for the schedule's rate and these costs: {pooled['schedule_formula_steps']:.0f} steps")
+    formula = pooled["schedule_formula_steps"]
+    for name, row in pooled["rows"].items():
+        print(f"every {name:>18}: ETTR {100 * row['ettr']:6.2f}%  at pooled costs "
+              f"{100 * row['ettr_at_pooled_costs']:6.2f}%  kills {row['kills']:>3}  redone steps "
+              f"{row['rework_steps']:>5}  saves {row['saves']:>4}"
+              + (f"  settled on {row['intervals']} steps "
+                 f"({', '.join(f'{i / formula:.2f}x' for i in row['intervals'] if i)}); "
+                 f"minus best fixed: {row['minus_best_points (ettr)']:+.2f} points (every "
+                 f"{row['best_fixed (ettr)']}), at pooled costs {row['minus_best_points (ettr_at_pooled_costs)']:+.2f}"
+                 f" (every {row['best_fixed (ettr_at_pooled_costs)']})" if name.startswith("auto") else ""))
     print(f"{time.monotonic() - started:.0f} s")
-    print(json.dumps({"inputs": {**vars(args)}, "seconds": time.monotonic() - started, **r}))
+    print(json.dumps({"inputs": {**vars(args)}, "seconds": time.monotonic() - started, "pooled": pooled,
+                      "seeds": dict(zip(map(str, seeds), runs))}))
     return 0
 
 
@@ -286,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prior-hours", type=float, default=24.0, help="auto's prior MTBF (expected_mtbf_hours)")
     p.add_argument("--fixed", type=int, nargs="+", default=None, help="default: 5 20 100 500 (--real: 20 100 400)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="--real: one run per configuration per seed, then the rows pooled over the seeds")
     p.add_argument("--quick", action="store_true", help="5,000 steps")
     real = p.add_argument_group("--real: real runs and real kills")
     real.add_argument("--real", action="store_true", help="run the reference trainer instead of the simulation")

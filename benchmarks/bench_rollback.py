@@ -15,7 +15,9 @@ checkpoint is saved with the default :class:`~vidstab.checkpoint.CheckpointConfi
                   from the disk (what a rollback long after the save pays; best effort: the kernel may keep pages).
 
 Every restore is checked bitwise against the saved weights and optimizer moments. ``--device cuda`` puts the model
-on the GPU (the copy is then pinned). The last line of output is one JSON object.
+on the GPU (the copy is then pinned: ``held_pinned``). ``memory_equals_files``: the whole restored state (weights,
+every optimizer tensor) after the rollback from memory equals, bitwise, the one after the rollback from the files.
+The last line of output is one JSON object.
 
     python benchmarks/bench_rollback.py                  # CPU: sizes tiny,small
     python benchmarks/bench_rollback.py --sizes small,base --device cuda
@@ -82,6 +84,11 @@ def bench_size(size_name: str, device: str, repeats: int, work: str) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
+    def state() -> list[torch.Tensor]:
+        """Every tensor a rollback restores here: the weights and the optimizer's whole state."""
+        return [t.detach().clone() for t in model.state_dict().values()] + [
+            v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
     def restore(method: str) -> float:
         with torch.no_grad():
             for p in model.parameters():
@@ -103,13 +110,21 @@ def bench_size(size_name: str, device: str, repeats: int, work: str) -> dict:
         return seconds
 
     times: dict[str, list[float]] = {m: [] for m in METHODS}
+    restored: dict[str, list[torch.Tensor]] = {}
     for _ in range(repeats):
         for m in METHODS:
             times[m].append(restore(m))
+            restored.setdefault(m, state())
     ckpt.wait()
+    # The kept copy's tensors (CUDA: in pinned host memory, so the copy back to the device is a DMA).
+    held = [t for spec in (ckpt.memory.payload(path) or {}).values() if isinstance(spec, dict) for t in spec.values()]
     med = {m: statistics.median(v) for m, v in times.items()}
     return {"params_m": round(n_params / 1e6, 2), "state_mb": round(state_bytes / 1e6, 1),
-            "held_mb": round(ckpt.memory.bytes / 1e6, 1), "seconds": {m: round(v, 4) for m, v in med.items()},
+            "held_mb": round(ckpt.memory.bytes / 1e6, 1), "held_tensors": len(held),
+            "held_pinned": bool(held) and all(t.is_pinned() for t in held),
+            "memory_equals_files": all(torch.equal(a, b) for a, b in zip(restored["memory"], restored["files_warm"]))
+            and len(restored["memory"]) == len(restored["files_warm"]),
+            "seconds": {m: round(v, 4) for m, v in med.items()},
             "files_warm_vs_memory": round(med["files_warm"] / med["memory"], 2),
             "files_cold_vs_memory": round(med["files_cold"] / med["memory"], 2)}
 

@@ -14,6 +14,8 @@
 #   async_stall    the async checkpoint's stall of the training loop with pinned host buffers vs a sync save
 #   cuda_oom       a real CUDA OOM (set_per_process_memory_fraction) in an attached loop's forward: the step
 #                  skipped, the memory released, the next step applied (a dry run: "skipped", no CUDA)
+#   rollback_memory an in-place rollback from the copy kept in host memory: the copy pinned, the restored state
+#                  bitwise the files' one, seconds from memory vs from the files (benchmarks/bench_rollback.py)
 # A dry run measures nothing about a GPU: its JSON says "dry_run": true and every piece "cuda": false.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,7 @@ if [[ $DRY_RUN == 1 ]]; then
   piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run &
   piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run &
   piece cuda_oom 240 python benchmarks/gpu_check_pieces.py cuda_oom --dry-run &
+  piece rollback_memory 240 python benchmarks/gpu_check_pieces.py rollback_memory --dry-run &
   wait
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
@@ -51,6 +54,7 @@ else
   piece fp16_overflow 60 python benchmarks/gpu_check_pieces.py fp16_overflow
   piece async_stall 60 python benchmarks/gpu_check_pieces.py async_stall
   piece cuda_oom 60 python benchmarks/gpu_check_pieces.py cuda_oom
+  piece rollback_memory 90 python benchmarks/gpu_check_pieces.py rollback_memory
 fi
 
 python - "$LOGS" "$DRY_RUN" "$(( $(date +%s) - STARTED ))" <<'PY'
@@ -59,7 +63,7 @@ from pathlib import Path
 
 logs, dry_run, seconds = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
 pieces = {}
-for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom"):
+for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom", "rollback_memory"):
     lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
     rc = int((logs / f"{name}.rc").read_text())
     result = None

@@ -5,6 +5,7 @@
     python benchmarks/gpu_check_pieces.py fp16_overflow  [--dry-run]  # a real GradScaler overflow, end to end
     python benchmarks/gpu_check_pieces.py async_stall    [--dry-run]  # async checkpoint: loop stall, pinned buffers
     python benchmarks/gpu_check_pieces.py cuda_oom       [--dry-run]  # a real CUDA OOM in the attached loop's forward
+    python benchmarks/gpu_check_pieces.py rollback_memory [--dry-run] # rollback from pinned host memory vs the files
 
 ``--dry-run`` runs the same code tiny on the CPU (so the kit does not rot where no GPU is): there is no
 CUDA sync debug mode and no GradScaler there, and the JSON says so (``"cuda": false``) instead of
@@ -279,7 +280,27 @@ def cuda_oom(dry_run: bool) -> dict:
             "released": released, "rollbacks": len(rollbacks)}
 
 
-PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall": async_stall, "cuda_oom": cuda_oom}
+def rollback_memory(dry_run: bool) -> dict:
+    """An in-place rollback from the copy of the last healthy checkpoint kept in host memory, on the GPU: the copy
+    is in pinned memory, the state it restores (weights, every optimizer tensor) is bitwise the one a rollback from
+    the files restores, and the seconds of each side by side (``bench_rollback.py --device cuda``, which also checks
+    each restore against the saved state)."""
+    import shutil
+
+    from bench_rollback import bench_size
+
+    device = _device(dry_run)
+    work = tempfile.mkdtemp(prefix="vidstab-gpu-rollback-")
+    try:
+        sizes = {s: bench_size(s, device, 1 if dry_run else 3, work) for s in (("tiny",) if dry_run else ("small", "base"))}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(r["memory_equals_files"] and r["held_tensors"] > 0 and (dry_run or r["held_pinned"]) for r in sizes.values())
+    return {"piece": "rollback_memory", "cuda": device == "cuda", "ok": ok, "sizes": sizes}
+
+
+PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall": async_stall, "cuda_oom": cuda_oom,
+          "rollback_memory": rollback_memory}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--ema_decay", type=float, default=0.999, help="Decay of the weights' EMA (--use_ema).")
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--checkpointing_steps", type=steps_or_auto, default=100, help='Save a checkpoint every this many optimizer steps (and at the end); a rollback or an incident replay uses the newest. auto: the interval the run\'s goodput ledger calls for (Young/Daly from the measured save stall, failure cost and failure rate), the first save after 10 steps, then re-chosen after every save within [max(10, the detectors\' lead time: the guard\'s health_window), 10000] steps; each change is a checkpoint_interval event.')
-    ckpt.add_argument("--expected_mtbf_hours", type=float, default=24.0, help="With --checkpointing_steps auto: the mean time between failures assumed until the run has seen some.")
+    ckpt.add_argument("--expected_mtbf_hours", type=float, default=24.0, help="With --checkpointing_steps auto: the most mean time between failures assumed until the run has seen a failure (before one, also no more than the run has survived).")
     ckpt.add_argument("--checkpoints_total_limit", type=int, default=3, help="Newest K kept (plus the last good one).")
     ckpt.add_argument("--resume_from_checkpoint", type=str, default=None, help='A checkpoint folder, "latest" or "last_good".')
     ckpt.add_argument("--no_async_save", action="store_true", help="Write checkpoints in the foreground.")

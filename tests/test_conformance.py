@@ -73,6 +73,27 @@ def test_every_cell_passes_the_same_fault_drills(faults, cell):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
+def test_rollbacks_restore_from_host_memory_and_deepspeeds_from_its_files_said_once_per_cell(faults, world):
+    """Every cell sets ``rollback_memory_budget_bytes``: full-state cells roll back from the copy in host memory
+    (the first rollback, to the checkpoint held);
+    DeepSpeed's checkpoints are its engine's, so its cells roll back from the files (the persistent drill checks
+    the restore bitwise) and the main process says so in one line per cell, not one per rollback."""
+    proc, out = faults[world]
+    for cell in _cells(world):
+        form, engine = cell.split(":")
+        sources = drill.rollback_sources(out / f"{form}-{engine}", world)
+        if engine.startswith("zero"):
+            assert sources == {"files"}, (cell, sources)
+        elif engine in ("single", "ddp"):  # a later rollback to an older checkpoint than the one held: the files
+            assert "memory" in sources and sources <= {"memory", "files"}, (cell, sources)
+        else:  # FSDP2: from memory after an async sharded save, from the files after a synchronous one
+            assert sources and sources <= {"memory", "files"}, (cell, sources)
+    zero_cells = sum(cell.split(":")[1].startswith("zero") for cell in _cells(world))
+    assert (proc.stdout + proc.stderr).count(drill.FROM_FILES_LINE) == zero_cells, (proc.stderr[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
 def test_the_last_cell_ends_the_launch_with_the_attached_forms_exit_code_and_no_traceback(faults, world):
     proc, _ = faults[world]
     log = proc.stdout + proc.stderr

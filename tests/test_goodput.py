@@ -221,7 +221,8 @@ def test_the_interval_advice_comes_from_the_drills_measurements(drill):
     assert advice["failures"] == 2  # the rollback and the restart
     assert advice["save_seconds"] == pytest.approx(sum(e["blocking_seconds"] for e in saves) / len(saves))
     assert led["buckets"]["checkpoint"] == pytest.approx(sum(e["blocking_seconds"] for e in saves))
-    assert advice["mtbf_seconds"] == pytest.approx(led["wall_seconds"] / 2)  # failures seen: the prior is gone
+    # Failures seen: the prior is gone; the next failure counts as already due (no one-sample optimism).
+    assert advice["mtbf_seconds"] == pytest.approx(led["wall_seconds"] / 3) and advice["mtbf_from"] == "failures"
     assert advice["interval_seconds"] == pytest.approx(
         optimal_interval_seconds(advice["save_seconds"], advice["mtbf_seconds"], advice["restart_seconds"]))
     assert advice["interval_steps"] == max(1, round(advice["interval_seconds"] / advice["step_seconds"]))
@@ -250,6 +251,8 @@ def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_fo
     assert first["floor"] == 50
     assert first["steps"] == min(max(round(first["interval_seconds"] / first["step_seconds"]), 50), 10_000) > 10
     assert first["failures"] == 0 and first["expected_mtbf_hours"] == 24.0
+    # No failure yet: the interval bets on no more than the run has survived (seconds here, not the 24 h prior).
+    assert first["mtbf_from"] == "survived" and first["mtbf_seconds"] == pytest.approx(first["wall_seconds"])
 
 
 def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the_ledger(tmp_path):
@@ -268,6 +271,40 @@ def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the
     assert change["floor"] == change["lead_steps"] == 12 and change["steps"] >= 12  # GuardConfig(health_window=12)
     with pytest.raises(ValueError, match="rollback_every must be"):
         _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")
+
+
+def test_before_a_failure_no_interval_bets_more_than_the_run_has_survived():
+    """The real controller on the real ledger (bench_goodput's simulation), a 24 h prior and a first failure
+    after 60 s: the work it throws away is at most the interval that 60 s of survival calls for, not the one
+    24 h would; with no failure in sight the prior caps the bet; after failures, T / (n + 1)."""
+    from benchmarks.bench_goodput import simulate
+
+    from vidstab.run.checkpoint_interval import optimal_interval_seconds, recommend
+    from vidstab.run.goodput import LedgerBuilder
+
+    step_s, save_s = 0.09, 0.07
+    run = simulate(2000, step_s, save_s, 22.0, [60.0], None, prior_hours=24.0)
+    assert run["failures"] == 1
+    assert 0 < run["rework_steps"] <= optimal_interval_seconds(save_s, 60.0) / step_s  # about 32 steps, not ~1,200
+    prior = simulate(2000, step_s, save_s, 22.0, [60.0], None, prior_hours=60.0 / 3600)
+    assert run["rework_steps"] <= prior["rework_steps"] + 10 and run["ettr"] == pytest.approx(prior["ettr"], abs=0.01)
+
+    book = LedgerBuilder()
+    book.feed({"kind": "start", "time": 0.0, "step": 0, "process_started": 0.0})
+    for step in range(100):
+        book.feed({"kind": "metrics", "time": 1.0 + step, "step": step, "applied": True})
+    book.feed({"kind": "checkpoint", "time": 100.5, "step": 100, "blocking_seconds": 0.5, "blocking_ended": 100.5})
+    survived = recommend(book.result(), expected_mtbf_hours=24.0)
+    assert (survived["mtbf_from"], survived["mtbf_seconds"]) == ("survived", pytest.approx(100.5))
+    capped = recommend(book.result(), expected_mtbf_hours=0.01)  # 36 s: the run has gone longer than its prior
+    assert (capped["mtbf_from"], capped["mtbf_seconds"]) == ("prior", pytest.approx(36.0))
+    assert capped["interval_steps"] < survived["interval_steps"]
+    book.feed({"kind": "crash", "time": 101.0, "step": 100})
+    book.feed({"kind": "start", "time": 111.0, "step": 100, "process_started": 105.0})
+    book.feed({"kind": "restart", "time": 111.0, "step": 100})
+    failed = recommend(book.result(), expected_mtbf_hours=24.0)
+    assert (failed["failures"], failed["mtbf_from"]) == (1, "failures")
+    assert failed["mtbf_seconds"] == pytest.approx(book.result()["wall_seconds"] / 2)
 
 
 def test_bench_goodput_quick_the_ledger_of_a_simulated_run_agrees_with_the_simulation(capsys):

@@ -14,9 +14,13 @@ def test_gpu_check_dry_run_runs_every_piece_and_prints_one_json_line():
     assert proc.returncode == 0 and summary["ok"], json.dumps(summary, indent=1)[-4000:]
     assert summary["dry_run"] and summary["device"] == "cpu"
     pieces = summary["pieces"]
-    assert set(pieces) == {"sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom"}
+    assert set(pieces) == {"sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom",
+                           "rollback_memory"}
+    rollback = pieces["rollback_memory"]["result"]["sizes"]["tiny"]
+    assert rollback["memory_equals_files"] and rollback["held_tensors"] > 0  # pinned only on CUDA: not asserted here
     assert "no CUDA device" in pieces["cuda_oom"]["result"]["skipped"]  # said, not measured
     assert pieces["sync_debug"]["result"]["reads_per_step"] == [1] * 5  # the guard's one read, nothing hidden
     assert pieces["model"]["result"]["sizes"]["micro"]["models"]["ours"]["achieved_tflops"] > 0
     assert {"stall_ms", "total_ms"} <= set(pieces["async_stall"]["result"]["async"])  # figures, not asserted (timing)
-    assert all(p["result"].get("cuda") is False for k, p in pieces.items() if k in ("sync_debug", "fp16_overflow", "async_stall", "cuda_oom"))
+    assert all(p["result"].get("cuda") is False for k, p in pieces.items() if k in ("sync_debug", "fp16_overflow", "async_stall", "cuda_oom",
+                                                                            "rollback_memory"))

@@ -51,6 +51,9 @@ MAX_ITERATIONS = 60  # the persistent fault ends the cell long before
 KILL_AT, KILL_TOTAL, SAVE_EVERY = 7, 9, 3
 # health_window: a 30-step drill has its healthy checkpoint a few steps after the last fault (the default is 50)
 CONFIG = {"grad_spike": {"warmup_steps": 3, "ratio_warmup_steps": 3}, "param_norm_every": 1, "health_window": 3}
+# Rollbacks from a copy in host memory where the engine's checkpoints allow it (DeepSpeed's roll back from files).
+ROLLBACK_MEMORY_BUDGET = 64 << 20
+FROM_FILES_LINE = "restores from the checkpoint's files, not from host memory: deepspeed checkpoints roll back"
 
 
 class Counter:
@@ -209,10 +212,12 @@ def cell_objects(acc, form: str, engine: str, model, opt, sched, out: Path, resu
         acc.register_save_state_pre_hook(save_ema)
         acc.register_load_state_pre_hook(load_ema)
         acc.register_for_checkpointing(counter)
-        guard = vidstab.attach(acc, model, opt, sched, config=config, run_dir=out, rollback_every=ROLLBACK_EVERY)
+        guard = vidstab.attach(acc, model, opt, sched, config=config, run_dir=out, rollback_every=ROLLBACK_EVERY,
+                               rollback_memory_budget_bytes=ROLLBACK_MEMORY_BUDGET)
         return guard, None, None, ema, counter
     guard = vidstab.attach(acc, model, opt, sched, config=config, run_dir=out)
-    ckpt = vidstab.CheckpointManager(acc, str(out))
+    ckpt = vidstab.CheckpointManager(acc, str(out),
+                                     vidstab.CheckpointConfig(rollback_memory_budget_bytes=ROLLBACK_MEMORY_BUDGET))
     for name, obj in {"model": model, "optimizer": opt, "lr_scheduler": sched, "vidstab": guard,
                       "counter": counter}.items():
         ckpt.register(name, obj)
@@ -437,6 +442,12 @@ def refusals(folder: Path) -> dict[str, str]:
     """The drills the cell's setup was refused (a registration refused with its reason), by drill."""
     path = folder / "refused.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def rollback_sources(cell: Path, world: int) -> set[str | None]:
+    """Where the ``faults`` launch's rollbacks of ``cell`` restored from (``memory`` or ``files``), every rank."""
+    return {e.get("source") for r in range(world) for e in _lines(cell / "faults" / "vidstab" / f"events-rank{r}.jsonl")
+            if e["kind"] == "rollback"}
 
 
 def _rollback_targets(cell: Path, form: str, rank: int, trace: list[dict]) -> list[int]:

@@ -3,9 +3,11 @@
 With ``C`` the seconds a save blocks training, ``M`` the mean time between failures and ``R`` what a failure
 costs besides the lost work (restart downtime, start-up, hang until the watchdog, rollback), the time between
 checkpoints that maximises availability is ``C + sqrt(2 (M + R) C + C^2)``; for ``C, R << M`` it is Young's
-``sqrt(2 C M)``. ``M`` is observed once failures are seen (restarts and rollbacks): ``n`` failures in ``T``
-seconds of wall time give ``M = T / n``; until then it is the prior, ``expected_mtbf_hours``, or ``T`` once the
-run has gone longer than that without one.
+``sqrt(2 C M)``. ``M`` is what the run has shown: ``n`` failures (restarts and rollbacks) in ``T`` seconds of
+wall time give ``M = T / (n + 1)``, the next failure counted as already due, so an interval never bets on more
+failure-free time than the run has survived (``E[T / (n + 1)] = M (1 - exp(-T / M))``: never optimistic, unlike
+the one-sample ``T / n``); before the first failure it is also at most the prior, ``expected_mtbf_hours``.
+Cost to a long run failing less often than its prior ``P``: about ``sqrt(C P / 2)`` s more save stall, once.
 """
 
 from __future__ import annotations
@@ -37,15 +39,23 @@ def recommend(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> dict
         restart = (cost + restarted) / failures
     else:  # no failure yet: a restart would cost what this run's start-up cost
         restart = led["attempts"][0]["buckets"]["startup"] if led["attempts"] else 0.0
-    if failures:
-        mtbf = led["wall_seconds"] / failures
-    else:
-        mtbf = max(3600.0 * float(expected_mtbf_hours), led["wall_seconds"])
+    mtbf, mtbf_from = mtbf_estimate(led["wall_seconds"], failures, expected_mtbf_hours)
     step = buckets["productive"] / kept
     seconds = optimal_interval_seconds(save, mtbf, restart)
-    return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "failures": failures,
-            "step_seconds": step, "interval_seconds": seconds, "interval_steps": max(1, round(seconds / step)),
+    return {"save_seconds": save, "restart_seconds": restart, "mtbf_seconds": mtbf, "mtbf_from": mtbf_from,
+            "failures": failures, "wall_seconds": led["wall_seconds"], "step_seconds": step,
+            "interval_seconds": seconds, "interval_steps": max(1, round(seconds / step)),
             "expected_mtbf_hours": float(expected_mtbf_hours)}
+
+
+def mtbf_estimate(wall_seconds: float, failures: int, expected_mtbf_hours: float) -> tuple[float, str]:
+    """``M`` (module docstring) and where it came from: ``"failures"`` (``T / (n + 1)``), ``"survived"`` (no
+    failure yet: ``T``) or ``"prior"`` (no failure yet, and ``T`` beyond the prior)."""
+    survived = max(float(wall_seconds), 1e-3)  # a ledger of no time yet: the smallest bet
+    if failures:
+        return survived / (failures + 1), "failures"
+    prior = 3600.0 * float(expected_mtbf_hours)
+    return (survived, "survived") if survived < prior else (prior, "prior")
 
 
 class AutoInterval:

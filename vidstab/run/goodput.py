@@ -281,7 +281,7 @@ def format_table(led: Mapping[str, Any], expected_mtbf_hours: float = 24.0) -> s
         lines.append(f"checkpoint interval these measurements call for (Young/Daly): every {advice['interval_steps']} "
                      f"steps ({advice['interval_seconds']:.1f} s) from a {advice['save_seconds']:.3f} s save stall, "
                      f"{advice['restart_seconds']:.1f} s per failure, MTBF {advice['mtbf_seconds'] / 3600:.2f} h "
-                     f"({advice['failures']} failure(s) seen, prior {expected_mtbf_hours:g} h)")
+                     f"({advice['failures']} failure(s) seen, from {advice['mtbf_from']}; prior {expected_mtbf_hours:g} h)")
     return "\n".join(lines)
 
 

@@ -192,10 +192,11 @@ def memory_of(kind: str, args, run_dir: str) -> dict:
 
 def settle_allocator() -> None:
     """Let the C allocator do now the work it defers on freed blocks: glibc sorts and merges the small blocks freed
-    since its last request of 1 KiB or more at the next such request, whoever makes it. Without this, the blocks a
-    user's backward frees per parameter tensor (its autograd bookkeeping) are merged in the guard's first allocation
-    after it (in the plain step: in the clip), and counted as the guard's time."""
-    bytearray(4096)
+    since its last request of 1 KiB or more at the next such requests (at most 10,000 blocks a request), whoever
+    makes them. Without this, the blocks a user's backward frees per parameter tensor (its autograd bookkeeping) are
+    merged in the guard's first allocations after it (in the plain step: in the clip), counted as the guard's time."""
+    held = [bytearray(size) for size in range(4096, 6144, 256)]  # 8 requests, held so none reuses the last's block
+    del held
 
 
 class UserWork:
@@ -242,6 +243,7 @@ def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
         for name in order:
             with v.accelerator.accumulate(v.model):
                 loss = v.loss_fn(v.model)  # the forward is the user's, outside the guard
+                settle_allocator()  # the blocks freed with the last step's graph (when ``loss`` was rebound) too
                 work.cpu, c0 = 0.0, time.thread_time()
                 v.after_forward(name, loss)
                 settle_allocator()  # the blocks the step freed last are its own work, not the next forward's

@@ -19,6 +19,8 @@ replaced; kept here only as the baseline):
   clip, optimizer and scheduler steps, ``zero_grad``: timed around each call), i.e. the guard's own work, this
   thread's CPU time with one intra-op thread (a CPU step is all host time; the load of other processes inflates
   it least); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
+  The C allocator's deferred work on the blocks a call freed is done at the end of that call (:func:`settle_allocator`):
+  else the blocks the user's backward frees per parameter tensor are sorted in the guard's next allocation.
   The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors.
 * **The small UNet step** (the issue's many-small-tensors case): ``1 +`` the guard's own host time over the plain
   step's (backward, clip, optimizer and scheduler steps, ``zero_grad``; the forward is left out of both), measured

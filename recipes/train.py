@@ -179,7 +179,7 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     faults.maybe_oom(step, latents.shape[0])
                     with acc.autocast():
                         per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
-                    loss = per_sample.mean()
+                    loss = per_sample.mean() * faults.loss_factor(step)  # the grad_spike drill
                 except RuntimeError as exc:  # e.g. a CUDA error, an OOM or an injected fault: recover instead of dying
                     error = exc
                     # Every rank must still run the same collectives: a zero loss through the wrapped model keeps

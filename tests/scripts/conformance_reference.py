@@ -9,7 +9,8 @@ Launches per engine (single, ddp, fsdp2 = ``--fsdp``, zero1/2/3 = ``accelerate l
   DeepSpeed: it stops the process there), the persistent LR fault to the abort (exit code 3); ``--use_ema`` but at
   ZeRO-3, where the trainer refuses it (``ema_refusal``: a launch that must stop at setup with its reason);
 - ``kill``: SIGKILL of the last rank at step :data:`KILL_AT` under ``--max_restarts 1``, the restart resuming with
-  ``--resume_from_checkpoint latest`` from the checkpoint of step :data:`RESUMED_AT`, to :data:`KILL_TOTAL` steps;
+  ``--resume_from_checkpoint latest`` from the checkpoint of step :data:`RESUMED_AT`, to :data:`KILL_TOTAL` steps
+  (and a NaN sample on the last rank at :data:`KILL_NAN` before it, whose bundle names a checkpoint);
 - ``oom`` (DeepSpeed only): an OOM inside the engine's step on every rank: a stop with a message.
 """
 
@@ -23,16 +24,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import conformance_drill as drill  # noqa: E402
+from trainer_utils import FAST  # noqa: E402  (the tests' tiny model and data)
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2}
 OOM_STEP = 13  # between the LR bug and the persistent fault
 KILL_AT, SAVE_EVERY, KILL_TOTAL = 8, 3, 9
 RESUMED_AT = KILL_AT - KILL_AT % SAVE_EVERY
+KILL_NAN = SAVE_EVERY + 1  # a bad sample after the first checkpoint: its incident bundle replays on trained weights
 DS_OOM_STEP, DS_OOM_STEPS = 2, 4
-SMALL = ["--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32", "--num_layers", "2", "--num_heads",
-         "2", "--report_to", "none", "--lr_warmup_steps", "2", "--no_async_save", "--no_html_report"]
 
 
 def faults(world: int, engine: str) -> list[str]:
@@ -73,7 +75,7 @@ def command(engine: str, out: Path, *flags: str, restarts: int = 0) -> tuple[lis
             env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PET_STANDALONE="1")
             cmd += ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--max_restarts", str(restarts)]
         cmd += ["--main_process_port", str(_port()), train]
-    return cmd + ["--output_dir", str(out), *SMALL, *(["--fsdp"] if engine == "fsdp2" else []), *flags], env
+    return cmd + ["--output_dir", str(out), *FAST, *(["--fsdp"] if engine == "fsdp2" else []), *flags], env
 
 
 def run(engine: str, out: Path, *flags: str, restarts: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -101,7 +103,8 @@ def launch(engine: str, kind: str, folder: Path, timeout: int = 900) -> subproce
         ema = [] if engine == "zero3" else ["--use_ema"]
         return run(engine, folder / kind, *common, *ema, "--max_train_steps", str(KILL_TOTAL), "--checkpointing_steps",
                    str(SAVE_EVERY), "--resume_from_checkpoint", "latest", "--inject_fault",
-                   f"kill@{KILL_AT}:{world - 1}", restarts=1, timeout=timeout)
+                   f"nan_batch@{KILL_NAN}:{world - 1}", "--inject_fault", f"kill@{KILL_AT}:{world - 1}", restarts=1,
+                   timeout=timeout)
     if kind == "oom":
         return run(engine, folder / kind, *common, "--max_train_steps", str(DS_OOM_STEPS), "--checkpointing_steps",
                    str(DS_OOM_STEPS), "--inject_fault", f"oom_in_step@{DS_OOM_STEP}", timeout=timeout)
@@ -232,30 +235,37 @@ def evaluate_kill(out: Path, engine: str, proc: subprocess.CompletedProcess) -> 
         return {"status": "fail", "why": f"the launch exited {proc.returncode}"}
     for rank in range(world):
         ev = events(out, rank)
-        cut = next((i for i, e in enumerate(ev) if e["kind"] == "restart"), None)
-        if cut is None:
-            return {"status": "fail", "why": f"rank {rank}: no restart event"}
-        r = ev[cut]
+        starts = [i for i, e in enumerate(ev) if e["kind"] == "start"]  # one per attempt
+        restarts = [e for e in ev if e["kind"] == "restart"]
+        if len(starts) != 2 or len(restarts) != 1:
+            return {"status": "fail", "why": f"rank {rank}: {len(starts)} attempts, {len(restarts)} restart events"}
+        cut, r = starts[1], restarts[0]
         if rank == 0 and (r["cause"] != "killed" or r["culprit_ranks"] != [world - 1]):
             return {"status": "fail", "why": f"restart cause {r['cause']}, ranks {r['culprit_ranks']}"}
         if r["step"] != RESUMED_AT:
             return {"status": "fail", "why": f"rank {rank}: resumed at {r['step']}, not {RESUMED_AT}"}
-        first, second = ({e["step"]: (e["loss"], e["grad_norm"], e["lr"]) for e in part if e["kind"] == "metrics"}
-                         for part in (ev[:cut], ev[cut:]))
-        replayed = list(range(RESUMED_AT, KILL_AT))
-        if [first.get(s) for s in replayed] != [second.get(s) for s in replayed] or None in first.values():
-            return {"status": "fail", "why": f"rank {rank}: steps {replayed} after the resume differ from the first "
-                                             f"attempt's: {[first.get(s) for s in replayed]} vs "
-                                             f"{[second.get(s) for s in replayed]}"}
         stops = [e.get("exit_code") for e in ev[cut:] if e["kind"] == "stop"]
-        if stops != [0] or max(second) != KILL_TOTAL - 1:
-            return {"status": "fail", "why": f"rank {rank}: stops {stops}, last step {max(second)}"}
+        replayed = _replayed_bitwise(ev, cut) if rank == 0 else True
+        if stops != [0] or replayed is not True:
+            return {"status": "fail", "why": f"rank {rank}: stops {stops}; {replayed}"}
     final = out / "vidstab" / "checkpoints" / f"step_{KILL_TOTAL:06d}"
     tensors = [t for f in sorted(final.glob("*.safetensors")) if not f.name.startswith(("rng", "optimizer"))
                for t in load_file(str(f)).values() if t.is_floating_point()]
     if not tensors or not all(bool(t.isfinite().all()) for t in tensors):
         return {"status": "fail", "why": f"{final.name}: weights or EMA not finite"}
     return {"status": "pass"}
+
+
+def _replayed_bitwise(ev: list[dict], cut: int) -> bool | str:
+    """True when the main process's metrics (the loss and gradient norm reduced over every rank, the LR) of the steps
+    the resumed attempt replays equal the first attempt's bitwise and it ran to the end; else what differs."""
+    first, second = ({e["step"]: (e["loss"], e["grad_norm"], e["lr"]) for e in part if e["kind"] == "metrics"}
+                     for part in (ev[:cut], ev[cut:]))
+    replayed = list(range(RESUMED_AT, KILL_AT))
+    if [first.get(s) for s in replayed] != [second.get(s) for s in replayed] or not first or None in first.values():
+        return (f"steps {replayed} after the resume differ from the first attempt's: "
+                f"{[first.get(s) for s in replayed]} vs {[second.get(s) for s in replayed]}")
+    return True if max(second, default=-1) == KILL_TOTAL - 1 else f"last step {max(second, default=None)}"
 
 
 def evaluate_oom_stop(out: Path, engine: str, proc: subprocess.CompletedProcess) -> dict:

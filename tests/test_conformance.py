@@ -171,6 +171,8 @@ def test_the_reference_trainer_under_zero3_passes_the_fault_drills_and_refuses_i
     for name in ("nan", "spike", "lr_bug", "persistent"):
         assert row[name]["status"] == "pass", (name, row[name].get("why"))
     assert row["ema"]["status"] == "refused" and "use --zero_stage 1 or 2 with --use_ema" in row["ema"]["why"]
+    refused = procs["ema_refusal"].stdout + procs["ema_refusal"].stderr  # and the clip, in the same launch
+    assert f"--max_grad_norm {reference.REFUSED_CLIP} differs from DeepSpeed's gradient_clipping 1.0" in refused
     for rank in (0, 1):  # the NaN on rank 1, skipped in lockstep
         (skip,) = [e for e in reference.events(out / "faults", rank) if e["kind"] == "skip"
                    and e["detector"] == "nonfinite"]

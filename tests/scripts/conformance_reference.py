@@ -7,7 +7,8 @@ Launches per engine (single, ddp, fsdp2 = ``--fsdp``, zero1/2/3 = ``accelerate l
 
 - ``faults``: NaN on the last rank, gradient spike, LR bug for 3 steps, an OOM inside the optimizer step (not under
   DeepSpeed: it stops the process there), the persistent LR fault to the abort (exit code 3); ``--use_ema`` but at
-  ZeRO-3, where the trainer refuses it (``ema_refusal``: a launch that must stop at setup with its reason);
+  ZeRO-3, where the trainer refuses it (``ema_refusal``: a launch that must stop at setup with its reason, there
+  with a ``--max_grad_norm`` other than DeepSpeed's clip too: both said at once);
 - ``kill``: SIGKILL of the last rank at step :data:`KILL_AT` under ``--max_restarts 1``, the restart resuming with
   ``--resume_from_checkpoint latest`` from the checkpoint of step :data:`RESUMED_AT`, to :data:`KILL_TOTAL` steps
   (and a NaN sample on the last rank at :data:`KILL_NAN` before it, whose bundle names a checkpoint);
@@ -29,12 +30,14 @@ import conformance_drill as drill  # noqa: E402
 from trainer_utils import FAST  # noqa: E402  (the tests' tiny model and data)
 
 REPO = Path(__file__).resolve().parents[2]
-ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2}
+ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero2-bf16": 2}
+"""fp32 but ``zero2-bf16`` (DeepSpeed's bf16 optimizer: fp32 master weights beside bf16 ones, another engine path)."""
 OOM_STEP = 13  # between the LR bug and the persistent fault
 KILL_AT, SAVE_EVERY, KILL_TOTAL = 8, 3, 9
 RESUMED_AT = KILL_AT - KILL_AT % SAVE_EVERY
 KILL_NAN = SAVE_EVERY + 1  # a bad sample after the first checkpoint: its incident bundle replays on trained weights
 DS_OOM_STEP, DS_OOM_STEPS = 2, 4
+REFUSED_CLIP = 0.5  # DeepSpeed's gradient_clipping is accelerate launch's default, 1.0
 
 
 def faults(world: int, engine: str) -> list[str]:
@@ -65,9 +68,9 @@ def command(engine: str, out: Path, *flags: str, restarts: int = 0) -> tuple[lis
         cmd = [sys.executable, train]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world), "--num_machines", "1",
-               "--dynamo_backend", "no", "--mixed_precision", "no"]
+               "--dynamo_backend", "no", "--mixed_precision", "bf16" if engine.endswith("bf16") else "no"]
         if engine.startswith("zero"):
-            cmd += ["--use_deepspeed", "--zero_stage", engine[-1]]
+            cmd += ["--use_deepspeed", "--zero_stage", engine[4]]
         else:
             env["ACCELERATE_USE_CPU"] = "1"
             cmd += ["--multi_gpu"] if world > 1 else []
@@ -97,8 +100,9 @@ def launch(engine: str, kind: str, folder: Path, timeout: int = 900) -> subproce
         ema = [] if engine == "zero3" else ["--use_ema"]
         return run(engine, folder / kind, *common, *ema, "--max_train_steps", "40", "--checkpointing_steps",
                    str(drill.ROLLBACK_EVERY), *faults(world, engine), timeout=timeout)
-    if kind == "ema_refusal":
-        return run(engine, folder / kind, *common, "--use_ema", "--max_train_steps", "2", timeout=timeout)
+    if kind == "ema_refusal":  # with a clip other than DeepSpeed's: both refused at setup, at once
+        return run(engine, folder / kind, *common, "--use_ema", "--max_grad_norm", str(REFUSED_CLIP),
+                   "--max_train_steps", "2", timeout=timeout)
     if kind == "kill":
         ema = [] if engine == "zero3" else ["--use_ema"]
         return run(engine, folder / kind, *common, *ema, "--max_train_steps", str(KILL_TOTAL), "--checkpointing_steps",
@@ -196,7 +200,6 @@ def ema_follows_the_weights(out: Path, ev: list[dict]) -> str | None:
     """Every checkpoint's EMA (the last one's included) is finite and has taken exactly the applied steps of the
     trajectory that led to it: a skipped step would add one, an EMA not rolled back with the weights all the
     updates of the discarded attempts. Read from the files (the trajectory from rank 0's event log)."""
-    from safetensors.torch import load_file
 
     steps, skipped, expected = set(), set(), {}
     for e in ev:
@@ -218,7 +221,7 @@ def ema_follows_the_weights(out: Path, ev: list[dict]) -> str | None:
         if state["optimization_step"] != applied:
             return (f"{path}: the EMA took {state['optimization_step']} steps, the trajectory to it applied {applied} "
                     "(skipped steps taken, or not rolled back with the weights)")
-        tensors = [t for f in sorted(folder.glob("ema*.safetensors")) for t in load_file(str(f)).values()]
+        tensors = saved_weights(folder, "ema")
         if not tensors or not all(bool(t.isfinite().all()) for t in tensors):
             return f"{path}: the EMA is not finite (or not saved)"
     return None
@@ -228,8 +231,6 @@ def evaluate_kill(out: Path, engine: str, proc: subprocess.CompletedProcess) -> 
     """SIGKILL of the last rank at KILL_AT: one restart naming it, resumed from step RESUMED_AT, the steps it replays
     (RESUMED_AT .. KILL_AT - 1) bitwise the first attempt's (loss, gradient norm, LR: weights, optimizer state, data
     position, RNG and schedule restored), finished at KILL_TOTAL with exit 0 and finite weights (and EMA)."""
-    from safetensors.torch import load_file
-
     world = ENGINES[engine]
     if proc.returncode != 0:
         return {"status": "fail", "why": f"the launch exited {proc.returncode}"}
@@ -249,11 +250,20 @@ def evaluate_kill(out: Path, engine: str, proc: subprocess.CompletedProcess) -> 
         if stops != [0] or replayed is not True:
             return {"status": "fail", "why": f"rank {rank}: stops {stops}; {replayed}"}
     final = out / "vidstab" / "checkpoints" / f"step_{KILL_TOTAL:06d}"
-    tensors = [t for f in sorted(final.glob("*.safetensors")) if not f.name.startswith(("rng", "optimizer"))
-               for t in load_file(str(f)).values() if t.is_floating_point()]
-    if not tensors or not all(bool(t.isfinite().all()) for t in tensors):
+    if not all(bool(t.isfinite().all()) for t in saved_weights(final)) or not saved_weights(final):
         return {"status": "fail", "why": f"{final.name}: weights or EMA not finite"}
     return {"status": "pass"}
+
+
+def saved_weights(folder: Path, prefix: str = "") -> list:
+    """The full weights (``model.safetensors``; ``--fsdp``: the DCP shards) and EMA a checkpoint folder holds, or
+    with ``prefix="ema"`` its EMA only (never the ZeRO partitions: their padding is uninitialised)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("ema*.safetensors")) + ([] if prefix else [folder / "model.safetensors"])
+    return [t for f in files if f.exists() for t in load_file(str(f)).values()] + [
+        t for f in sorted(folder.glob("dcp/*.safetensors")) for k, t in load_file(str(f)).items()
+        if k.startswith(prefix + "." if prefix else ("model.", "ema."))]
 
 
 def _replayed_bitwise(ev: list[dict], cut: int) -> bool | str:
@@ -272,7 +282,7 @@ def evaluate_oom_stop(out: Path, engine: str, proc: subprocess.CompletedProcess)
     """DeepSpeed updates inside its engine: an OOM there stops every rank with one message saying what to do."""
     world = ENGINES[engine]
     log = proc.stdout + proc.stderr
-    said = f"out of memory inside DeepSpeed's engine.step() (ZeRO-{engine[-1]})"
+    said = f"out of memory inside DeepSpeed's engine.step() (ZeRO-{engine[4]})"
     for rank in range(world):
         ooms = [e["step"] for e in events(out, rank) if e["kind"] == "oom" and e.get("phase") == "optimizer"]
         if ooms != [DS_OOM_STEP] or f"step {DS_OOM_STEP}, rank {rank}: {said}" not in log:

@@ -206,3 +206,25 @@ def test_the_reference_trainer_under_zero3_stops_on_an_oom_inside_the_engines_st
     out, procs = reference_runs
     result = reference.evaluate_oom_stop(out / "oom", REFERENCE_ENGINE, procs["oom"])
     assert result["status"] == "stopped", result
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_under_zero3_skips_a_forward_oom_in_lockstep_without_re_splitting(reference_runs):
+    """DeepSpeed accumulates inside its engine, so a forward OOM on rank 1 is skipped on both ranks (the engine's
+    overflow path), not re-run in pieces nor rolled back, and the event says what to lower."""
+    import conformance_reference as reference
+
+    import vidstab
+
+    out, _ = reference_runs
+    oom, step = out / "oom", reference.DS_FORWARD_OOM
+    ooms = vidstab.read_events(oom, "oom")
+    assert [(e["step"], e["rank"], e["phase"]) for e in ooms if e["phase"] == "forward"] == [(step, 1, "forward")]
+    for rank in (0, 1):
+        skips = [e for e in vidstab.read_events(oom, "skip") if e["rank"] == rank and e["step"] == step]
+        assert [(e["detector"], e["bad_ranks"]) for e in skips] == [("oom", [1])]
+        (retry,) = [e for e in vidstab.read_events(oom, "oom_retry") if e["rank"] == rank]
+        assert retry["step"] == step and retry["applied"] is False and "--gradient_accumulation_steps" in retry["message"]
+    assert not vidstab.read_events(oom, ("rollback_request", "rollback"))
+    steps = [e["step"] for e in vidstab.read_events(oom, "metrics") if e["rank"] == 0]
+    assert steps[0] == 0 and steps.count(step) == 1  # taken once: not re-run in pieces

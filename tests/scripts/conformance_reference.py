@@ -12,7 +12,8 @@ Launches per engine (single, ddp, fsdp2 = ``--fsdp``, zero1/2/3 = ``accelerate l
 - ``kill``: SIGKILL of the last rank at step :data:`KILL_AT` under ``--max_restarts 1``, the restart resuming with
   ``--resume_from_checkpoint latest`` from the checkpoint of step :data:`RESUMED_AT`, to :data:`KILL_TOTAL` steps
   (and a NaN sample on the last rank at :data:`KILL_NAN` before it, whose bundle names a checkpoint);
-- ``oom`` (DeepSpeed only): an OOM inside the engine's step on every rank: a stop with a message.
+- ``oom`` (DeepSpeed only): an OOM in the last rank's forward at :data:`DS_FORWARD_OOM` (skipped in lockstep), then
+  one inside the engine's step on every rank at :data:`DS_OOM_STEP`: a stop with a message.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ OOM_STEP = 13  # between the LR bug and the persistent fault
 KILL_AT, SAVE_EVERY, KILL_TOTAL = 8, 3, 9
 RESUMED_AT = KILL_AT - KILL_AT % SAVE_EVERY
 KILL_NAN = SAVE_EVERY + 1  # a bad sample after the first checkpoint: its incident bundle replays on trained weights
-DS_OOM_STEP, DS_OOM_STEPS = 2, 4
+DS_FORWARD_OOM, DS_OOM_STEP, DS_OOM_STEPS = 1, 2, 4
 REFUSED_CLIP = 0.5  # DeepSpeed's gradient_clipping is accelerate launch's default, 1.0
 
 
@@ -109,9 +110,10 @@ def launch(engine: str, kind: str, folder: Path, timeout: int = 900) -> subproce
                    str(SAVE_EVERY), "--resume_from_checkpoint", "latest", "--inject_fault",
                    f"nan_batch@{KILL_NAN}:{world - 1}", "--inject_fault", f"kill@{KILL_AT}:{world - 1}", restarts=1,
                    timeout=timeout)
-    if kind == "oom":
+    if kind == "oom":  # a forward OOM on the last rank first: the engine's own skip (tests/test_conformance.py)
         return run(engine, folder / kind, *common, "--max_train_steps", str(DS_OOM_STEPS), "--checkpointing_steps",
-                   str(DS_OOM_STEPS), "--inject_fault", f"oom_in_step@{DS_OOM_STEP}", timeout=timeout)
+                   str(DS_OOM_STEPS), "--inject_fault", f"oom@{DS_FORWARD_OOM}:{world - 1}", "--inject_fault",
+                   f"oom_in_step@{DS_OOM_STEP}", timeout=timeout)
     raise ValueError(kind)
 
 

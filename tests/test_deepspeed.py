@@ -183,24 +183,6 @@ def doc_commands() -> list[str]:
     return [line.strip() for line in doc_snippet("deepspeed-launch").splitlines() if line.strip()]
 
 
-def launch_trainer(command: str, output_dir: Path, *flags: str, timeout: int = 300,
-                   check: bool = True) -> subprocess.CompletedProcess:
-    """A command of docs/deepspeed.md as a user runs it (a free port, the tests' small model and data added)."""
-    from trainer_utils import fast_flags
-
-    args = command.split()
-    assert args[:2] == ["accelerate", "launch"] and args[-1] == "recipes/train.py", command
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
-           "--num_machines", "1", "--dynamo_backend", "no", *args[2:-1], str(REPO / args[-1]),
-           "--output_dir", str(output_dir), *fast_flags(), *flags]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0 or not check, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
 def events_of(output_dir: Path, rank: int, kind: str) -> list[dict]:
     lines = (output_dir / "vidstab" / f"events-rank{rank}.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["kind"] == kind]

@@ -267,7 +267,10 @@ def evaluate_kill(out: Path, engine: str, proc: subprocess.CompletedProcess) -> 
         replayed = _replayed_bitwise(ev, cut) if rank == 0 < world - 1 else True
         if stops != [0] or replayed is not True:
             return {"status": "fail", "why": f"rank {rank}: stops {stops}; {replayed}"}
-    final = out / "vidstab" / "checkpoints" / f"step_{KILL_TOTAL:06d}"
+    saves = [e for e in events(out, 0) if e["kind"] == "checkpoint" and e["step"] == KILL_TOTAL]
+    if not saves:
+        return {"status": "fail", "why": f"no checkpoint of step {KILL_TOTAL}"}
+    final = out / saves[-1]["path"]
     if not all(bool(t.isfinite().all()) for t in saved_weights(final)) or not saved_weights(final):
         return {"status": "fail", "why": f"{final.name}: weights or EMA not finite"}
     if world == 1:  # the main process is the one killed: its last events (the steps to compare) die with it

@@ -5,9 +5,11 @@ the table written into benchmarks/RESULTS.md between its markers.
 
 Launches, one per world size and kind (a cell's drills share them): ``faults`` (NaN on the last rank, gradient
 spike, LR bug for 3 steps, persistent LR fault to the abort, the script's EMA and counter) and ``kill`` (SIGKILL of
-the last rank, the form's own resume, under torch elastic restarts). ``--ranks16``: DDP on 16 processes too
-(gloo, tiny model; the faults launch). The last line is one JSON object: per cell and drill its status, and
-the seconds of each launch.
+the last rank, the form's own resume, under torch elastic restarts); the ``oom_in_step`` column from one
+tests/scripts/oom_engines.py launch per world size. The reference trainer's rows: ``recipes/train.py`` on each engine
+(DeepSpeed through ``accelerate launch --use_deepspeed``), its own launches (tests/scripts/conformance_reference.py).
+``--ranks16``: DDP on 16 processes too (gloo, tiny model; the faults launch). The last line is one JSON object: per
+cell and drill its status, and the seconds of each launch.
 """
 
 from __future__ import annotations
@@ -23,18 +25,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import conformance_drill as drill  # noqa: E402
+import conformance_reference as reference  # noqa: E402
+import oom_engines  # noqa: E402
 
 FORMS = ("explicit", "attached")  # a launch's last cell ends it: the attached form's exit code
 ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2}
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
-REFERENCE_ENGINES = {"single": (1, []), "ddp": (2, []), "fsdp2": (2, ["--fsdp"])}
-"""The reference trainer's cells: its own ``--inject_fault`` grammar, judged from its event logs and exit code only
-(it exposes no state digests: the bitwise checks of the other rows do not apply). ZeRO: not run here."""
-REFERENCE_FAULTS = [f"nan_batch@{drill.NAN}:{{last}}", f"lr_base@{drill.PERSISTENT}=1e4"]
-REFERENCE_NOT_EXPRESSIBLE = {
-    "spike": "not in --inject_fault (big_latent is not a gradient spike for this model)",
-    "lr_bug": "not in --inject_fault (lr_spike lasts until a reload, not 3 steps)",
-    "ema": "not judged from outside (no digests)", "kill_resume": "tests/test_resilience.py (not in this matrix)"}
+COLUMNS = (*drill.DRILLS, "oom_in_step")
+"""oom_in_step: for the drill script's rows one tests/scripts/oom_engines.py launch per world size (its assertions:
+``oom_engines.evaluate``), for the reference trainer's its faults launch (DeepSpeed: a launch of its own)."""
 
 
 def cells_of(world: int, engines=ENGINES) -> list[str]:
@@ -65,71 +64,72 @@ def run_matrix(out: Path, ranks16: bool = False) -> tuple[dict, dict]:
                     row["kill_resume"] = drill.evaluate_kill(where, world)
                     if proc.returncode != 0 and row["kill_resume"]["status"] == "pass":
                         row["kill_resume"] = {"status": "fail", "why": f"the launch exited {proc.returncode}"}
-    for engine, (world, flags) in REFERENCE_ENGINES.items():
+    two = sorted(cells_of(2), key=lambda c: "zero" not in c)  # the last cell not DeepSpeed: every rank's fault
+    for world, cells in ((1, cells_of(1)), (2, two)):
         start = time.perf_counter()
-        results[f"reference:{engine}"] = reference_cell(out / "reference" / engine, world, flags)
-        seconds[f"reference-{engine}@{world}"] = round(time.perf_counter() - start, 1)
+        folder = out / f"oom{world}"
+        proc = oom_launch(cells, folder, world)
+        seconds[f"oom_in_step@{world}"] = round(time.perf_counter() - start, 1)
+        (folder / "launch.log").write_text(proc.stdout + proc.stderr)
+        for cell in cells:
+            form, engine = cell.split(":")
+            results[cell]["oom_in_step"] = oom_engines.evaluate(folder / f"{form}-{engine}", form, engine, world)
+    for engine in reference.ENGINES:
+        results[f"reference:{engine}"] = reference_row(out / "reference" / engine, engine, seconds)
     return results, seconds
 
 
-def reference_cell(out: Path, world: int, flags: list[str]) -> dict:
-    """``recipes/train.py`` with the drill's NaN (last rank) and persistent LR fault, the drill's guard config."""
+def oom_launch(cells: list[str], folder: Path, world: int):
+    """tests/scripts/oom_engines.py over ``cells`` (torchrun, ``world`` processes), as tests/test_oom_engines.py."""
     import os
     import subprocess
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = out.parent / "vidstab_config.json"  # YAML is a superset of JSON
-    config.write_text(json.dumps(drill.CONFIG))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(REPO / "recipes" / "train.py")]
-    if world > 1:
-        env["ACCELERATE_USE_CPU"] = "1"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(world),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               "0", cmd[1]]
-    faults = [x for f in REFERENCE_FAULTS for x in ("--inject_fault", f.format(last=world - 1))]
-    cmd += ["--output_dir", str(out / "run"), "--num_videos", "16", "--train_batch_size", "4", "--hidden_size", "32",
-            "--num_layers", "2", "--num_heads", "2", "--report_to", "none", "--lr_warmup_steps", "2",
-            "--no_async_save", "--no_html_report", "--max_train_steps", "40", "--checkpointing_steps",
-            str(drill.ROLLBACK_EVERY), "--vidstab_config", str(config), *faults, *flags]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
-    (out / "train.log").write_text(proc.stdout + proc.stderr)
-    row: dict = {d: {"status": "n/a", "why": why} for d, why in REFERENCE_NOT_EXPRESSIBLE.items()}
-    events = {r: drill._lines(out / "run" / "vidstab" / f"events-rank{r}.jsonl") for r in range(world)}
-    nan = [sorted(e["step"] for e in ev if e["kind"] == "skip" and e["detector"] == "nonfinite")
-           for ev in events.values()]
-    row["nan"] = ({"status": "pass"} if all(s == [drill.NAN] for s in nan) else
-                  {"status": "fail", "why": f"non-finite skips per rank {nan}, not [{drill.NAN}] on every rank"})
-    multipliers = [[e["lr_multiplier"] for e in ev if e["kind"] == "rollback"] for ev in events.values()]
-    stops = [[e.get("exit_code") for e in ev if e["kind"] == "stop"] for ev in events.values()]
-    want = [0.5 ** (n + 1) for n in range(drill.MAX_RETRIES)]
-    ok = all(m == want for m in multipliers) and all(s == [drill.ABORT_EXIT_CODE] for s in stops)
-    row["persistent"] = ({"status": "pass"} if ok and proc.returncode != 0 else
-                         {"status": "fail", "why": f"rollback LR multipliers {multipliers}, stop codes {stops}, "
-                                                   f"exit {proc.returncode}"})
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # it would turn DeepSpeed off
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+           "127.0.0.1", "--master_port", str(reference._port()), oom_engines.__file__, "--out", str(folder),
+           "--cells", ",".join(cells)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def reference_row(folder: Path, engine: str, seconds: dict) -> dict:
+    """``recipes/train.py``'s launches for ``engine`` (tests/scripts/conformance_reference.py), judged."""
+    procs = {}
+    for kind in reference.kinds(engine):
+        start = time.perf_counter()
+        procs[kind] = reference.launch(engine, kind, folder, timeout=1800)
+        seconds[f"reference-{engine}-{kind}"] = round(time.perf_counter() - start, 1)
+    row = reference.evaluate_faults(folder / "faults", engine, procs["faults"], procs.get("ema_refusal"))
+    row["kill_resume"] = reference.evaluate_kill(folder / "kill", engine, procs["kill"])
+    if "oom" in procs:
+        row["oom_in_step"] = reference.evaluate_oom_stop(folder / "oom", engine, procs["oom"])
     return row
 
 
 def table(results: dict) -> str:
     mark = {"pass": "pass", "fail": "**fail**", "refused": "refused at setup", "warned": "fails, warned at attach",
-            "n/a": "n/a"}
-    lines = ["| form | engine | " + " | ".join(drill.DRILLS) + " |", "|---|---|" + "---|" * len(drill.DRILLS)]
-    notes = []
+            "stopped": "stops with a message", "n/a": "n/a"}
+    lines = ["| form | engine | " + " | ".join(COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
+    said: dict[str, list[str]] = {}
     for cell, row in results.items():
         form, engine = cell.split(":")
         cols = []
-        for d in drill.DRILLS:
+        for d in COLUMNS:
             r = row.get(d)
             if r is None:
                 cols.append("not run")
                 continue
             cols.append(mark[r["status"]])
-            if r.get("why"):
-                notes.append(f"- {form} / {engine} / {d}: {r['why']}")
+            if r.get("why"):  # a reason shared by several cells: said once
+                said.setdefault(r["why"], []).append(f"{form} / {engine} / {d}")
         lines.append(f"| {form} | {engine} | " + " | ".join(cols) + " |")
-    return "\n".join(lines + [""] + notes + ["- reference: recipes/train.py, judged from its event logs and exit "
-                                            "code (nan: the skip on every rank; persistent: 3 rollbacks, the LR "
-                                            "halved each time, stop with exit code 3); ZeRO cells not run"])
+    return "\n".join(lines + [""] + [f"- {'; '.join(cells)}: {why}" for why, cells in said.items()] + [
+        "- reference: recipes/train.py, judged from what it writes (tests/scripts/conformance_reference.py): skips "
+        "by detector and step on every rank; persistent: 3 rollbacks, the LR halved each time, stop with exit code 3; "
+        "ema: every kept checkpoint's EMA finite and having taken exactly the applied steps of the trajectory to it; "
+        "kill_resume: the replayed steps' loss, gradient norm and LR bitwise the first attempt's"])
 
 
 def write_results(text: str, path: Path = REPO / "benchmarks" / "RESULTS.md") -> None:

@@ -180,7 +180,7 @@ def train_step(ctx: "Run", step: int) -> vidstab.StepResult:
                     faults.maybe_oom(step, latents.shape[0])
                     with acc.autocast():
                         per_sample = ctx.objective.per_sample_loss(model, latents, draws["noise"], draws["timesteps"])
-                    loss = per_sample.mean()
+                    loss = per_sample.mean() * faults.loss_factor(step)  # the grad_spike drill
                 except RuntimeError as exc:  # e.g. a CUDA error, an OOM or an injected fault: recover instead of dying
                     error = exc
                     # Every rank must still run the same collectives: a zero loss through the wrapped model keeps
@@ -250,13 +250,16 @@ class Run:
         self.model, self.optimizer, self.dataloader, self.lr_scheduler = sharding.prepare(
             acc, args.fsdp, self.model, optimizer, dataloader, lr_scheduler)
         ds_clip = getattr(self.model, "gradient_clipping", None)  # DeepSpeed clips inside its own step
+        refused = []  # every flag DeepSpeed cannot take, said at once
         if ds_clip is not None and float(ds_clip() or 0.0) != float(args.max_grad_norm or 0.0):
-            raise SystemExit(f"--max_grad_norm {args.max_grad_norm} differs from DeepSpeed's gradient_clipping "
-                             f"{ds_clip()}, which is what clips under DeepSpeed: pass the same value to accelerate "
-                             f"launch --gradient_clipping (or in the DeepSpeed config)")
+            refused.append(f"--max_grad_norm {args.max_grad_norm} differs from DeepSpeed's gradient_clipping "
+                           f"{ds_clip()}, which is what clips under DeepSpeed: pass the same value to accelerate "
+                           f"launch --gradient_clipping (or in the DeepSpeed config)")
         if args.use_ema and getattr(self.model, "zero_optimization_partition_weights", lambda: False)():
-            raise SystemExit("--use_ema is not supported under DeepSpeed ZeRO-3 (each rank holds a partition of the "
-                             "weights): use --zero_stage 1 or 2 with --use_ema")
+            refused.append("--use_ema is not supported under DeepSpeed ZeRO-3 (each rank holds a partition of the "
+                           "weights): use --zero_stage 1 or 2 with --use_ema")
+        if refused:
+            raise SystemExit("\n".join(refused))
         self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
 
         unwrapped = acc.unwrap_model(self.model)

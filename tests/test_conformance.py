@@ -11,10 +11,13 @@ sharing one launch per world size:
 - the EMA takes no skipped step;
 - SIGKILL of the last rank and the form's own resume (under torch elastic restarts): the state resumed bitwise.
 
-Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3)."""
+Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3).
+The oom_in_step column runs in tests/test_oom_engines.py (every 2-process cell, the same ``oom_engines.evaluate``).
+The reference trainer's ZeRO-3 row runs here (its launches: tests/scripts/conformance_reference.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -152,3 +155,102 @@ def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
         assert result["status"] == "warned" and "said at attach" in result["why"], result
         return
     assert result["status"] == "pass", (cell, result.get("why"))
+
+
+# ---- the reference trainer (recipes/train.py) under DeepSpeed: docs/deepspeed.md's launch, ZeRO-3 in CI ----
+# benchmarks/conformance.py runs every engine's row; CI runs ZeRO-3's (the engine path the others' share least),
+# each launch shared by the assertions below.
+REFERENCE_ENGINE = "zero3"
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory) -> tuple[Path, dict]:
+    import conformance_reference as reference
+
+    out = tmp_path_factory.mktemp("conformance_reference")
+    return out, {kind: reference.launch(REFERENCE_ENGINE, kind, out, timeout=600)
+                 for kind in reference.kinds(REFERENCE_ENGINE)}
+
+
+def test_the_reference_trainers_launch_is_the_one_docs_deepspeed_gives():
+    import conformance_reference as reference
+    from test_deepspeed import doc_commands
+
+    commands = {c.split("--zero_stage ")[1].split()[0]: c.split() for c in doc_commands()}
+    assert set(commands) == {"1", "2", "3"}, commands
+    for stage, words in commands.items():
+        argv, env = reference.command(f"zero{stage}", Path("OUT"))
+        assert "ACCELERATE_USE_CPU" not in env  # it would turn DeepSpeed off
+        assert argv[1:3] == ["-m", "accelerate.commands.launch"] and argv[argv.index("--output_dir") - 1] == \
+            str(reference.REPO / words[-1])
+        for flag, value in zip(words[2:-1], words[3:-1] + [""]):
+            if flag.startswith("--"):
+                assert flag in argv and (value.startswith("--") or argv[argv.index(flag) + 1] == value), flag
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_under_zero3_passes_the_fault_drills_and_refuses_its_ema(reference_runs):
+    import conformance_reference as reference
+
+    out, procs = reference_runs
+    row = reference.evaluate_faults(out / "faults", REFERENCE_ENGINE, procs["faults"], procs["ema_refusal"])
+    for name in ("nan", "spike", "lr_bug", "persistent"):
+        assert row[name]["status"] == "pass", (name, row[name].get("why"))
+    assert row["ema"]["status"] == "refused" and "use --zero_stage 1 or 2 with --use_ema" in row["ema"]["why"]
+    refused = procs["ema_refusal"].stdout + procs["ema_refusal"].stderr  # and the clip, in the same launch
+    assert f"--max_grad_norm {reference.REFUSED_CLIP} differs from DeepSpeed's gradient_clipping 1.0" in refused
+    for rank in (0, 1):  # the NaN on rank 1, skipped in lockstep
+        (skip,) = [e for e in reference.events(out / "faults", rank) if e["kind"] == "skip"
+                   and e["detector"] == "nonfinite"]
+        assert skip["bad_ranks"] == [1]
+    manifest = json.loads((out / "faults" / "vidstab" / "checkpoints" / "step_000004" / "manifest.json").read_text())
+    assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_under_zero3_resumes_a_sigkilled_rank_bitwise_exports_and_replays(reference_runs):
+    import conformance_reference as reference
+    from vidstab.tools.replay import replay
+
+    out, procs = reference_runs
+    kill = out / "kill"
+    assert reference.evaluate_kill(kill, REFERENCE_ENGINE, procs["kill"]) == {"status": "pass"}
+    manifest = json.loads((kill / "vidstab" / "checkpoints" / f"step_{reference.KILL_TOTAL:06d}" /
+                           "manifest.json").read_text())
+    assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
+    assert (kill / "transformer" / "diffusion_pytorch_model.safetensors").exists()  # gathered from the partitions
+    # The bundle rank 1 wrote replays on the full weights of the checkpoint it names (gathered at ZeRO-3).
+    (incident,) = [e for e in reference.events(kill, 1) if e["kind"] == "incident"]
+    report = replay(kill / incident["path"])
+    assert report.checkpoint_step == reference.SAVE_EVERY and report.reproduced is True
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_under_zero3_stops_on_an_oom_inside_the_engines_step_with_what_to_do(reference_runs):
+    import conformance_reference as reference
+
+    out, procs = reference_runs
+    result = reference.evaluate_oom_stop(out / "oom", REFERENCE_ENGINE, procs["oom"])
+    assert result["status"] == "stopped", result
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_under_zero3_skips_a_forward_oom_in_lockstep_without_re_splitting(reference_runs):
+    """DeepSpeed accumulates inside its engine, so a forward OOM on rank 1 is skipped on both ranks (the engine's
+    overflow path), not re-run in pieces nor rolled back, and the event says what to lower."""
+    import conformance_reference as reference
+
+    import vidstab
+
+    out, _ = reference_runs
+    oom, step = out / "oom", reference.DS_FORWARD_OOM
+    ooms = vidstab.read_events(oom, "oom")
+    assert [(e["step"], e["rank"], e["phase"]) for e in ooms if e["phase"] == "forward"] == [(step, 1, "forward")]
+    for rank in (0, 1):
+        skips = [e for e in vidstab.read_events(oom, "skip") if e["rank"] == rank and e["step"] == step]
+        assert [(e["detector"], e["bad_ranks"]) for e in skips] == [("oom", [1])]
+        (retry,) = [e for e in vidstab.read_events(oom, "oom_retry") if e["rank"] == rank]
+        assert retry["step"] == step and retry["applied"] is False and "--gradient_accumulation_steps" in retry["message"]
+    assert not vidstab.read_events(oom, ("rollback_request", "rollback"))
+    steps = [e["step"] for e in vidstab.read_events(oom, "metrics") if e["rank"] == 0]
+    assert steps[0] == 0 and steps.count(step) == 1  # taken once: not re-run in pieces

@@ -139,3 +139,26 @@ def test_module_fault_makes_that_module_nonfinite_and_unhooks():
     with faults.module_fault(0, model) as name:
         assert name == "1" and not torch.isfinite(model(torch.ones(1, 2))).all()
     assert torch.isfinite(model(torch.ones(1, 2))).all()
+
+
+def test_an_lr_bug_writes_the_scheduled_lr_times_its_factor_for_its_steps_and_a_grad_spike_scales_one_loss():
+    assert Fault.parse("lr_bug@9=1e4x3").arg == "1e4x3" and Fault.parse("grad_spike@6:1=1e3").rank == 1
+    for bad in ("lr_bug@9=x3", "lr_bug@9=1e4x0", "lr_bug@9=1e4xy"):
+        with pytest.raises(ValueError, match="FACTORxSTEPS"):
+            Fault.parse(bad)
+    with pytest.raises(ValueError, match="numeric"):
+        Fault.parse("grad_spike@3=big")
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    faults = FaultInjector(["lr_bug@1=100x2"], rank=0)
+    lrs = []
+    for step in range(4):
+        faults.adjust_lr(step, optimizer, scheduler)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        if step != 1:  # step 1 held (a skipped step): the bug writes the same scheduled LR again, not compounded
+            scheduler.step()
+    assert lrs == pytest.approx([0.1, 0.1 / 2 * 100, 0.1 / 2 * 100, 0.1 / 3])  # over after its 2 steps
+    assert scheduler.base_lrs == pytest.approx([0.1])  # the schedule itself untouched
+    spike = FaultInjector(["grad_spike@2=1e3"], rank=0)
+    assert [spike.loss_factor(s) for s in (1, 2, 2, 3)] == [1.0, 1e3, 1.0, 1.0]  # its step's first micro-batch

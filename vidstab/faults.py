@@ -16,6 +16,11 @@ chosen optimizer step, the failures the seeds describe:
 ``lr_base``     the scheduler's own base LRs are multiplied by 100 (``=FACTOR``) from that step on, for good:
                 re-applied whenever a reload (a rollback) or a hold puts them back, as a bug in the schedule's
                 code would (the held schedule restores the LR for one step, the bug writes it again)
+``lr_bug``      the learning rate written x1000 into the optimizer (``=FACTOR``, or ``=FACTORxSTEPS`` for that
+                many steps from that step on, e.g. ``lr_bug@9=1e4x3``): a bug in the loop's code; the
+                schedule itself is untouched, so the bug ends by itself (and at a rollback)
+``grad_spike``  the step's loss, hence its gradients, x1000 (``=FACTOR``) on its first micro-batch: a gradient
+                spike on healthy data
 ``exception``   a ``RuntimeError`` is raised inside the step (before the forward)
 ``inf_module``  the named module's forward output becomes +inf (``=blocks.0.attn``): a structure fault. It
                 stays in the model from that step on (as a real overflowing layer would), and incident
@@ -76,6 +81,7 @@ FAULT_KINDS = ("nan_batch", "inf_latent", "big_latent", "const_batch", "lr_spike
 FAULT_KINDS += ("lr_base",)
 FAULT_KINDS += ("oom", "oom_batch_above", "oom_in_step")  # the out-of-memory drills
 FAULT_KINDS += ("kill_worker",)  # host memory: a data-loader worker killed
+FAULT_KINDS += ("lr_bug", "grad_spike")  # the conformance drills' LR bug for a few steps and gradient spike
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?:=(?P<arg>.+))?$")
 
 
@@ -115,6 +121,11 @@ class Fault:
                 raise ValueError(f"--inject_fault {spec!r}: {kind} takes a numeric factor, got {arg!r}") from None
             if kind == "slow" and not factor >= 1.0:
                 raise ValueError(f"--inject_fault {spec!r}: slow takes a factor >= 1 (how many times slower), got {arg!r}")
+        if kind == "grad_spike" and arg is not None and not _is_number(arg):
+            raise ValueError(f"--inject_fault {spec!r}: grad_spike takes a numeric factor, got {arg!r}")
+        if kind == "lr_bug" and arg is not None and _lr_bug_arg(arg) is None:
+            raise ValueError(f"--inject_fault {spec!r}: lr_bug takes =FACTOR or =FACTORxSTEPS (e.g. lr_bug@9=1e4x3: "
+                             f"x1e4 for 3 steps), got {arg!r}")
         if kind == "lr_base" and arg is not None and not _is_number(arg):
             raise ValueError(f"--inject_fault {spec!r}: lr_base takes a numeric factor, got {arg!r}")
         if kind in ("hang", "kill", "kill_in_save", "kill_worker") and arg is not None:
@@ -143,6 +154,7 @@ class FaultInjector:
         self._ramp = 1.0  # per-step LR factor of an active lr_ramp
         self._lr_base: tuple[int, float] | None = None  # (step, factor) of a fired lr_base fault
         self._lr_base_written: list[float] | None = None  # the scheduler's base LRs as the fault last left them
+        self._lr_bug: tuple[int, int, float] | None = None  # (first step, steps, factor) of a fired lr_bug
         self._slow = 1.0  # compute-time factor of an active slow fault
         self._fastest = float("inf")  # fastest compute seen, the base of the slow fault's pause
         self._worker_drill: WorkerKillDrill | None = None
@@ -224,7 +236,7 @@ class FaultInjector:
         return inner.register_step_pre_hook(raise_in_step)
 
     def adjust_lr(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float | None:
-        """Apply ``lr_spike`` (once) or ``lr_ramp`` (every step while active); return the factor applied.
+        """Apply ``lr_spike`` (once), ``lr_ramp`` or ``lr_bug`` (every step while active); return the factor applied.
 
         The scheduler's base LRs are scaled too (:func:`vidstab.recovery.lr.scale_lrs`), so the change survives
         ``lr_scheduler.step()`` the way a wrong schedule would, until a rollback reloads the optimizer and
@@ -239,12 +251,12 @@ class FaultInjector:
             self._ramp = float(ramp.arg) if ramp.arg else 1.3
         factor *= self._ramp
         factor *= self._lr_base_factor(step, lr_scheduler)
-        if factor == 1.0:
-            return None
-        # as_scheduled=False: like a bug writing the LR, the scheduler's last LR still says what it set.
-        scale_lrs(optimizer, factor, lr_scheduler, as_scheduled=False)
-        self._lr_base_written = _base_lrs(lr_scheduler) if self._lr_base is not None else None
-        return factor
+        if factor != 1.0:
+            # as_scheduled=False: like a bug writing the LR, the scheduler's last LR still says what it set.
+            scale_lrs(optimizer, factor, lr_scheduler, as_scheduled=False)
+            self._lr_base_written = _base_lrs(lr_scheduler) if self._lr_base is not None else None
+        factor *= self._write_lr_bug(step, optimizer, lr_scheduler)
+        return None if factor == 1.0 else factor
 
     def _lr_base_factor(self, step: int, lr_scheduler: object | None) -> float:
         """The ``lr_base`` factor to apply now: at its step, and again whenever the scheduler's base LRs are no
@@ -256,6 +268,26 @@ class FaultInjector:
         if self._lr_base is None or step < self._lr_base[0] or _base_lrs(lr_scheduler) == self._lr_base_written:
             return 1.0
         return self._lr_base[1]
+
+    def _write_lr_bug(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: object | None) -> float:
+        """The ``lr_bug`` fault: while due, write the scheduled LR times its factor into ``optimizer``'s param
+        groups (the scheduler untouched: its next step, or the guard's hold of a skipped one, puts the LR back);
+        return the factor written (1.0: none)."""
+        fault = self._take("lr_bug", step)
+        if fault is not None:
+            self._lr_bug = (step, *_lr_bug_arg(fault.arg or "1000"))
+        if self._lr_bug is None or not self._lr_bug[0] <= step < self._lr_bug[0] + self._lr_bug[1]:
+            return 1.0
+        factor = self._lr_bug[2]
+        scheduled = lr_scheduler.get_last_lr() if lr_scheduler is not None else [g["lr"] for g in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, scheduled):
+            group["lr"] = lr * factor
+        return factor
+
+    def loss_factor(self, step: int) -> float:
+        """The ``grad_spike`` fault: the factor to multiply this micro-batch's loss by (1.0 when not due)."""
+        fault = self._take("grad_spike", step)
+        return 1.0 if fault is None else float(fault.arg or 1000.0)
 
     def maybe_hang(self, step: int) -> None:
         """The ``hang`` fault: block this thread forever (only the watchdog or a signal ends the process)."""
@@ -306,8 +338,9 @@ class FaultInjector:
         return pause
 
     def on_rollback(self) -> None:
-        """A rollback reloads the LR state; an ``lr_ramp`` stops like a fixed schedule bug would."""
+        """A rollback reloads the LR state; an ``lr_ramp`` (or ``lr_bug``) stops like a fixed schedule bug would."""
         self._ramp = 1.0
+        self._lr_bug = None
 
     @contextmanager
     def module_fault(self, step: int, model: torch.nn.Module) -> Iterator[str | None]:
@@ -362,6 +395,14 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _lr_bug_arg(arg: str) -> tuple[int, float] | None:
+    """``FACTOR[xSTEPS]`` -> (steps, factor), or None when it is not that."""
+    factor, _, steps = arg.partition("x")
+    if not _is_number(factor) or not (steps or "1").isdigit() or int(steps or "1") < 1:
+        return None
+    return int(steps or "1"), float(factor)
 
 
 def _base_lrs(lr_scheduler: object | None) -> list[float] | None:

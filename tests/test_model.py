@@ -189,6 +189,16 @@ def test_bf16_autocast_close_to_fp32(attention_type, pos_embed):
         assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
 
 
+def test_bf16_weights_take_fp32_latents_without_autocast():
+    """What DeepSpeed bf16 does: the weights held in bf16, no autocast, the data loader's latents fp32."""
+    model = _perturbed(VideoDiT())
+    x, t = _inputs()
+    reference = model(x, t)
+    y = model.to(torch.bfloat16)(x, t)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference, rtol=0.1, atol=0.1)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -365,6 +365,8 @@ class VideoDiT(ModelMixin, ConfigMixin):
             raise ValueError(f"timestep must be a scalar or have shape [B] = [{b}], got {tuple(timestep.shape)}")
 
         grid = (frames // pt, height // ph, width // pw)
+        # The weights' dtype: an engine holding bf16 weights without autocast (DeepSpeed bf16) gets fp32 latents.
+        hidden_states = hidden_states.to(self.patch_embed.weight.dtype)
         # Tokens [B, L, C] in (f, h, w) order; contiguous, so the residual stream is too.
         x = rearrange(self.patch_embed(hidden_states), "b c f h w -> b (f h w) c").contiguous()
         rope = None

@@ -249,7 +249,8 @@ def test_guard_state_travels_with_save_state_as_json(tmp_path):
     saved = guard.state_dict()
     ckpt = tmp_path / "ckpt"
     acc.save_state(str(ckpt))
-    assert json.loads((ckpt / "vidstab_guard.json").read_text()) == json.loads(json.dumps(saved))
+    # Beside the state: the steps in-place rollbacks undid (none here), so a relaunch numbers on as the run did.
+    assert json.loads((ckpt / "vidstab_guard.json").read_text()) == dict(json.loads(json.dumps(saved)), steps_lost=0)
     assert not [p for p in ckpt.iterdir() if "vidstab" in p.name and p.suffix != ".json"]
 
     from accelerate.state import AcceleratorState, GradientState

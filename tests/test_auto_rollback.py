@@ -156,9 +156,9 @@ def test_a_relaunch_is_told_how_to_reset_in_the_attached_form_and_attach_can(tmp
 
 def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_path, capsys):
     # Two incidents; a short health window makes the rollback checkpoints after the first rollback healthy, so the
-    # second goes back to one saved after the first.
+    # second goes back to one saved after the first. A NaN batch at step 37, after both: a skip with a bundle.
     acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps=set(range(10, 16)) | set(range(30, 36)),
-                                                steps=40, config=vidstab.GuardConfig(health_window=4))
+                                                steps=40, nan_steps={37}, config=vidstab.GuardConfig(health_window=4))
     guard.close()
     err = capsys.readouterr().err.splitlines()
     skips = [x for x in err if "update refused, step skipped (lr_bound:" in x]
@@ -167,12 +167,29 @@ def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_
     assert [x.split(":")[1].strip() for x in skips] == [*(f"step {s}" for s in range(10, 14)), "step 15 (trajectory step 8)",
                                                         *(f"step {s} (trajectory step {s - 7})" for s in range(30, 34)),
                                                         "step 35 (trajectory step 20)"]
+    bundle = [x for x in err if "wrote incident bundle" in x]
+    assert [x.split(": ")[1] for x in err if "(nonfinite:" in x] + [x.split(": ")[1] for x in bundle] == [
+        "step 37 (trajectory step 22)"] * 2, err
+    assert bundle[0].endswith("step000037-rank0")  # the bundle's folder is named after the loop's step
+    # Every event the guard and the attached form write states the loop's step, in the loop's order across both
+    # rollbacks, and from each rollback on the trajectory's beside it: 7 steps behind after the first, 15 after the
+    # second (a rollback event itself is numbered as before it: the failure's trajectory is one behind).
+    events = _events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "metrics"] == list(range(40))
+    first, second = (i for i, e in enumerate(events) if e["kind"] == "rollback")
+    for offset, part in ((0, events[:first + 1]), (7, events[first + 1:second + 1]), (15, events[second + 1:])):
+        assert all(e.get("trajectory_step", e["step"]) == e["step"] - offset for e in part), (offset, part)
+        assert all(("trajectory_step" in e) == bool(offset) for e in part), part
+    kinds_after = {e["kind"] for e in events[first + 1:]}
+    assert {"metrics", "skip", "rollback_request", "rollback", "checkpoint", "recovery", "incident", "stop"} <= kinds_after
+    assert [(e["kind"], e["step"], e["trajectory_step"]) for e in events if e["step"] == 37 and e["kind"] != "metrics"] == [
+        ("skip", 37, 22), ("incident", 37, 22), ("rerun", 37, 22)]
     assert [x for x in err if "rolled back in place to" in x] == [
         "vidstab: step 14: rolled back in place to step 8 from vidstab/rollback/step_000008, rollback 1/3 of this "
         "incident, cause divergence, LR multiplier x0.5",
         "vidstab: step 34 (trajectory step 27): rolled back in place to step 27 (trajectory step 20) from "
         "vidstab/rollback/step_000027, rollback 1/3 of this incident, cause divergence, LR multiplier x0.25"]
-    assert err[-1].startswith("vidstab: 40 optimizer steps guarded, 10 skipped, 2 rolled back in place; events: vidstab events")
+    assert err[-1].startswith("vidstab: 40 optimizer steps guarded, 11 skipped, 2 rolled back in place; events: vidstab events")
     # The rollback checkpoints are named after the loop's step, saved every 4 steps of the trajectory, which each
     # records beside it; a rollback event names its target both ways; recovery counts the trajectory's steps.
     saves = [(e["step"], e.get("trajectory_step"), e["path"].split("/")[-1]) for e in _kinds(tmp_path, "checkpoint")]
@@ -182,7 +199,7 @@ def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_
     rollbacks = [(e["step"], e["failed_step"], e.get("trajectory_step"), e["to_step"], e.get("to_trajectory_step"),
                   e["checkpoint"]) for e in _kinds(tmp_path, "rollback")]
     assert rollbacks == [(15, 14, None, 8, None, "vidstab/rollback/step_000008"),
-                         (35, 34, 27, 27, 20, "vidstab/rollback/step_000027")]
+                         (35, 34, 28, 27, 20, "vidstab/rollback/step_000027")]
     assert [(e["step"], e["action"]) for e in _kinds(tmp_path, "recovery")] == [(23, "incident_over")]
     manifest = json.loads((tmp_path / "vidstab" / "rollback" / "step_000039" / "manifest.json").read_text())
     assert (manifest["step"], manifest["trajectory_step"], manifest["parent"]["name"]) == (39, 24, "step_000027")

@@ -256,18 +256,22 @@ def test_checkpointing_steps_auto_saves_at_the_interval_the_measurements_call_fo
 
 
 def test_rollback_every_auto_in_an_unmodified_loop_chooses_its_interval_from_the_ledger(tmp_path):
-    """attach(..., rollback_every="auto"): rollback checkpoints on the first step and 10 steps later (the first
-    one's asynchronous write, and so its stall, is known by then); the interval is then re-chosen from the
-    ledger (logged) and no third checkpoint comes 10 steps after the second."""
+    """attach(..., rollback_every="auto"): rollback checkpoints on the first step and 10 steps of the trajectory
+    later (the first one's asynchronous write, and so its stall, is known by then); the interval is then re-chosen
+    from the ledger (logged) and no third checkpoint comes 10 steps after the second. An LR bug at steps 4-8 rolls
+    back in place to step 1 (8 steps undone): the second save and the interval's change are at the loop's step 19,
+    the trajectory's 11 beside it."""
     import vidstab
     from test_auto_rollback import _loop
 
-    _loop(tmp_path, bad_lr_steps=set(), steps=25, rollback_every="auto",
+    _loop(tmp_path, bad_lr_steps=set(range(4, 9)), steps=30, rollback_every="auto",
           config=vidstab.GuardConfig(health_window=12))[4].close()
     lines = raw_lines(tmp_path, 0)
-    assert [e["step"] for e in lines if e["kind"] == "checkpoint"] == [1, 11]
+    assert [(e["step"], e["to_step"]) for e in lines if e["kind"] == "rollback"] == [(9, 1)]
+    assert [(e["step"], e.get("trajectory_step")) for e in lines if e["kind"] == "checkpoint"] == [(1, None), (19, 11)]
     (change,) = [e for e in lines if e["kind"] == "checkpoint_interval"]
-    assert change["step"] == 11 and change["previous"] == 10 and change["steps"] > 14 and change["save_seconds"] > 0
+    assert (change["step"], change["trajectory_step"]) == (19, 11)
+    assert change["previous"] == 10 and change["save_seconds"] > 0  # no third save at trajectory 21 (step 29): >= 12
     assert change["floor"] == change["lead_steps"] == 12 and change["steps"] >= 12  # GuardConfig(health_window=12)
     with pytest.raises(ValueError, match="rollback_every must be"):
         _loop(tmp_path / "bad", bad_lr_steps=set(), steps=1, rollback_every="often")

@@ -13,7 +13,8 @@ before the next line. In-process readers (:func:`iter_event_file`,
 :func:`read_events`) flush the open logs first; the buffer is also flushed at interpreter exit.
 
 Line schema: ``{"schema": 1, "time": <unix float>, "step": int, "rank": int, "kind": str, ...fields}``
-with ``kind`` in ``metrics | warn | skip | rollback | checkpoint | incident | resume | stop | start |
+(``step`` the script's; ``trajectory_step`` beside it where in-place rollbacks made the two differ, from the
+guard's :class:`~vidstab.step_numbering.StepNumbering`: :attr:`EventLog.numbering`), with ``kind`` in ``metrics | warn | skip | rollback | checkpoint | incident | resume | stop | start |
 fault | overflow``. Strict JSON, with vidstab's one convention (:mod:`vidstab.files.strict_json`): a non-finite
 float is the string ``"nan"``, ``"inf"`` or ``"-inf"``, and ``null`` means "no value" (not measured this
 step). Logs written before this convention spelled a non-finite float ``null``; readers take both
@@ -37,6 +38,7 @@ import orjson
 
 from .files.limits import TooLarge, bounded_lines, env_name, limits, loads_bounded
 from .files.strict_json import to_json_safe
+from .step_numbering import trajectory_fields
 
 SCHEMA = 1
 KINDS = ("metrics", "warn", "skip", "rollback_request", "rollback", "checkpoint", "incident", "resume", "stop", "start", "fault", "overflow",
@@ -106,13 +108,27 @@ class EventLog:
         # The checkpoint writer thread flushes this log too (log_event, flush_log): one flush at a time, in order.
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
+        self.numbering: Any = None
+        """The guard's :class:`~vidstab.step_numbering.StepNumbering` (set by the guard that owns this log): an event
+        about the step being taken carries the trajectory's step beside its ``step`` where the two differ."""
         _OPEN[str(self.path.resolve())] = self
+
+    def _trajectory(self, step: int, fields: dict) -> dict:
+        """``fields`` with the event's ``trajectory_step``, only where it differs from ``step``: the one given (an
+        event about a stored step, e.g. a checkpoint's, as it recorded it), else the numbering's of ``step``."""
+        if "trajectory_step" in fields:
+            fields.update(trajectory_fields(step, fields.pop("trajectory_step")))
+        elif self.numbering is not None and self.numbering.lost:
+            fields.update(self.numbering.fields(step))
+        return fields
 
     def log(self, kind: str, step: int, **fields: Any) -> dict:
         """Append one event and return its record (of a ``metrics`` event: its fields, :meth:`log_metrics`).
-        Anything but ``metrics`` is encoded and reaches the file at once."""
+        Anything but ``metrics`` is encoded and reaches the file at once. ``trajectory_step``: of an event about
+        a stored step (None: the same as ``step``); else the step being taken's (:meth:`_trajectory`)."""
         if kind == "metrics":
             return self.log_metrics(step, fields)
+        fields = self._trajectory(step, fields)
         rec = {"schema": SCHEMA, "time": time.time(), "step": int(step), "rank": self.rank, "kind": str(kind), **fields}
         line, rec = _encode(rec)
         with self._lock:
@@ -123,7 +139,7 @@ class EventLog:
     def log_metrics(self, step: int, fields: dict, when: float | None = None) -> dict:
         """Buffer one ``metrics`` line (a copy of ``fields``: the record cannot change once logged) and return it;
         it is encoded when the buffer is flushed. ``when``: the line's ``time`` (default: now)."""
-        fields = dict(fields)
+        fields = self._trajectory(step, dict(fields))
         with self._lock:
             self._pending.append((time.time() if when is None else when, int(step), fields))
         if len(self._pending) >= self.flush_lines or time.monotonic() - self._last_flush >= self.flush_seconds:

@@ -4,8 +4,9 @@ A step is numbered as the script counts it (the guard's count of the loop's opti
 ``step``). An in-place rollback (``attach(..., rollback_every=N)``) winds the weights back while the loop's count
 goes on, so from then on the *trajectory* (the steps the weights actually took; what the rollback checkpoints
 and recovery's "got past the failure point" count) lags behind by the steps the rollbacks undid: it is named
-beside the script's step wherever the two differ. The explicit form and the reference trainer rewind their own
-counter on a rollback: there the two are always the same.
+beside the script's step wherever the two differ: every event the guard's log writes about the step being taken
+gets it there (``EventLog.numbering``), an event about a stored step carries the one stored. The explicit form and
+the reference trainer rewind their own counter on a rollback: there the two are always the same.
 """
 
 from __future__ import annotations

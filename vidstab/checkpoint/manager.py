@@ -31,7 +31,6 @@ from ..engines.deepspeed_support import DeepSpeedUnsupported
 from ..engines import Engine, engine_for
 from ..events import flush_log, log_event
 from ..run.exit_fence import register_exit_fence
-from ..step_numbering import trajectory_fields
 from ..files.limits import read_json_file
 from . import layout
 from .config import CheckpointConfig, CheckpointError, CheckpointInfo
@@ -453,8 +452,7 @@ class CheckpointManager:
         log_event(self.output_dir, self.rank, "checkpoint", job.step,
                   path=rel(os.path.join(self.root, job.name), self.output_dir), healthy=manifest["healthy"],
                   params_finite=job.params_finite, seconds=round(time.perf_counter() - job.t0, 4),
-                  blocking_seconds=round(blocking, 4), blocking_ended=went_on,
-                  **trajectory_fields(job.step, job.trajectory_step))
+                  blocking_seconds=round(blocking, 4), blocking_ended=went_on, trajectory_step=job.trajectory_step)
         log = flush_log(self.output_dir, self.rank)
         try:
             final = publish(job, self.root, manifest["healthy"], unsynced + ([str(log)] if log else []),
@@ -462,7 +460,8 @@ class CheckpointManager:
                             run_id=self.run_id)
         except BaseException as e:
             log_event(self.output_dir, self.rank, "warn", job.step, detector="checkpoint", figures={}, bad_ranks=[],
-                      message=f"checkpoint {job.name} logged above was not published: {type(e).__name__}: {e}")
+                      message=f"checkpoint {job.name} logged above was not published: {type(e).__name__}: {e}",
+                      trajectory_step=job.trajectory_step)
             raise
         job.path = final
         self._head = {"name": job.name, "sequence": sequence}
@@ -478,7 +477,8 @@ class CheckpointManager:
                    "it, or remount read-write)")
         logger.warning(message)
         log_event(self.output_dir, self.rank, "warn", job.step, detector="checkpoint", message=message,
-                  figures={}, bad_ranks=[], path=rel(os.path.join(self.root, job.name), self.output_dir))
+                  figures={}, bad_ranks=[], path=rel(os.path.join(self.root, job.name), self.output_dir),
+                  trajectory_step=job.trajectory_step)
 
     def _write_pointer(self, pointer: str, target: str, sync_root: bool = True, tmp: str | None = None) -> None:
         layout.replace_pointer(self.root, pointer, target, self.config.fsync, sync_root=sync_root, tmp=tmp)
@@ -632,7 +632,7 @@ class CheckpointManager:
         self._head = {"name": os.path.basename(os.path.normpath(path)), "sequence": int(man.get("sequence") or 0)}
         if resume_event:
             log_event(self.output_dir, self.rank, "resume", int(man["step"]), checkpoint=info["path"],
-                      requested=which, skipped=skipped, **trajectory_fields(man["step"], info["trajectory_step"]))
+                      requested=which, skipped=skipped, trajectory_step=info["trajectory_step"])
         return ts
 
     def _read_agreed(self, which: str, cands: list[str]) -> tuple[str, dict, list[list[str]]]:

@@ -134,6 +134,7 @@ class Guard:
         """:class:`vidstab.console.StepConsole` in the attached form: its lines on skips, bundles, rollbacks, the end."""
         self.numbering = StepNumbering()
         """The script's step and the trajectory's (they differ after in-place rollbacks): every stated step's producer."""
+        self.events.numbering = self.numbering  # every event about the step being taken carries both where they differ
         self.events.log("start", self.step_count, world_size=self.world_size, config=self.config.to_dict(),
                         run=run_environment(accelerator), process_started=process_start_time())
 

@@ -126,7 +126,7 @@ class AutoRollback:
                 return
             self.script_state.save(path, keep=[i.path for i in self.ckpt.list()])
             if self.interval is not None:
-                self.interval.saved(guard.events, trajectory)
+                self.interval.saved(guard.events, step, trajectory)
 
     def _roll_back(self, result: Any, step: int, trajectory: int) -> None:
         """Load the last healthy rollback checkpoint into the model, optimizer and guard; everything else goes on."""

@@ -339,7 +339,7 @@ class Recovery:
             past = f" by {self.config.incident_window} steps" if self.config.incident_window else ""
             self._announce("incident_over", f"the run got past the failure at {self._failure_label(inc)}{past}: "
                            "the next failure is a new incident with a full retry budget", step=self.numbering.script(step),
-                           incident=inc)
+                           trajectory_step=step, incident=inc)
             changed = True
         every = self.config.lr_restore_every
         if (st.get("incident") is None and every > 0 and self.lr_multiplier < 1.0
@@ -350,7 +350,7 @@ class Recovery:
             st["stable_since"] = step
             self._set_lr_multiplier(new)
             self._announce("lr_restore", f"{every} stable steps: LR multiplier x{old:.4g} -> x{new:.4g}",
-                           step=self.numbering.script(step), old_multiplier=old, lr_multiplier=new)
+                           step=self.numbering.script(step), trajectory_step=step, old_multiplier=old, lr_multiplier=new)
             changed = True
         if changed:
             self._persist()
@@ -411,7 +411,7 @@ class Recovery:
             discarded = self._discard_own_checkpoints(good_step) if good_step is not None else []
             log_event(self.run_dir, self.rank, "recovery", failed_step + 1, action="abort", message=what, cause=cause,
                       last_good_step=good_step, discarded_own_checkpoints=discarded, incident=incident,
-                      failed_step=failed_step, **self.numbering.fields(failed_step))
+                      failed_step=failed_step, trajectory_step=step)
             if discarded:
                 what += f"; removed the script's own {', '.join(discarded)} (newer than the last good step {good_step})"
             what += (f". To allow more rollbacks per incident: "
@@ -470,7 +470,7 @@ class Recovery:
                   incident=incident, rollbacks_total=self.rollbacks_total, discarded_own_checkpoints=discarded,
                   failed_step=failed_step, incident_first_step=open_incident["first_step"],
                   transient=open_incident.get("transient", 0), source=info.get("source"),
-                  restore_seconds=info.get("seconds"), **self.numbering.fields(failed_step, failed))
+                  restore_seconds=info.get("seconds"), trajectory_step=step)
         if self.accelerator.is_main_process and self.form != "attached":  # one line per rollback, not one per rank
             logger.warning("rollback %d/%d of the incident that began at step %d; failure at %s -> %s (%s), cause %s, "
                            "LR x%.4g%s, %s data: %s", self.retries, self.config.max_retries,

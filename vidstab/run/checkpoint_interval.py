@@ -90,9 +90,10 @@ class AutoInterval:
             self.last_saved = step
         return step - self.last_saved >= self.steps
 
-    def saved(self, events: Any, step: int) -> int:
-        """After a save at ``step``: re-choose the interval (every rank calls it); returns it."""
-        self.last_saved = step
+    def saved(self, events: Any, step: int, trajectory: int | None = None) -> int:
+        """After a save at ``step`` (the script's, the event's): re-choose the interval (every rank calls it); returns
+        it. ``trajectory``: the step :meth:`due` counts, where in-place rollbacks made it differ (the attached form's)."""
+        self.last_saved = step if trajectory is None else int(trajectory)
         advice = None
         if self.goodput.main:
             advice = recommend(self.goodput.ledger(), self.expected_mtbf_hours)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,6 +266,67 @@ def test_guard_state_travels_with_save_state_as_json(tmp_path):
     guard2.reapply_lr_multiplier()  # the scheduler state already carried the multiplier: no change
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
     assert [e["kind"] for e in read_events(tmp_path / "run2", "resume")] == ["resume"]
+
+
+BAD_GUARD_STATE = [  # (field, value written, what the message says)
+    ("steps_lost", "3", "'steps_lost' is '3'; expected an integer from 0 to"),
+    ("steps_lost", None, "'steps_lost' is 'None'; expected an integer from 0 to"),
+    ("steps_lost", -1, "'steps_lost' is '-1'; expected an integer from 0 to"),
+    ("steps_lost", 10**30, "'steps_lost' is '1000000000000000000000000000000'; expected an integer from 0 to"),
+    ("steps_lost", 7, "'steps_lost' is '7'; expected at most 'step_count' (6)"),
+    ("step_count", [6], "'step_count' is '[6]'; expected an integer"),
+    ("lr_multiplier", "nan", "'lr_multiplier' is 'nan'; expected a finite number > 0"),
+    ("clip_flags", [0, 2], "'clip_flags' is '[0, 2]'; expected a list of 0 and 1"),
+    (None, "[1, 2]", "unreadable guard state (a JSON list, not an object)"),
+    (None, "{not json", "unreadable guard state (not JSON: "),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_GUARD_STATE, ids=[f"{f}={v!r}" for f, v, _ in BAD_GUARD_STATE])
+def test_a_malformed_guard_state_file_is_refused_naming_the_file_and_the_field(tmp_path, field, value, message):
+    from vidstab.checkpoint import CheckpointError
+
+    acc, model, opt, sched, guard = make(tmp_path / "run", accum=1)
+    train(acc, model, guard, micro_steps=6)
+    ckpt = tmp_path / "checkpoint-6"
+    acc.save_state(str(ckpt))
+    path = ckpt / "vidstab_guard.json"
+    text = json.dumps(dict(json.loads(path.read_text()), **{field: value})) if field else value
+    path.write_text(text)
+    weights, state = params_of(model), guard.state_dict()
+    with pytest.raises(CheckpointError) as refused:
+        acc.load_state(str(ckpt))
+    assert str(refused.value).startswith(f"{path}: unreadable guard state (") and message in str(refused.value)
+    # Nothing applied, nothing on disk touched.
+    assert guard.state_dict() == state and guard.numbering.lost == 0
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), weights))
+    assert path.read_text() == text
+
+
+def test_a_checkpoint_whose_guard_state_is_malformed_is_skipped_naming_it(tmp_path):
+    """The checkpoint manager checks the guard's state (vidstab.json) while it decodes, before anything is
+    applied: a checksummed but malformed one makes that checkpoint invalid, and the previous one is loaded."""
+    import zlib
+
+    acc, model, opt, sched, guard = make(tmp_path, accum=1)
+    ckpt = vidstab.CheckpointManager(acc, str(tmp_path), vidstab.CheckpointConfig(async_save=False))
+    for name, obj in (("model", model), ("optimizer", opt), ("vidstab", guard)):
+        ckpt.register(name, obj)
+    for step in (2, 4):
+        train(acc, model, guard, micro_steps=2)
+        ckpt.save(step)
+    folder = Path(ckpt.root) / "step_000004"
+    data = json.dumps(dict(json.loads((folder / "vidstab.json").read_text()), lr_multiplier=-1.0)).encode()
+    (folder / "vidstab.json").write_bytes(data)
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"]["vidstab.json"] = {"bytes": len(data), "crc32": f"0x{zlib.crc32(data):08x}"}
+    (folder / "manifest.json").write_text(json.dumps(man))
+    state = ckpt.load("latest")
+    assert state["_checkpoint"]["path"].endswith("step_000002") and guard.step_count == 2
+    (skipped,) = state["_checkpoint"]["skipped"]
+    assert skipped[1] == ("step_000004/vidstab.json: unreadable guard state ('lr_multiplier' is '-1.0'; expected a "
+                          "finite number > 0)")
+    assert (folder / "vidstab.json").read_bytes() == data  # kept as it is
 
 
 def test_disabled_guard_is_a_plain_step(tmp_path):

@@ -735,9 +735,19 @@ class CheckpointManager:
     def _read(self, path: str, decode: bool = True) -> dict:
         """Verify every file of the checkpoint at ``path`` and (optionally) decode what this rank needs."""
         backend = self._backend_of(layout.read_manifest(path))
-        dec = (lambda ckpt, raw: backend.decode(ckpt, raw, self._objects)) if decode else None
+        dec = (lambda ckpt, raw: self._checked(ckpt, backend.decode(ckpt, raw, self._objects))) if decode else None
         return read_checkpoint(path, self.rank, self.is_main, backend.needed_files(self._objects), dec,
                                config_hash=self.config_hash, keep_file=getattr(backend, "keep_file", None))
+
+    def _checked(self, ckpt: str, payload: dict) -> dict:
+        """``payload`` with each state whose receiver checks what it is given (``checked_state(state, source)``, e.g.
+        the guard's) checked before anything is applied: a malformed one makes the checkpoint invalid, named."""
+        states = payload.get("objects", {})
+        for n, obj in self._objects.items():
+            check = getattr(obj, "checked_state", None)
+            if callable(check) and n in states:
+                states[n] = check(states[n], f"{ckpt}/{file_stem(n)}.json")
+        return payload
 
     # ------------------------------------------------------------------ collectives
     def _params_finite_here(self) -> bool:

@@ -26,6 +26,7 @@ judged at the last micro-step's ``accelerator.backward`` (where Accelerate steps
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import signals
+from ..checkpoint.config import CheckpointError
 from ..files.atomic import write_json_atomic
 from ..config import GuardConfig
 from ..detectors import Detector, Finding, StepStats, Verdict
@@ -52,6 +54,7 @@ from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
 from .reporting import Reporter
 from .result import StepResult
+from .saved_state import checked_guard_state
 from .stats import anomalous, bad_input_only, build_stats
 from .wrapping import ATTACHED_ATTR, UserLoopPatches
 
@@ -420,22 +423,25 @@ class Guard:
             "detectors": {d.name: d.state_dict() for d in self.detectors},
         }
 
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (detectors missing from ``d`` keep their fresh state)."""
-        self.step_count = int(d["step_count"])
+    def load_state_dict(self, d: Mapping[str, Any], source: str = "the guard's state") -> None:
+        """Restore :meth:`state_dict` (detectors missing from ``d`` keep their fresh state). Every field is checked
+        first (:func:`~vidstab.guard.saved_state.checked_guard_state`): a malformed one is a
+        :class:`~vidstab.CheckpointError` naming ``source`` (the file it came from) and the field; nothing changed."""
+        d = checked_guard_state(d, source)
+        self.step_count = d["step_count"]
         # Event counters never go backward: an in-process rollback to an older checkpoint keeps what this
         # run already skipped and wrote (the incident disk budget included); a fresh process takes the file's.
-        self.skipped_total = max(self.skipped_total, int(d.get("skipped_total", 0)))
-        self.overflow_total = max(self.overflow_total, int(d.get("overflow_total", 0)))
+        self.skipped_total = max(self.skipped_total, d["skipped_total"])
+        self.overflow_total = max(self.overflow_total, d["overflow_total"])
         rep = self.reporter
-        rep.incidents_written = max(rep.incidents_written, int(d.get("incidents_written", 0)))
-        rep.localized = rep.localized or bool(d.get("localized", False))
-        self.lr_multiplier = float(d.get("lr_multiplier", 1.0))
-        if d.get("base_lrs"):
-            self.lr.base_lrs = [float(x) for x in d["base_lrs"]]
-        self._clip_flags = CountWindow(self.config.clip_rate.window, (bool(c) for c in d.get("clip_flags", [])))
-        self._last_anomaly_step = int(d.get("last_anomaly_step", -(10**9)))
-        states = d.get("detectors", {})
+        rep.incidents_written = max(rep.incidents_written, d["incidents_written"])
+        rep.localized = rep.localized or d["localized"]
+        self.lr_multiplier = d["lr_multiplier"]
+        if d["base_lrs"]:
+            self.lr.base_lrs = d["base_lrs"]
+        self._clip_flags = CountWindow(self.config.clip_rate.window, (bool(c) for c in d["clip_flags"]))
+        self._last_anomaly_step = d["last_anomaly_step"]
+        states = d["detectors"]
         for det in self.detectors:
             if det.name in states:
                 det.load_state_dict(states[det.name])
@@ -443,6 +449,11 @@ class Guard:
         self.control.take_param_sums()
         self.recorder.reset()
         self._last_verdict, self._params_finite = Verdict.OK, True
+
+    def checked_state(self, d: Any, source: str) -> dict:
+        """``d`` checked as :meth:`load_state_dict` checks it (the checkpoint manager's decode: a malformed guard state
+        makes its checkpoint invalid before anything is applied)."""
+        return checked_guard_state(d, source)
 
     # The steps in-place rollbacks undid travel with the script's own checkpoint (a relaunch numbers on as the run did),
     # never in vidstab's rollback checkpoints: loading one must not wind the numbering back (auto_rollback.py sets it).
@@ -453,9 +464,13 @@ class Guard:
     def _load_state_hook(self, models: Any, input_dir: str) -> None:
         path = Path(input_dir) / GUARD_STATE_FILE
         if path.exists():
-            state = read_json_file(path)
-            self.load_state_dict(state)
-            self.numbering.lost = int(state.get("steps_lost", 0))
+            try:
+                state = checked_guard_state(read_json_file(path, GUARD_STATE_FILE), str(path))
+            except (OSError, ValueError) as e:  # too large, not UTF-8 JSON: what a damaged manifest is told
+                why = f"not JSON: {e}" if isinstance(e, json.JSONDecodeError) else str(e)
+                raise CheckpointError(f"{path}: unreadable guard state ({why})") from None
+            self.load_state_dict(state, str(path))
+            self.numbering.lost = state["steps_lost"]
             self.events.log("resume", self.step_count, path=str(path), lr_multiplier=self.lr_multiplier,
                             **self.numbering.fields(self.step_count))
 

@@ -62,6 +62,20 @@ def _kinds(out, kind):
     return [e for e in _events(out) if e["kind"] == kind]
 
 
+def _one_numbering(events):
+    """Assert that every event states the loop's step, and the trajectory's beside it where they differ: from an
+    in-place rollback at the loop's step S to a checkpoint of trajectory step T on, they are S - T apart (the
+    rollback event itself is numbered as before it). Returns the offsets in force after each rollback."""
+    offset, offsets = 0, []
+    for e in events:
+        assert e.get("trajectory_step", e["step"]) == e["step"] - offset, (offset, e)
+        assert ("trajectory_step" in e) == bool(offset), (offset, e)
+        if e["kind"] == "rollback":
+            offset = e["step"] - e.get("to_trajectory_step", e["to_step"])
+            offsets.append(offset)
+    return offsets
+
+
 def test_an_lr_written_wrong_for_three_steps_is_refused_and_the_schedule_comes_back(tmp_path):
     acc, model, opt, sched, guard, seen = _loop(tmp_path, bad_lr_steps={10, 11, 12})
     assert [e["step"] for e in _kinds(tmp_path, "skip")] == [10, 11, 12]
@@ -81,6 +95,11 @@ def test_an_lr_written_wrong_for_good_rolls_back_in_place_then_aborts(tmp_path):
     # In place: the loop's step count goes on past every rollback; no step is taken twice.
     steps = [e["step"] for e in _events(tmp_path) if e["kind"] == "metrics"]
     assert steps == sorted(steps) and len(steps) == len(set(steps))
+    # Each rollback sets the trajectory further behind; every event up to the abort's says both.
+    offsets = _one_numbering(_events(tmp_path))
+    assert offsets == sorted(offsets) and len(offsets) == 3 and offsets[0] > 0
+    (stop,) = _kinds(tmp_path, "stop")
+    assert stop["exit_code"] == 3 and stop["trajectory_step"] == stop["step"] - offsets[-1]
 
 
 def test_a_rollback_restores_the_weights_in_place_and_keeps_step_schedule_and_rng_going(tmp_path):
@@ -176,10 +195,8 @@ def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_
     # second (a rollback event itself is numbered as before it: the failure's trajectory is one behind).
     events = _events(tmp_path)
     assert [e["step"] for e in events if e["kind"] == "metrics"] == list(range(40))
-    first, second = (i for i, e in enumerate(events) if e["kind"] == "rollback")
-    for offset, part in ((0, events[:first + 1]), (7, events[first + 1:second + 1]), (15, events[second + 1:])):
-        assert all(e.get("trajectory_step", e["step"]) == e["step"] - offset for e in part), (offset, part)
-        assert all(("trajectory_step" in e) == bool(offset) for e in part), part
+    assert _one_numbering(events) == [7, 15]
+    first = next(i for i, e in enumerate(events) if e["kind"] == "rollback")
     kinds_after = {e["kind"] for e in events[first + 1:]}
     assert {"metrics", "skip", "rollback_request", "rollback", "checkpoint", "recovery", "incident", "stop"} <= kinds_after
     assert [(e["kind"], e["step"], e["trajectory_step"]) for e in events if e["step"] == 37 and e["kind"] != "metrics"] == [

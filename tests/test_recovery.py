@@ -38,7 +38,7 @@ class LRGuard:
         self.lr_multiplier = d["lr_multiplier"]
 
 
-def _run(tmp_path, config=None):
+def _run(tmp_path, config=None, register_guard=True):
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -48,7 +48,8 @@ def _run(tmp_path, config=None):
     guard = LRGuard(opt)
     ckpt.register("model", model)
     ckpt.register("optimizer", opt)
-    ckpt.register("vidstab", guard)
+    if register_guard:
+        ckpt.register("vidstab", guard)
     rec = Recovery(acc, ckpt, guard, config or RecoveryConfig(max_retries=2), run_dir=str(tmp_path))
     return acc, model, opt, ckpt, guard, rec
 
@@ -69,6 +70,18 @@ def test_a_target_that_fails_again_sends_the_next_rollback_further_back(tmp_path
     # a failure after passing the previous one is a new problem: the newest good checkpoint again
     ckpt.save(30, healthy=True, trainer_state={"step": 30, "batches_consumed": 30})
     assert rec.rollback("later trouble", step=35)["step"] == 30
+
+
+def test_a_guard_left_out_of_the_checkpoints_is_said_at_the_rollback(tmp_path, caplog):
+    """The explicit form's numbering is one because the guard goes back with the weights; a guard the checkpoints do
+    not hold would go on counting the abandoned trajectory's steps: said once, with the line that fixes it."""
+    acc, model, opt, ckpt, guard, rec = _run(tmp_path, register_guard=False)
+    ckpt.save(10, healthy=True, trainer_state={"step": 10})
+    with caplog.at_level("WARNING", logger="vidstab.recovery.policy"):
+        rec.rollback("spike", step=13)
+        rec.rollback("spike", step=12)
+    said = [r.getMessage() for r in caplog.records if "not registered with the CheckpointManager" in r.getMessage()]
+    assert len(said) == 1 and 'ckpt.register("vidstab", guard)' in said[0] and "rollback to step 10" in said[0]
 
 
 def test_rollback_loads_last_good_backs_off_lr_and_counts_retries(tmp_path):

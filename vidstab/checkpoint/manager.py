@@ -181,6 +181,10 @@ class CheckpointManager:
         self.engine.refuse_registered(name, obj)
         self._objects[name] = obj
 
+    def holds(self, obj: Any) -> bool:
+        """Whether ``obj`` is registered: saved with every checkpoint and restored by every load."""
+        return any(o is obj for o in self._objects.values())
+
     @property
     def backend(self) -> FullStateBackend:
         """The backend the next save uses, the engine's choice: sharded (DCP) when a registered model has DTensor

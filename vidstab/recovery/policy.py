@@ -165,6 +165,7 @@ class Recovery:
         self.config_hash = config_hash if config_hash is not None else getattr(ckpt, "config_hash", None)
         self.state: dict[str, Any] = self._fresh_state()
         self.carried_over: str | None = None
+        self._guard_unheld_said = False  # the guard's missing registration, said once (_say_guard_not_rolled_back)
         """What this launch inherited from ``recovery.json`` (one sentence), or None."""
         # The multiplier recovery.json recorded (1 after a reset): newer than any checkpoint's, so it replaces the
         # loaded checkpoint's once, at the resume (see apply_carried_over).
@@ -436,6 +437,7 @@ class Recovery:
         self._set_lr_multiplier(old_multiplier * backoff)  # the load brought back the checkpoint's
         multiplier = self.lr_multiplier
         info = state["_checkpoint"]
+        self._say_guard_not_rolled_back(info["step"])
         target = int(info.get("trajectory_step", info["step"]))  # the trajectory's step the run goes back to
         # A restart before the next save should resume on this trajectory, not the abandoned one.
         self.ckpt.set_latest(info["path"])
@@ -484,6 +486,19 @@ class Recovery:
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _say_guard_not_rolled_back(self, to_step: int) -> None:
+        """Once per run, on the main process: a guard the checkpoints do not hold did not go back with the weights
+        (its step count, which numbers the events, and its statistics go on from the abandoned trajectory)."""
+        holds = getattr(self.ckpt, "holds", None)
+        if self.guard is None or self._guard_unheld_said or not callable(holds) or holds(self.guard):
+            return
+        self._guard_unheld_said = True
+        if self.accelerator.is_main_process:
+            logger.warning("vidstab: the guard is not registered with the CheckpointManager: this rollback to step %d "
+                           "restored the weights but not the guard, whose step count (the events' step) and "
+                           "statistics go on from the abandoned trajectory. Register it before the first save: "
+                           "ckpt.register(\"vidstab\", guard)", int(to_step))
+
     def _target(self, step: int) -> str:
         """``"last_good"``, unless the last rollback went there and the run failed again before getting past
         that failure: then the healthy checkpoint before it (a target that is already bad, e.g. saved inside a

@@ -110,6 +110,7 @@ def reference_row(folder: Path, engine: str, seconds: dict) -> dict:
 
 def table(results: dict) -> str:
     mark = {"pass": "pass", "fail": "**fail**", "refused": "refused at setup", "warned": "fails, warned at attach",
+            "refused_resume": "warned at attach, its resume refused",
             "stopped": "stops with a message", "n/a": "n/a"}
     lines = ["| form | engine | " + " | ".join(COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
     said: dict[str, list[str]] = {}

@@ -292,11 +292,16 @@ def test_a_malformed_guard_state_file_is_refused_naming_the_file_and_the_field(t
     path = ckpt / "vidstab_guard.json"
     good = json.loads(path.read_text())
     weights, state = params_of(model), guard.state_dict()
-    for field, value, message in BAD_GUARD_STATE:  # one saved folder, each bad value written into it in turn
+    detectors = dict(good["detectors"], lr_jump={"ema": {"mean": [1.0]}, "quiet_until": 0})  # after others loaded
+    cases = [*BAD_GUARD_STATE, ("detectors", detectors, "(detector 'lr_jump': TypeError: ")]
+    for field, value, message in cases:  # one saved folder, each bad value written into it in turn
         text = json.dumps(dict(good, **{field: value})) if field else value
         path.write_text(text)
         with pytest.raises(CheckpointError) as refused:
             acc.load_state(str(ckpt))
+        # Attached: the script ends with exit code 2 and no traceback (SystemExit), said in a stop event.
+        assert isinstance(refused.value, SystemExit) and refused.value.code == 2
+        assert read_events(tmp_path / "run", "stop")[-1]["reason"] == "resume_refused"
         assert str(refused.value).startswith(f"{path}: unreadable guard state (") and message in str(refused.value), (
             field, value, str(refused.value))
         # Nothing applied, nothing on disk touched.

@@ -507,10 +507,18 @@ def _ema(traces: dict) -> str | None:
 
 def evaluate_kill(cell: Path, world: int) -> dict:
     result = _kill(cell, world)
-    warned = attach_warnings(cell / "kill")
+    warned, refused = attach_warnings(cell / "kill"), resume_refusals(cell / "kill")
+    if result["status"] == "fail" and warned and refused:  # said at attach, refused at the resume: never silent
+        return {"status": "refused_resume", "why": f"said at attach: {warned[0]}; the resume: {refused[0]}"}
     if result["status"] == "fail" and warned:  # said at attach: not silent, still not a pass
         return {"status": "warned", "why": f"{result['why']}; said at attach: {warned[0]}"}
     return result
+
+
+def resume_refusals(folder: Path) -> list[str]:
+    """Why the script's own ``accelerator.load_state`` was refused (``stop`` events, reason ``resume_refused``)."""
+    events = _lines(folder / "vidstab" / "events-rank0.jsonl")
+    return [e["message"] for e in events if e["kind"] == "stop" and e.get("reason") == "resume_refused"]
 
 
 def attach_warnings(folder: Path) -> list[str]:

@@ -22,6 +22,8 @@ class FSDPEngine(Engine):
 
         if self.model is None or not has_dtensor_params(self.model) or getattr(self.accelerator, "is_fsdp2", False):
             return None
+        if not getattr(self.accelerator, "_optimizers", None):  # an optimizer Accelerate does not hold, it does not save
+            return None
         return ("the model is sharded with fully_shard outside Accelerate, so your accelerator.save_state saves rank 0's "
                 "optimizer shards only and a resume from it loads them on every rank; vidstab's rollbacks are "
                 "unaffected. To resume, use the explicit form (CheckpointManager + Recovery: sharded checkpoints) or "

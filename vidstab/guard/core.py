@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -54,7 +55,7 @@ from .optimizer_control import OptimizerControl
 from .recorder import StepRecorder
 from .reporting import Reporter
 from .result import StepResult
-from .saved_state import checked_guard_state
+from .saved_state import RESUME_REFUSED_EXIT_CODE, ResumeRefused, checked_guard_state
 from .stats import anomalous, bad_input_only, build_stats
 from .wrapping import ATTACHED_ATTR, UserLoopPatches
 
@@ -428,6 +429,7 @@ class Guard:
         first (:func:`~vidstab.guard.saved_state.checked_guard_state`): a malformed one is a
         :class:`~vidstab.CheckpointError` naming ``source`` (the file it came from) and the field; nothing changed."""
         d = checked_guard_state(d, source)
+        self._load_detectors(d["detectors"], source)  # first: a detector's malformed state leaves everything as it was
         self.step_count = d["step_count"]
         # Event counters never go backward: an in-process rollback to an older checkpoint keeps what this
         # run already skipped and wrote (the incident disk budget included); a fresh process takes the file's.
@@ -441,14 +443,25 @@ class Guard:
             self.lr.base_lrs = d["base_lrs"]
         self._clip_flags = CountWindow(self.config.clip_rate.window, (bool(c) for c in d["clip_flags"]))
         self._last_anomaly_step = d["last_anomaly_step"]
-        states = d["detectors"]
-        for det in self.detectors:
-            if det.name in states:
-                det.load_state_dict(states[det.name])
         # Anything measured on the weights before the load (a rollback) must not be judged after it.
         self.control.take_param_sums()
         self.recorder.reset()
         self._last_verdict, self._params_finite = Verdict.OK, True
+
+    def _load_detectors(self, states: Mapping[str, Any], source: str) -> None:
+        """Each detector's saved state, or none: one that does not fit its detector puts every detector back and is
+        a :class:`~vidstab.CheckpointError` naming ``source`` and the detector."""
+        before = {det.name: det.state_dict() for det in self.detectors}
+        for det in self.detectors:
+            if det.name not in states:
+                continue
+            try:
+                det.load_state_dict(states[det.name])
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+                for d in self.detectors:
+                    d.load_state_dict(before[d.name])
+                raise CheckpointError(f"{source}: unreadable guard state (detector {det.name!r}: "
+                                      f"{type(e).__name__}: {str(e)[:80]})") from None
 
     def checked_state(self, d: Any, source: str) -> dict:
         """``d`` checked as :meth:`load_state_dict` checks it (the checkpoint manager's decode: a malformed guard state
@@ -462,7 +475,25 @@ class Guard:
             write_json_atomic(Path(output_dir) / GUARD_STATE_FILE, dict(self.state_dict(), steps_lost=self.numbering.lost))
 
     def _load_state_hook(self, models: Any, input_dir: str) -> None:
-        path = Path(input_dir) / GUARD_STATE_FILE
+        try:
+            self._resume_from(Path(input_dir))
+        except CheckpointError as e:
+            if self.console is None:  # a Guard built by hand, not attach(): the script's own handling decides
+                raise
+            # The attached form: one message and an exit code, as its aborts (before Accelerate loads anything).
+            self.events.log("stop", self.step_count, message=str(e), reason="resume_refused",
+                            exit_code=RESUME_REFUSED_EXIT_CODE)
+            self.events.flush()
+            if self.accelerator.is_main_process:
+                print(f"vidstab: not resuming: {e}", file=sys.stderr, flush=True)
+            raise ResumeRefused(str(e)) from None
+
+    def _resume_from(self, folder: Path) -> None:
+        """The guard's state from the script's ``save_state`` folder, once it is known that the resume can be right."""
+        caveat = self.engine.save_state_caveat()
+        if caveat is not None and self.world_size > 1:
+            raise CheckpointError(f"{folder}: {caveat}")
+        path = folder / GUARD_STATE_FILE
         if path.exists():
             try:
                 state = checked_guard_state(read_json_file(path, GUARD_STATE_FILE), str(path))

@@ -14,6 +14,22 @@ from typing import Any, Mapping
 
 from ..checkpoint.config import CheckpointError
 
+RESUME_REFUSED_EXIT_CODE = 2
+"""The exit code of an attached script whose ``accelerator.load_state`` vidstab refused (as a launch of the reference
+trainer that cannot start)."""
+
+
+class ResumeRefused(CheckpointError, SystemExit):
+    """The attached form's refusal of the script's own ``accelerator.load_state`` (a malformed ``vidstab_guard.json``,
+    a folder the script's ``save_state`` could not make resumable): the script ends with
+    :data:`RESUME_REFUSED_EXIT_CODE` and no traceback (``SystemExit``), the message said once on the main process;
+    ``except vidstab.CheckpointError`` still catches it. Raised before anything is loaded."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = RESUME_REFUSED_EXIT_CODE
+
+
 MAX_COUNT = 2**53
 """The largest count or step read back: beyond it JSON readers (and floats) no longer hold integers exactly."""
 

@@ -1,5 +1,5 @@
 """An out-of-memory inside ``optimizer.step()`` (the ``oom_in_step`` drill) under FSDP2 and DeepSpeed ZeRO 1/2/3, in
-the attached and the explicit form, on 2 real processes: one launch (tests/scripts/oom_engines.py), its cells one
+the attached and the explicit form, on 2 real processes (and on one: DDP's one-process cells): one launch per world size (tests/scripts/oom_engines.py), its cells one
 after another.
 
 FSDP2 is judged like DDP (tests/test_oom_attached.py), from the local shards' version counters: untouched on
@@ -33,15 +33,35 @@ ZERO = ("explicit:zero1", "attached:zero1", "explicit:zero2", "attached:zero2", 
 LAST = "attached:zero3"  # rank 1 alone runs out of memory: its process stops, the launch ends
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    out = tmp_path_factory.mktemp("oom_engines")
-    cells = [*FSDP2, *DDP, *ZERO, LAST]
+SINGLE = ("explicit:single", "attached:single")  # the column's one-process cells
+
+
+def _launch(out: Path, world: int, cells: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # it would turn DeepSpeed off
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    cmd = torchrun_cmd(2, oom_engines.__file__, "--out", str(out), "--cells", ",".join(cells))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600), out
+    cmd = torchrun_cmd(world, oom_engines.__file__, "--out", str(out), "--cells", ",".join(cells))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oom_engines")
+    return _launch(out, 2, [*FSDP2, *DDP, *ZERO, LAST]), out
+
+
+@pytest.fixture(scope="module")
+def launched_single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oom_engines_single")
+    return _launch(out, 1, list(SINGLE)), out
+
+
+@pytest.mark.parametrize("cell", SINGLE)
+def test_one_process_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched_single, cell):
+    proc, out = launched_single
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    form, engine = cell.split(":")
+    assert oom_engines.evaluate(_cell(out, cell), form, engine, 1) == {"status": "pass"}
 
 
 def _cell(out: Path, cell: str) -> Path:

@@ -1,6 +1,6 @@
 """An out-of-memory inside ``optimizer.step()`` (the ``oom_in_step`` drill) under FSDP2 and DeepSpeed ZeRO 1/2/3, in
-the attached and the explicit form, on 2 real processes (and on one: DDP's one-process cells): one launch per world size (tests/scripts/oom_engines.py), its cells one
-after another.
+the attached and the explicit form, on 2 real processes, and on one process: one launch per world size
+(tests/scripts/oom_engines.py), its cells one after another.
 
 FSDP2 is judged like DDP (tests/test_oom_attached.py), from the local shards' version counters: untouched on
 every rank, a skip with everything bitwise unchanged; touched on one rank, a rollback on every rank. DeepSpeed

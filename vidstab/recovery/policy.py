@@ -165,8 +165,8 @@ class Recovery:
         self.config_hash = config_hash if config_hash is not None else getattr(ckpt, "config_hash", None)
         self.state: dict[str, Any] = self._fresh_state()
         self.carried_over: str | None = None
-        self._guard_unheld_said = False  # the guard's missing registration, said once (_say_guard_not_rolled_back)
         """What this launch inherited from ``recovery.json`` (one sentence), or None."""
+        self._guard_unheld_said = False  # the guard's missing registration, said once (_say_guard_not_rolled_back)
         # The multiplier recovery.json recorded (1 after a reset): newer than any checkpoint's, so it replaces the
         # loaded checkpoint's once, at the resume (see apply_carried_over).
         self._carried_multiplier: float | None = None

@@ -159,3 +159,24 @@ def test_the_guard_owns_the_multiplier_and_a_relaunch_carries_it_over_the_checkp
     rec2.check_resume(11)
     assert guard.lr_multiplier == rec2.lr_multiplier == 0.3
     assert opt.param_groups[0]["lr"] == pytest.approx(BASE_LR * 0.3)
+
+
+def test_a_malformed_recovery_state_starts_fresh_saying_which_field_and_keeps_a_copy(tmp_path, caplog):
+    cfg = RecoveryConfig(max_retries=3, incident_window=50, lr_restore_every=0)
+    acc, model, opt, guard, ckpt, rec = _setup(tmp_path, cfg)
+    _train(acc, model, opt, guard, ckpt, rec, until=14, faults={12: ("grad_spike", "divergence")})
+    path = tmp_path / "vidstab" / "recovery.json"
+    good = json.loads(path.read_text())
+    assert good["lr_multiplier"] == 0.5 and Recovery(acc, ckpt, guard, cfg, run_dir=str(tmp_path)).lr_multiplier == 0.5
+    for field, value, said in [("lr_multiplier", "0.5", "'lr_multiplier' is '0.5'; expected a finite number > 0"),
+                               ("rollbacks_total", -1, "'rollbacks_total' is '-1'; expected an integer >= 0"),
+                               ("history", [{"step": "x"}], "'history.step' is 'x'; expected an integer >= 0"),
+                               ("incident", {"first_step": 1, "last_failure": None, "retries": 0},
+                                "'incident.last_failure' is 'None'; expected an integer >= 0")]:
+        text = json.dumps(dict(good, **{field: value}))
+        path.write_text(text)
+        caplog.clear()
+        fresh = Recovery(acc, ckpt, guard, cfg, run_dir=str(tmp_path))
+        assert fresh.retries == 0 and fresh.carried_over is None, field
+        assert said in caplog.text and f"recovery state starts fresh (kept as {path}.unreadable)" in caplog.text
+        assert (tmp_path / "vidstab" / "recovery.json.unreadable").read_text() == text

@@ -29,7 +29,9 @@ reset it, and it must survive a restart. On a restart what is carried over is sa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import re
 import secrets
@@ -190,15 +192,18 @@ class Recovery:
                 "recovery_config": _config_dict(self.config)}
 
     def _read_state(self) -> dict | None:
+        path = os.path.join(self.run_dir, STATE_FILE)
         try:
-            d = read_json_file(os.path.join(self.run_dir, STATE_FILE), STATE_FILE)
-            if not isinstance(d, dict):
-                raise ValueError("not a JSON object")
-            return d
+            return checked_recovery_state(read_json_file(path, STATE_FILE))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, UnicodeDecodeError) as e:
-            logger.warning("cannot read %s (%s); recovery state starts fresh", STATE_FILE, e)
+            kept = ""
+            if self.accelerator.is_main_process:  # the next save replaces the file: a copy keeps what was read
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(path, path + ".unreadable")
+                    kept = f" (kept as {path}.unreadable)"
+            logger.warning("cannot read %s (%s); recovery state starts fresh%s", path, e, kept)
             return None
 
     def _take_over(self, d: dict, reset: bool) -> None:
@@ -604,6 +609,40 @@ class Recovery:
         self.state["recovery_config"] = _config_dict(self.config)
         # The owner's value as of this decision: a relaunch before the next checkpoint keeps the back-off.
         write_json_atomic(os.path.join(self.run_dir, STATE_FILE), dict(self.state, lr_multiplier=self.lr_multiplier))
+
+
+def checked_recovery_state(d: Any) -> dict:
+    """``recovery.json`` as read, every field the recovery takes over checked: a ``ValueError`` naming the first field
+    that is not what :class:`Recovery` writes (the caller starts fresh, saying why)."""
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+
+    def integer(field: str, value: Any, low: int = 0) -> None:
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= 2**53):
+            raise ValueError(f"{field!r} is {str(value)[:60]!r}; expected an integer >= {low}")
+
+    for field in ("schema", "rollbacks_total", "stable_since", "retries"):
+        if field in d:
+            integer(field, d[field])
+    multiplier = d.get("lr_multiplier", 1.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not math.isfinite(multiplier) \
+            or multiplier <= 0:
+        raise ValueError(f"'lr_multiplier' is {str(multiplier)[:60]!r}; expected a finite number > 0")
+    history = d.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise ValueError(f"'history' is {str(history)[:60]!r}; expected a list of rollbacks (objects)")
+    for h in history:
+        integer("history.step", h.get("step", 0))
+        integer("history.to_step", h.get("to_step", 0))
+    incident = d.get("incident")
+    if incident is not None:
+        if not isinstance(incident, dict):
+            raise ValueError(f"'incident' is {str(incident)[:60]!r}; expected an object or null")
+        for field in ("first_step", "last_failure", "retries"):
+            integer(f"incident.{field}", incident.get(field))
+        integer("incident.transient", incident.get("transient", 0))
+        integer("incident.last_failed_step", incident.get("last_failed_step", -1), low=-1)
+    return d
 
 
 def step_of_failure(incident: dict) -> int:

@@ -190,6 +190,8 @@ def test_the_attached_form_says_each_skip_and_rollback_and_sums_up_at_close(tmp_
     assert [x.split(": ")[1] for x in err if "(nonfinite:" in x] + [x.split(": ")[1] for x in bundle] == [
         "step 37 (trajectory step 22)"] * 2, err
     assert bundle[0].endswith("step000037-rank0")  # the bundle's folder is named after the loop's step
+    meta = json.loads((tmp_path / "vidstab" / "incidents" / "step000037-rank0" / "incident.json").read_text())
+    assert (meta["step"], meta["extra"]["trajectory_step"]) == (37, 22)  # and its record says both
     # Every event the guard and the attached form write states the loop's step, in the loop's order across both
     # rollbacks, and from each rollback on the trajectory's beside it: 7 steps behind after the first, 15 after the
     # second (a rollback event itself is numbered as before it: the failure's trajectory is one behind).

@@ -120,6 +120,8 @@ class Reporter:
                      "bad_ranks": finding.ranks, "bucket": s.bucket}
             if error is not None:
                 extra["error"] = f"{type(error).__name__}: {error}"
+            if self.events.numbering is not None:  # the trajectory's step beside the script's, where they differ
+                extra.update(self.events.numbering.fields(s.step))
             try:
                 path = Path(capture.write_incident(
                     self.run_dir, step=s.step, micro_step=i, rank=self.rank, world_size=self.world_size,

@@ -65,7 +65,7 @@ class Reporter:
             climb = self.host_memory.observe(s.step, rss)
             if climb is not None:
                 self.events.log("host_memory_climb", s.step, **climb)
-                print(climb_line(self.rank, s.step, climb), file=sys.stderr, flush=True)
+                print(climb_line(self.rank, s.step, climb, self.events.numbering), file=sys.stderr, flush=True)
             self.events.log_metrics(s.step, metrics)
             if self.tracked(s.step):
                 log_to_trackers(self.accelerator, {k: v for k, v in metrics.items() if k not in ("loss_rank", "verdict")},

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..step_numbering import StepNumbering
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _statm: tuple[int, int] | None = None  # (pid, descriptor): a forked child opens its own
 
@@ -165,12 +167,12 @@ def _slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
 
 
-def climb_line(rank: int, step: int, c: dict) -> str:
-    """The console line of a climb."""
+def climb_line(rank: int, step: int, c: dict, numbering: Any = None) -> str:
+    """The console line of a climb (``numbering``: the guard's, naming the trajectory's step beside the script's)."""
     when = c["projected_seconds_to_limit"]
     eta = f"the limit ({c['limit_mib']:.0f} MiB, {c['limit_source']}) in about {when / 60:.1f} min at this rate" \
         if when is not None else "no limit could be read"
-    return (f"vidstab: step {step}, rank {rank}: host memory climbing steadily: {c['rss_mib']:.0f} MiB resident, "
+    return (f"vidstab: {(numbering or StepNumbering()).label(step)}, rank {rank}: host memory climbing steadily: {c['rss_mib']:.0f} MiB resident, "
             f"+{c['growth_mib']:.0f} MiB since step {c['since_step']} ({c['slope_mib_per_step']:.2f} MiB/step, "
             f"{c['slope_mib_per_s']:.2f} MiB/s); {eta}. Look for tensors kept across steps (losses kept without "
             f".item(), growing caches) and the data loader's workers")
@@ -266,7 +268,8 @@ def record_worker_killed(exc: BaseException, events: Any, step: int, rank: int, 
     sig = info["signal"] or "an unexpected exit"
     why = " (SIGKILL: most likely the kernel's out-of-memory killer)" if sig.lower() in ("killed", "sigkill") else ""
     last = {p: h[-1][1] for p, h in workers_rss.items() if h}
-    message = (f"vidstab: step {step}, rank {rank}: data-loader worker pid {info['worker_pids']} died of {sig}{why}. "
+    where = (getattr(events, "numbering", None) or StepNumbering()).label(step)  # the guard's log has the numbering
+    message = (f"vidstab: {where}, rank {rank}: data-loader worker pid {info['worker_pids']} died of {sig}{why}. "
                f"This rank held {rss} MiB; workers' last readings {last or 'none'} MiB (limit {limit and round(limit)} "
                f"MiB, {source}); the history is in the event log. Fewer num_workers, a smaller prefetch_factor or "
                f"smaller cached samples lower host memory; an elastic launch (--max_restarts) resumes from the last "

@@ -5,6 +5,10 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+SAME_RUN_AS = {"nan_batch_rank1_run": "conformance-reference-ddp"}
+"""Session fixtures that are a conformance row's launch: their readers join that row's group (tests/test_conformance.py)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n N --dist loadgroup` (.ci/run), keep the tests that share a module- or session-scoped
@@ -41,7 +45,8 @@ def pytest_collection_modifyitems(config, items):
         members.setdefault(find(key), []).append(key)
     for item, shared in zip(items, shared_by_item):
         if shared and not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(min(members[find(shared[0])])))
+            group = min(members[find(shared[0])])
+            item.add_marker(pytest.mark.xdist_group(SAME_RUN_AS.get(group, group)))
 
 
 @pytest.fixture(autouse=True)
@@ -58,18 +63,20 @@ def _fresh_accelerator_state():
 
 @pytest.fixture(scope="session")
 def nan_batch_rank1_run(tmp_path_factory):
-    """One real 2-process trainer run with a NaN micro-batch on rank 1 at step 4 (checkpoints every 3 of 6
-    steps), shared by the tests that read what it leaves behind: the lockstep skip and the incident bundle
-    (tests/test_train.py), the bundle's replay and the dashboard (tests/test_incident_e2e.py). Tests only
-    add files to it (a replay report); none changes what another reads."""
-    from trainer_utils import run_trainer, shared_run
+    """One real 2-process trainer run with a NaN micro-batch on rank 1 at step 4 (checkpoints every 3 of 9 steps, rank
+    1 SIGKILLed at step 8 and the job restarted from step 6, the dashboard written): the kill launch of the
+    conformance matrix's DDP row (tests/scripts/conformance_reference.py, tests/test_conformance.py), shared by the
+    tests that read what it leaves behind: the lockstep skip and the incident bundle (tests/test_train.py), the
+    bundle's replay and the dashboard (tests/test_incident_e2e.py), the docs' commands on it. Tests only add files to
+    it (a replay report); none changes what another reads. Its readers join the row's xdist group (the run is built
+    once per session either way)."""
+    import sys
+    from pathlib import Path
 
-    def build(folder):
-        run_trainer(folder / "run", "--max_train_steps", "6", "--checkpointing_steps", "3", "--inject_fault", "nan_batch@4:1",
-                    nproc=2, html_report=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+    import conformance_reference as reference
 
-    return shared_run(tmp_path_factory, "nan_batch_rank1", build) / "run"
-
+    return reference.shared_row(tmp_path_factory, "ddp")[0] / "kill"
 
 
 # ---------------------------------------------------------------- CPU seconds per test

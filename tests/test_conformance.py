@@ -13,7 +13,8 @@ sharing one launch per world size:
 
 Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3).
 The oom_in_step column runs in tests/test_oom_engines.py (every 2-process cell, the same ``oom_engines.evaluate``).
-The reference trainer's ZeRO-3 row runs here (its launches: tests/scripts/conformance_reference.py)."""
+The reference trainer's rows run here, every engine's (its launches: tests/scripts/conformance_reference.py), and carry
+the assertions of the trainer tests whose launches they replaced."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import conformance_drill as drill  # noqa: E402
+import conformance_reference as reference  # noqa: E402
 
 FORMS = ("explicit", "attached")  # the attached form last: the launch ends with its abort
 TWO = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
@@ -157,23 +159,25 @@ def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
     assert result["status"] == "pass", (cell, result.get("why"))
 
 
-# ---- the reference trainer (recipes/train.py) under DeepSpeed: docs/deepspeed.md's launch, ZeRO-3 in CI ----
-# benchmarks/conformance.py runs every engine's row; CI runs ZeRO-3's (the engine path the others' share least),
-# each launch shared by the assertions below.
-REFERENCE_ENGINE = "zero3"
+# ---- the reference trainer (recipes/train.py): every row of benchmarks/conformance.py ----
+# One module fixture per engine, each its own xdist group (the two workers share the rows out); each row's launches
+# shared by the assertions below, and by those of the trainer tests they replaced.
+def _rows(*engines: str) -> list:
+    return [pytest.param(e, id=e, marks=pytest.mark.xdist_group(f"conformance-reference-{e}")) for e in engines]
+
+
+REFERENCE_ENGINES = tuple(reference.ENGINES)
+ZERO_ENGINES = tuple(e for e in REFERENCE_ENGINES if e.startswith("zero"))
+BACKENDS = {"single": "full", "ddp": "full", "fsdp2": "sharded"}  # the checkpoint backend; ZeRO: "deepspeed"
 
 
 @pytest.fixture(scope="module")
-def reference_runs(tmp_path_factory) -> tuple[Path, dict]:
-    import conformance_reference as reference
-
-    out = tmp_path_factory.mktemp("conformance_reference")
-    return out, {kind: reference.launch(REFERENCE_ENGINE, kind, out, timeout=600)
-                 for kind in reference.kinds(REFERENCE_ENGINE)}
+def reference_runs(request, tmp_path_factory) -> tuple[str, Path, dict]:
+    """``(engine, folder, {kind: the launch's CompletedProcess})`` of the engine ``request.param``'s row."""
+    return (request.param, *reference.shared_row(tmp_path_factory, request.param))
 
 
 def test_the_reference_trainers_launch_is_the_one_docs_deepspeed_gives():
-    import conformance_reference as reference
     from test_deepspeed import doc_commands
 
     commands = {c.split("--zero_stage ")[1].split()[0]: c.split() for c in doc_commands()}
@@ -189,36 +193,51 @@ def test_the_reference_trainers_launch_is_the_one_docs_deepspeed_gives():
 
 
 @pytest.mark.slow
-def test_the_reference_trainer_under_zero3_passes_the_fault_drills_and_refuses_its_ema(reference_runs):
-    import conformance_reference as reference
-
-    out, procs = reference_runs
-    row = reference.evaluate_faults(out / "faults", REFERENCE_ENGINE, procs["faults"], procs["ema_refusal"])
-    for name in ("nan", "spike", "lr_bug", "persistent"):
-        assert row[name]["status"] == "pass", (name, row[name].get("why"))
-    assert row["ema"]["status"] == "refused" and "use --zero_stage 1 or 2 with --use_ema" in row["ema"]["why"]
-    refused = procs["ema_refusal"].stdout + procs["ema_refusal"].stderr  # and the clip, in the same launch
-    assert f"--max_grad_norm {reference.REFUSED_CLIP} differs from DeepSpeed's gradient_clipping 1.0" in refused
-    for rank in (0, 1):  # the NaN on rank 1, skipped in lockstep
+@pytest.mark.parametrize("reference_runs", _rows(*REFERENCE_ENGINES), indirect=True)
+def test_the_reference_trainer_passes_the_fault_drills_on_every_engine(reference_runs):
+    """Every drill passes; ZeRO-3 refuses ``--use_ema`` (and a clip other than DeepSpeed's) at setup, said."""
+    engine, out, procs = reference_runs
+    world = reference.ENGINES[engine]
+    row = reference.evaluate_faults(out / "faults", engine, procs["faults"], procs.get("ema_refusal"))
+    for name in ("nan", "spike", "lr_bug", "persistent", *(() if engine in ZERO_ENGINES else ("oom_in_step",))):
+        assert row[name]["status"] == "pass", (engine, name, row[name].get("why"))
+    if engine == "zero3":
+        assert row["ema"]["status"] == "refused" and "use --zero_stage 1 or 2 with --use_ema" in row["ema"]["why"]
+        refused = procs["ema_refusal"].stdout + procs["ema_refusal"].stderr  # and the clip, in the same launch
+        assert f"--max_grad_norm {reference.REFUSED_CLIP} differs from DeepSpeed's gradient_clipping 1.0" in refused
+    else:
+        assert row["ema"]["status"] == "pass", (engine, row["ema"].get("why"))
+    for rank in range(world):  # the NaN on the last rank, skipped in lockstep
         (skip,) = [e for e in reference.events(out / "faults", rank) if e["kind"] == "skip"
                    and e["detector"] == "nonfinite"]
-        assert skip["bad_ranks"] == [1]
+        assert skip["bad_ranks"] == [world - 1]
     manifest = json.loads((out / "faults" / "vidstab" / "checkpoints" / "step_000004" / "manifest.json").read_text())
-    assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
+    assert manifest["backend"] == BACKENDS.get(engine, "deepspeed") and manifest["world_size"] == world
 
 
 @pytest.mark.slow
-def test_the_reference_trainer_under_zero3_resumes_a_sigkilled_rank_bitwise_exports_and_replays(reference_runs):
-    import conformance_reference as reference
-    from vidstab.tools.replay import replay
-
-    out, procs = reference_runs
+@pytest.mark.parametrize("reference_runs", _rows(*REFERENCE_ENGINES), indirect=True)
+def test_the_reference_trainer_resumes_a_sigkilled_rank_bitwise_and_exports_on_every_engine(reference_runs):
+    engine, out, procs = reference_runs
     kill = out / "kill"
-    assert reference.evaluate_kill(kill, REFERENCE_ENGINE, procs["kill"]) == {"status": "pass"}
+    result = reference.evaluate_kill(kill, engine, procs["kill"])
+    assert result["status"] == "pass", (engine, result.get("why"))
     manifest = json.loads((kill / "vidstab" / "checkpoints" / f"step_{reference.KILL_TOTAL:06d}" /
                            "manifest.json").read_text())
-    assert manifest["backend"] == "deepspeed" and manifest["world_size"] == 2
-    assert (kill / "transformer" / "diffusion_pytorch_model.safetensors").exists()  # gathered from the partitions
+    assert manifest["world_size"] == reference.ENGINES[engine]
+    assert manifest["backend"] == BACKENDS.get(engine, "deepspeed"), manifest["backend"]
+    assert (kill / "transformer" / "diffusion_pytorch_model.safetensors").exists()  # ZeRO-3: gathered
+    if engine != "zero3":
+        assert (kill / "transformer_ema" / "diffusion_pytorch_model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_runs", _rows("zero3"), indirect=True)
+def test_the_reference_trainers_bundle_under_zero3_replays_on_the_gathered_weights(reference_runs):
+    from vidstab.tools.replay import replay
+
+    _, out, _ = reference_runs
+    kill = out / "kill"
     # The bundle rank 1 wrote replays on the full weights of the checkpoint it names (gathered at ZeRO-3).
     (incident,) = [e for e in reference.events(kill, 1) if e["kind"] == "incident"]
     report = replay(kill / incident["path"])
@@ -226,23 +245,21 @@ def test_the_reference_trainer_under_zero3_resumes_a_sigkilled_rank_bitwise_expo
 
 
 @pytest.mark.slow
-def test_the_reference_trainer_under_zero3_stops_on_an_oom_inside_the_engines_step_with_what_to_do(reference_runs):
-    import conformance_reference as reference
-
-    out, procs = reference_runs
-    result = reference.evaluate_oom_stop(out / "oom", REFERENCE_ENGINE, procs["oom"])
-    assert result["status"] == "stopped", result
+@pytest.mark.parametrize("reference_runs", _rows(*ZERO_ENGINES), indirect=True)
+def test_the_reference_trainer_under_deepspeed_stops_on_an_oom_inside_the_engines_step_with_what_to_do(reference_runs):
+    engine, out, procs = reference_runs
+    result = reference.evaluate_oom_stop(out / "oom", engine, procs["oom"])
+    assert result["status"] == "stopped", (engine, result)
 
 
 @pytest.mark.slow
-def test_the_reference_trainer_under_zero3_skips_a_forward_oom_in_lockstep_without_re_splitting(reference_runs):
+@pytest.mark.parametrize("reference_runs", _rows(*ZERO_ENGINES), indirect=True)
+def test_the_reference_trainer_under_deepspeed_skips_a_forward_oom_in_lockstep_without_re_splitting(reference_runs):
     """DeepSpeed accumulates inside its engine, so a forward OOM on rank 1 is skipped on both ranks (the engine's
     overflow path), not re-run in pieces nor rolled back, and the event says what to lower."""
-    import conformance_reference as reference
-
     import vidstab
 
-    out, _ = reference_runs
+    _, out, _ = reference_runs
     oom, step = out / "oom", reference.DS_FORWARD_OOM
     ooms = vidstab.read_events(oom, "oom")
     assert [(e["step"], e["rank"], e["phase"]) for e in ooms if e["phase"] == "forward"] == [(step, 1, "forward")]
@@ -254,3 +271,111 @@ def test_the_reference_trainer_under_zero3_skips_a_forward_oom_in_lockstep_witho
     assert not vidstab.read_events(oom, ("rollback_request", "rollback"))
     steps = [e["step"] for e in vidstab.read_events(oom, "metrics") if e["rank"] == 0]
     assert steps[0] == 0 and steps.count(step) == 1  # taken once: not re-run in pieces
+
+
+# ---- the trainer tests the rows' launches carry (each was a launch of its own) ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_runs", _rows(*REFERENCE_ENGINES), indirect=True)
+def test_the_reference_trainers_schedule_bug_for_good_rolls_back_then_stops_with_a_message(reference_runs):
+    """``lr_base``: the scheduler's own base LRs x1e4 from the persistent fault on, written again after every
+    rollback. The guard refuses the steps, escalates to rollbacks (skips in a row or the share of skipped steps,
+    ``skip_rate``) and, past the retry budget, stops with the message and the command that shows the evidence."""
+    engine, out, procs = reference_runs
+    faults, proc = out / "faults", procs["faults"]
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "vidstab: run aborted" in said, (engine, said[-3000:])
+    assert f"vidstab events {faults} --kind skip" in said, engine
+    ev = reference.events(faults, 0)
+    rollbacks = [e for e in ev if e["kind"] == "rollback"]
+    assert len(rollbacks) == drill.MAX_RETRIES and all(r["to_step"] <= drill.PERSISTENT for r in rollbacks), rollbacks
+    # The trainer's step rewinds with the weights: its folders and events carry one numbering, the script's.
+    assert all(r["checkpoint"].endswith(f"step_{r['to_step']:06d}") and "to_trajectory_step" not in r
+               and "trajectory_step" not in r for r in rollbacks), rollbacks
+    saves = [e for e in ev if e["kind"] == "checkpoint"]
+    assert saves and all(e["path"].endswith(f"step_{e['step']:06d}") and "trajectory_step" not in e for e in saves)
+    assert [e["action"] for e in ev if e["kind"] == "recovery"][-1] == "abort"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_runs", _rows("ddp"), indirect=True)
+def test_the_reference_trainer_resumed_on_2_processes_replays_what_it_logged_quietly(reference_runs):
+    """The resumed attempt replays steps the first one logged (rank 0's line, every step, fingerprints every rank's
+    batch): the resume-fidelity check compares them and stays quiet on every rank."""
+    _, out, _ = reference_runs
+    kill = out / "kill"
+    metrics = [e for e in reference.events(kill, 0) if e["kind"] == "metrics"]
+    assert all(isinstance(m["batch_fp"], str) for m in metrics)
+    steps = [m["step"] for m in metrics]
+    assert all(steps.count(s) == 2 for s in range(reference.RESUMED_AT, reference.KILL_AT)), steps
+    for rank in (0, 1):
+        assert not [e for e in reference.events(kill, rank) if e["kind"] == "warn"
+                    and e.get("detector") == "resume_fidelity"], rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_runs", _rows("fsdp2"), indirect=True)
+def test_fsdp_nan_on_rank1_skipped_in_lockstep_resume_is_bitwise_and_resumes_in_one_process(reference_runs, tmp_path):
+    """``--fsdp --use_ema`` (FSDP2 per DiT block, sharded DCP checkpoints): the row's killed and resumed run ends
+    bitwise on the weights and EMA of the same run uninterrupted, and its 2-process checkpoint resumes in 1 process."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from trainer_utils import events, losses_by_step, run_trainer
+
+    _, out, _ = reference_runs
+    split, full = out / "kill", tmp_path / "full"
+    done = reference.run("fsdp2", full, "--vidstab_config", str(out / "vidstab_config.json"), "--use_ema",
+                         "--max_train_steps", str(reference.KILL_TOTAL), "--checkpointing_steps",
+                         str(reference.SAVE_EVERY), "--inject_fault",
+                         f"nan_batch@{reference.KILL_NAN}:1", "--inject_fault",
+                         f"flaky_activation@{reference.KILL_FLAKY}:1")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    skipped = [reference.KILL_NAN, reference.KILL_FLAKY]
+    for rank in (0, 1):
+        assert [e["step"] for e in events(full, rank, "skip")] == skipped, rank  # lockstep: both ranks skip
+        assert [e["step"] for e in events(split, rank, "skip")] == skipped, rank
+    a, b = losses_by_step(full, 0), losses_by_step(split, 0)  # the step's loss (rank 0 logs every step)
+    applied = [s for s in range(reference.KILL_TOTAL) if s not in skipped]
+    assert [a[s] for s in applied] == [b[s] for s in applied], (a, b)
+
+    def shards(output_dir) -> dict:  # every rank's shards of the last checkpoint (model, EMA, optimizer)
+        folder = output_dir / "vidstab" / "checkpoints" / f"step_{reference.KILL_TOTAL:06d}" / "dcp"
+        files = sorted(folder.glob("*.safetensors"))
+        assert len(files) == 2, files  # one file per rank: each wrote its own shards
+        return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+    a, b = shards(full), shards(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "final weights differ"
+    assert any(k.split(":")[1].startswith("ema.") for k in a), "the EMA is not in the sharded checkpoint"
+    # The EMA was updated on each rank's shard, saved and resumed through DCP, and exported gathered.
+    ema_full, ema_split = (load_file(str(d / "transformer_ema" / "diffusion_pytorch_model.safetensors"))
+                           for d in (full, split))
+    live = load_file(str(full / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert ema_full.keys() == live.keys() and all(torch.equal(ema_full[k], ema_split[k]) for k in ema_full)
+    assert any(not torch.equal(ema_full[k], live[k]) for k in live)
+    assert all(torch.isfinite(v).all() for k, v in a.items() if v.is_floating_point())
+    # The 2-process sharded checkpoint resumes in 1 process (DCP reshards on load).
+    one = tmp_path / "one"
+    shutil.copytree(split, one)
+    steps = reference.KILL_TOTAL + 2
+    proc = run_trainer(one, "--max_train_steps", str(steps), "--fsdp", "--use_ema", "--checkpointing_steps", "4",
+                       "--vidstab_config", str(out / "vidstab_config.json"), "--resume_from_checkpoint", "latest")
+    assert f"done: {steps}/{steps} steps" in proc.stdout
+    assert [r["step"] for r in events(one, kind="resume")][-1] == reference.KILL_TOTAL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_runs", _rows("fsdp2"), indirect=True)
+def test_under_fsdp_every_rank_reruns_together_without_a_peer_check(reference_runs):
+    """The NaN sample (data) and the transient fault of the FSDP2 row's kill launch, both on rank 1: every rank
+    re-runs the step together and classifies it, with no peer check (the ranks hold different shards)."""
+    from trainer_utils import events
+
+    _, out, _ = reference_runs
+    reruns = {r: events(out / "kill", r, kind="rerun") for r in (0, 1)}
+    assert [(e["step"], e["verdict"], e["ranks"], e["peer"]) for e in reruns[0]] == [
+        (reference.KILL_NAN, "data", [1], {}), (reference.KILL_FLAKY, "transient", [1], {})]
+    assert [e["verdict"] for e in reruns[1]] == ["data", "transient"]
+    assert len(reruns[1][0]["samples"]) == 4

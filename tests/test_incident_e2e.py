@@ -20,7 +20,7 @@ def _replay(bundle):
 
 @pytest.mark.slow
 def test_nan_batch_on_rank1_replays_and_names_the_samples(nan_batch_rank1_run):
-    out = nan_batch_rank1_run  # --max_train_steps 6 --checkpointing_steps 3 --inject_fault nan_batch@4:1, 2 processes
+    out = nan_batch_rank1_run  # 2 processes, nan_batch@4:1, checkpoints every 3 of 9 steps, a kill and restart at 8
     (bundle,) = (out / "vidstab" / "incidents").glob("step000004-rank1*")
     meta = json.loads((bundle / "incident.json").read_text())
     proc, report = _replay(bundle)

@@ -100,7 +100,7 @@ def test_resume_continues_at_the_right_step_with_bitwise_same_losses(tmp_path):
 
 @pytest.mark.slow
 def test_nan_batch_on_rank1_is_skipped_on_every_rank_and_captured(nan_batch_rank1_run):
-    out = nan_batch_rank1_run  # --max_train_steps 6 --checkpointing_steps 3 --inject_fault nan_batch@4:1, 2 processes
+    out = nan_batch_rank1_run  # 2 processes, nan_batch@4:1, checkpoints every 3 of 9 steps, a kill and restart at 8
     for rank in (0, 1):
         skips = [e["step"] for e in events(out, rank, "skip")]
         assert skips == [4], f"rank {rank} skipped {skips}"
@@ -122,26 +122,6 @@ def test_lr_spike_rolls_back_with_halved_lr_and_finishes_finite(tmp_path):
     metrics = events(out, kind="metrics")
     assert _finite(metrics[-1]["loss"]) and metrics[-1]["step"] == 39
     assert all(torch.isfinite(t).all() for t in _weights(out, 40).values())
-
-
-def test_a_schedule_bug_for_good_rolls_back_then_stops_with_a_message(tmp_path):
-    """``lr_base``: the scheduler's own base LRs x100 from step 6 on, written again after every rollback. The guard
-    refuses the steps, escalates to rollbacks (skips in a row or the share of skipped steps, ``skip_rate``) and, past
-    the retry budget, stops with the message and the command that shows the evidence."""
-    out = tmp_path / "run"
-    proc = run_trainer(out, "--max_train_steps", "20", "--checkpointing_steps", "3", "--max_retries", "2",
-                       "--inject_fault", "lr_base@6=100", check=False)
-    said = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "vidstab: run aborted" in said, said[-3000:]
-    assert f"vidstab events {out} --kind skip" in said
-    rollbacks = events(out, kind="rollback")
-    assert len(rollbacks) == 2 and all(r["to_step"] <= 6 for r in rollbacks), rollbacks
-    # The trainer's step rewinds with the weights: its folders and events carry one numbering, the script's.
-    assert all(r["checkpoint"].endswith(f"step_{r['to_step']:06d}") and "to_trajectory_step" not in r
-               and "trajectory_step" not in r for r in rollbacks), rollbacks
-    saves = events(out, kind="checkpoint")
-    assert saves and all(e["path"].endswith(f"step_{e['step']:06d}") and "trajectory_step" not in e for e in saves)
-    assert [e["action"] for e in events(out, kind="recovery")][-1] == "abort"
 
 
 def test_growth_warning_comes_before_the_first_nonfinite_value(tmp_path):

@@ -11,7 +11,8 @@ Launches per engine (single, ddp, fsdp2 = ``--fsdp``, zero1/2/3 = ``accelerate l
   with a ``--max_grad_norm`` other than DeepSpeed's clip too: both said at once);
 - ``kill``: SIGKILL of the last rank at step :data:`KILL_AT` under ``--max_restarts 1``, the restart resuming with
   ``--resume_from_checkpoint latest`` from the checkpoint of step :data:`RESUMED_AT`, to :data:`KILL_TOTAL` steps
-  (and a NaN sample on the last rank at :data:`KILL_NAN` before it, whose bundle names a checkpoint);
+  (and a NaN sample on the last rank at :data:`KILL_NAN` before it, whose bundle names a checkpoint; under FSDP2 a
+  transient fault at :data:`KILL_FLAKY` too);
 - ``oom`` (DeepSpeed only): an OOM in the last rank's forward at :data:`DS_FORWARD_OOM` (skipped in lockstep), then
   one inside the engine's step on every rank at :data:`DS_OOM_STEP`: a stop with a message.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import conformance_drill as drill  # noqa: E402
-from trainer_utils import FAST  # noqa: E402  (the tests' tiny model and data)
+from trainer_utils import fast_flags, shared_run  # noqa: E402  (the tests' tiny model and data)
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero2-bf16": 2}
@@ -37,6 +38,7 @@ OOM_STEP = 13  # between the LR bug and the persistent fault
 KILL_AT, SAVE_EVERY, KILL_TOTAL = 8, 3, 9
 RESUMED_AT = KILL_AT - KILL_AT % SAVE_EVERY
 KILL_NAN = SAVE_EVERY + 1  # a bad sample after the first checkpoint: its incident bundle replays on trained weights
+KILL_FLAKY = KILL_NAN + 1  # FSDP2's: a transient fault, rerun with the NaN's on every rank (tests/test_conformance.py)
 DS_FORWARD_OOM, DS_OOM_STEP, DS_OOM_STEPS = 1, 2, 4
 REFUSED_CLIP = 0.5  # DeepSpeed's gradient_clipping is accelerate launch's default, 1.0
 
@@ -57,7 +59,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def command(engine: str, out: Path, *flags: str, restarts: int = 0) -> tuple[list[str], dict]:
+def command(engine: str, out: Path, *flags: str, restarts: int = 0, html_report: bool = False) -> tuple[list[str], dict]:
     """(argv, env) of ``recipes/train.py`` on ``engine`` (docs/deepspeed.md's ``accelerate launch --use_deepspeed``
     for ZeRO, DeepSpeed with ``ACCELERATE_USE_CPU`` unset; docs/faults.md's restart form with ``restarts``)."""
     world = ENGINES[engine]
@@ -83,11 +85,13 @@ def command(engine: str, out: Path, *flags: str, restarts: int = 0) -> tuple[lis
             env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PET_STANDALONE="1")
             cmd += ["--rdzv_backend", "c10d", "--main_process_ip", "127.0.0.1", "--max_restarts", str(restarts)]
         cmd += ["--main_process_port", str(_port()), train]
-    return cmd + ["--output_dir", str(out), *FAST, *(["--fsdp"] if engine == "fsdp2" else []), *flags], env
+    return cmd + ["--output_dir", str(out), *fast_flags(html_report), *(["--fsdp"] if engine == "fsdp2" else []),
+                  *flags], env
 
 
-def run(engine: str, out: Path, *flags: str, restarts: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd, env = command(engine, out, *flags, restarts=restarts)
+def run(engine: str, out: Path, *flags: str, restarts: int = 0, timeout: int = 900,
+        html_report: bool = False) -> subprocess.CompletedProcess:
+    cmd, env = command(engine, out, *flags, restarts=restarts, html_report=html_report)
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
@@ -110,10 +114,11 @@ def launch(engine: str, kind: str, folder: Path, timeout: int = 900) -> subproce
                    "--max_train_steps", "2", timeout=timeout)
     if kind == "kill":
         ema = [] if engine == "zero3" else ["--use_ema"]
+        ema += ["--inject_fault", f"flaky_activation@{KILL_FLAKY}:{world - 1}"] if engine == "fsdp2" else []
         return run(engine, folder / kind, *common, *ema, "--max_train_steps", str(KILL_TOTAL), "--checkpointing_steps",
                    str(SAVE_EVERY), "--resume_from_checkpoint", "latest", "--inject_fault",
                    f"nan_batch@{KILL_NAN}:{world - 1}", "--inject_fault", f"kill@{KILL_AT}:{world - 1}", restarts=1,
-                   timeout=timeout)
+                   timeout=timeout, html_report=engine == "ddp")  # DDP's dashboard: tests/test_incident_e2e.py
     if kind == "oom":  # a forward OOM on the last rank first: the engine's own skip (tests/test_conformance.py)
         return run(engine, folder / kind, *common, "--max_train_steps", str(DS_OOM_STEPS), "--checkpointing_steps",
                    str(DS_OOM_STEPS), "--inject_fault", f"oom@{DS_FORWARD_OOM}:{world - 1}", "--inject_fault",
@@ -124,6 +129,22 @@ def launch(engine: str, kind: str, folder: Path, timeout: int = 900) -> subproce
 def kinds(engine: str) -> list[str]:
     return ["faults", "kill"] + (["oom"] if engine.startswith("zero") else []) + (
         ["ema_refusal"] if engine == "zero3" else [])
+
+
+def shared_row(where, engine: str) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """``engine``'s launches (every kind), once per test session however its readers are spread over the xdist
+    workers (``trainer_utils.shared_run``; ``where``: pytest's ``tmp_path_factory``): the folder, and each launch's
+    exit code and log as a ``CompletedProcess`` (its stdout; stderr empty)."""
+
+    def build(folder: Path) -> None:
+        for kind in kinds(engine):
+            proc = launch(engine, kind, folder, timeout=600)
+            (folder / f"{kind}.exit").write_text(str(proc.returncode))
+
+    folder = shared_run(where, f"conformance-reference-{engine}", build)
+    return folder, {kind: subprocess.CompletedProcess([kind], int((folder / f"{kind}.exit").read_text()),
+                                                      (folder / f"{kind}.log").read_text(), "")
+                    for kind in kinds(engine)}
 
 
 # ---- judged from the files ----

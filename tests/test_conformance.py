@@ -153,8 +153,10 @@ def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
     proc, out = kills[world]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     result = drill.evaluate_kill(out / f"{form}-{engine}", world)
-    if cell == "attached:fsdp2":  # the user's own save_state cannot resume a model sharded outside Accelerate
-        assert result["status"] == "warned" and "said at attach" in result["why"], result
+    if cell == "attached:fsdp2":  # the user's own save_state cannot resume a model sharded outside Accelerate:
+        # said at attach, and its load_state refused before anything is loaded (exit code 2, no traceback)
+        assert result["status"] == "refused_resume" and "said at attach" in result["why"], result
+        assert "the resume: " in result["why"] and "saves rank 0's optimizer shards only" in result["why"], result
         return
     assert result["status"] == "pass", (cell, result.get("why"))
 

@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..signals import device_sum_of_squares, is_dtensor, local_tensor
+from ..signals import device_sum_of_squares, is_dtensor, local_tensor, norm_dtype
 
 UPDATE_SAMPLE_STRIDE = 16
 """One element in this many of each tensor is copied to measure the update."""
@@ -144,7 +144,7 @@ class ParamProbe:
             norms = []
             for j, run in enumerate(g.runs):  # one run's concatenation at a time: the largest temporary
                 flat = torch.cat(run)
-                norms.append(torch.linalg.vector_norm(flat, dtype=_norm_dtype(flat.dtype)))
+                norms.append(torch.linalg.vector_norm(flat, dtype=norm_dtype(flat.dtype)))
                 if copies is not None:
                     copies[j].sub_(_run_sample(flat))
             for indices, weights in g.run_sets:
@@ -157,18 +157,13 @@ class ParamProbe:
         return _added(params), (_added(update) if before is not None else None)
 
 
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a run's norm is taken in: float32 for low-precision tensors, float64 for float64 ones."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _run_sets(runs: list[list[torch.Tensor]], device: torch.device) -> list[tuple[list[int], torch.Tensor]]:
     """The runs' indices per norm dtype, each with its runs' sample weights (a run's size over its sample's) in
     that dtype."""
     sets: dict[torch.dtype, tuple[list[int], list[float]]] = {}
     for j, run in enumerate(runs):
         size = sum(t.numel() for t in run)
-        indices, weights = sets.setdefault(_norm_dtype(run[0].dtype), ([], []))
+        indices, weights = sets.setdefault(norm_dtype(run[0].dtype), ([], []))
         indices.append(j)
         weights.append(size / _run_sample(torch.empty(size, device="meta")).numel())
     return [(indices, torch.tensor(weights, dtype=torch.float64).to(device, dtype))

@@ -21,7 +21,12 @@ replaced; kept here only as the baseline):
   it least); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
   The C allocator's deferred work on the blocks a call freed is done at the end of that call (:func:`settle_allocator`):
   else the blocks the user's backward frees per parameter tensor are sorted in the guard's next allocation.
-  The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors.
+  The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors; beside it the
+  same ratio of a guard that never measures the weights (``param_norm_every=0``: no work per tensor at all).
+  The same ratio against 50 tensors **with the caches evicted** after every user call (a pass over
+  ``EVICT_BYTES``, billed to the user) holds the cache state equal: after a 5,000-tensor user step (about 200 ms
+  of AdamW over 20,000 tensors) the guard's unchanged work runs on cold caches, at 50 tensors (about 5 ms) on warm
+  ones; the difference is what the guard itself adds per tensor.
 * **The small UNet step** (the issue's many-small-tensors case): ``1 +`` the guard's own host time over the plain
   step's (backward, clip, optimizer and scheduler steps, ``zero_grad``; the forward is left out of both), measured
   as above.
@@ -31,7 +36,8 @@ replaced; kept here only as the baseline):
     python benchmarks/bench_guard_memory.py --smoke   # seconds: every part runs, the figures mean nothing (CI)
 
 Last line: one JSON object (``extra_peak_over_param_bytes``: the larger of the two models';
-``host_time_ratio_5000_vs_50``; the same for the full copy under ``baseline``).
+``host_time_ratio_5000_vs_50``; ``host_time_ratio_5000_vs_50_caches_evicted``;
+``host_time_ratio_5000_vs_50_unmeasured``; the same for the full copy under ``baseline``).
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ class ManyTensors(torch.nn.Module):
 class Variants:
     """One prepared model, optimizer and scheduler; a plain step and the guarded steps on them."""
 
-    def __init__(self, model, loss_fn, batch, run_dir: str, device: str) -> None:
+    def __init__(self, model, loss_fn, batch, run_dir: str, device: str, unmeasured: bool = False) -> None:
         AcceleratorState._reset_state(True)
         self.accelerator = Accelerator(cpu=device == "cpu")
         torch.manual_seed(0)
@@ -125,6 +131,10 @@ class Variants:
             if probe is not None:
                 guard.control.probe = probe(guard.control.probe.all_params)
             self.guards[name] = guard
+        if unmeasured:  # the guard with no per-tensor work at all: the weights and the update never measured
+            self.guards["unmeasured"] = vidstab.Guard(self.accelerator, self.model, self.opt, self.sched,
+                                                      run_dir=os.path.join(run_dir, "unmeasured"),
+                                                      config=vidstab.GuardConfig(param_norm_every=0))
         self.guard_any = self.guards["guarded"]
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
@@ -201,12 +211,27 @@ def settle_allocator() -> None:
     del held
 
 
+def _last_level_cache_bytes(default: int = 32 * 2**20) -> int:
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(size[:-1]) * 1024 if size.endswith("K") else int(size)
+    except (OSError, ValueError):
+        return default
+
+
+EVICT_BYTES = _last_level_cache_bytes()
+"""A pass over the last-level cache's size: the caches about as cold as a large user step leaves them (measured
+here: the guard at 50 tensors behind a real 5,000-tensor step in the user's calls is a little colder still)."""
+
+
 class UserWork:
     """Times the calls a guarded step makes on the user's behalf (backward, clip, optimizer and scheduler steps,
-    zero_grad): what is left of the guarded step is the guard's own host time."""
+    zero_grad): what is left of the guarded step is the guard's own host time. ``evict``: each call ends with a
+    pass over ``EVICT_BYTES`` (the user's, timed with it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, evict: bool = False) -> None:
         self.cpu = 0.0
+        self.evict = torch.zeros(EVICT_BYTES // 4) if evict else None
 
     def timed(self, fn):
         def inner(*a, **k):
@@ -215,6 +240,8 @@ class UserWork:
             try:
                 return fn(*a, **k)
             finally:
+                if self.evict is not None:
+                    self.evict.add_(1.0)
                 settle_allocator()  # and those this call freed, this call's
                 self.cpu += time.thread_time() - c0
         return inner
@@ -228,14 +255,15 @@ class UserWork:
         opt.zero_grad = self.timed(opt.zero_grad)
 
 
-def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
+def own_host_time(v: Variants, cycles: int, seed: int, evict: bool = False) -> dict:
     """The guard's own host time per step of each guarded variant (ms), and the plain step's (ms): variants
-    interleaved in a random order, the mean over each ``param_norm_every`` cycle, the median over the cycles."""
-    names = ("guarded", "full_copy")
+    interleaved in a random order, the mean over each ``param_norm_every`` cycle, the median over the cycles.
+    ``evict``: every user call ends with the caches evicted (:class:`UserWork`)."""
+    names = tuple(v.guards)
     for _ in range(3):
         for name in ("plain", *names):
             v.step(name)
-    work = UserWork()
+    work = UserWork(evict)
     work.wrap([v.guards[name] for name in names], v.opt)
     times = {name: [] for name in ("plain", *names)}
     rng = random.Random(seed)
@@ -259,12 +287,14 @@ def own_host_time(v: Variants, cycles: int, seed: int) -> dict:
     return out
 
 
-def host_time_of(n: int, args, run_dir: str) -> dict:
+def host_time_of(n: int, args, run_dir: str, evict: bool = False) -> dict:
     elements = 500 if args.smoke else 50_000 if args.quick else 400_000
     model = ManyTensors(n, elements)
     x = torch.randn(elements)
-    v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, f"tensors{n}"), args.device)
-    return {"tensors": n, "elements": elements, **own_host_time(v, args.cycles, n)}
+    name = f"tensors{n}" + ("-evicted" if evict else "")
+    v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, name), args.device,
+                 unmeasured=True)
+    return {"tensors": n, "elements": elements, "caches_evicted": evict, **own_host_time(v, args.cycles, n, evict)}
 
 
 def unet_step_ratio(args, run_dir: str) -> dict:
@@ -297,26 +327,31 @@ def main() -> None:
                   f"{m['extra_peak_full_copy_over_param_bytes']:.3f}x", flush=True)
         counts = (5, 50, 500) if args.smoke else (50, 500, 5000)
         host = {n: host_time_of(n, args, run_dir) for n in counts}
-        for n, h in host.items():
-            print(f"{n:>5} tensors of {h['elements'] // n:,} elements: the guard's own host time per step: "
-                  f"sampled {h['guarded_ms']:.3f} ms, full copy (today's) {h['full_copy_ms']:.3f} ms", flush=True)
+        evicted = host_time_of(counts[0], args, run_dir, evict=True)
+        for n, h in [*host.items(), (counts[0], evicted)]:
+            print(f"{n:>5} tensors of {h['elements'] // n:,} elements{' (caches evicted)' if h['caches_evicted'] else ''}: "
+                  f"the guard's own host time per step: sampled {h['guarded_ms']:.3f} ms, full copy (today's) "
+                  f"{h['full_copy_ms']:.3f} ms, never measuring the weights {h['unmeasured_ms']:.3f} ms", flush=True)
 
         unet_time = unet_step_ratio(args, run_dir)
         print(f"unet step: plain {unet_time['plain_ms']:.2f} ms (backward, clip, optimizer), the guard's own "
               f"{unet_time['guarded_ms']:.3f} ms = {unet_time['guarded_ratio']:.3f}x, full copy (today's) "
               f"{unet_time['full_copy_ms']:.3f} ms = {unet_time['full_copy_ratio']:.3f}x", flush=True)
 
-    def ratio(name: str) -> float | None:
-        return None if args.smoke else round(host[5000][f"{name}_ms"] / host[50][f"{name}_ms"], 3)
+    def ratio(name: str, base: dict | None = None) -> float | None:
+        return None if args.smoke else round(host[5000][f"{name}_ms"] / (base or host[50])[f"{name}_ms"], 3)
 
     result = {
         "extra_peak_over_param_bytes": max(m["extra_peak_guarded_over_param_bytes"] for m in memory.values()),
         "host_time_ratio_5000_vs_50": ratio("guarded"),
+        "host_time_ratio_5000_vs_50_caches_evicted": ratio("guarded", evicted),
+        "host_time_ratio_5000_vs_50_unmeasured": ratio("unmeasured"),
         "baseline": {"extra_peak_over_param_bytes": max(m["extra_peak_full_copy_over_param_bytes"]
                                                         for m in memory.values()),
                      "host_time_ratio_5000_vs_50": ratio("full_copy"),
+                     "host_time_ratio_5000_vs_50_caches_evicted": ratio("full_copy", evicted),
                      "unet_step_ratio": unet_time["full_copy_ratio"]},
-        "unet_step_ratio": unet_time["guarded_ratio"], "memory": memory, "host_time": list(host.values()),
+        "unet_step_ratio": unet_time["guarded_ratio"], "memory": memory, "host_time": [*host.values(), evicted],
         "unet_step": unet_time, "device": args.device, "quick": args.quick,
         "smoke": args.smoke,
     }

@@ -141,3 +141,32 @@ def test_many_small_tensors_are_measured_in_runs():
     param_sq, update_sq = probe.sums(before)
     assert float(param_sq) == pytest.approx(_reference(params), rel=1e-5)
     assert float(update_sq) == pytest.approx(_reference([b - p.detach() for b, p in zip(truth_before, params)]), rel=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_estimate_is_its_sample_definition_to_rounding(dtype):
+    """Every run's update from one element in UPDATE_SAMPLE_STRIDE of its concatenation (runs of at most WHOLE_UP_TO
+    elements whole), weighted by its size over its sample's; large tensors from their own samples: the probe's sums
+    (norms added in one op per dtype) are that definition, taken in float64, to float32 rounding."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n in [5, 40, 300, 2000, 70] * 40 + [50_000]]
+    probe = ParamProbe(params)
+    (group,) = probe._plan()
+    assert len(group.runs) >= 8 and len(group.tensors) == 1
+    before_runs = [torch.cat(run).double() for run in group.runs]
+    before_large = group.tensors[0].double().clone()
+    before = probe.snapshot()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch.optim.SGD(params, lr=0.1).step()  # update sizes that differ from tensor to tensor
+    param_sq, update_sq = probe.sums(before)
+
+    def sampled(delta: torch.Tensor) -> float:
+        sample = delta if delta.numel() <= WHOLE_UP_TO else delta[::UPDATE_SAMPLE_STRIDE]
+        return float(sample.square().sum()) * delta.numel() / sample.numel()
+
+    want = math.fsum(sampled(torch.cat(run).double() - b) for run, b in zip(group.runs, before_runs))
+    want += sampled(group.tensors[0].double() - before_large)
+    # float32 sums of many elements: a few units in the sixth digit; a bfloat16 difference rounds to bfloat16
+    assert float(param_sq) == pytest.approx(_reference(params), rel=1e-5)
+    assert float(update_sq) == pytest.approx(want, rel=1e-5 if dtype != torch.bfloat16 else 2e-3)

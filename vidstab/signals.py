@@ -216,10 +216,15 @@ def sum_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return total.float()
 
 
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm of ``dtype`` tensors is taken in: float32 for low-precision ones (and float32), else their own."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
 def device_sum_of_squares(ts: Sequence[torch.Tensor], weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of squares of non-empty tensors on one device: one ``_foreach_norm`` (float32 norms of low-precision
     tensors); ``weights``: one factor per tensor on that device multiplying its sum of squares."""
-    kwargs = {"dtype": torch.float32} if all(t.dtype in _LOW_PRECISION for t in ts) else {}
+    kwargs = {"dtype": torch.float32} if all(norm_dtype(t.dtype) == torch.float32 for t in ts) else {}
     norms = torch.stack(torch._foreach_norm(ts, 2, **kwargs))
     return torch.dot(norms, norms) if weights is None else torch.dot(norms * norms, weights.to(norms.dtype))
 

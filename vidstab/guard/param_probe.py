@@ -9,7 +9,9 @@ is copied at the peak of the step instead of all of them, and an optimizer's den
 element) is measured to well under a percent, far inside what ``update_ratio`` judges (a several-fold jump).
 
 Host time: the tensors are grouped per device once (and again only when a parameter's storage changes); a
-measurement is a few foreach ops per device over the whole list, left on the device for the next step's read.
+measurement is a few foreach ops per device over the large tensors and, per run of small ones, one concatenation
+before the step (its sample copied) and one after it (its norm taken and its sample subtracted in place); the runs'
+norms are added in one op per dtype at the end, left on the device for the next step's read.
 
 The sums are of the *local* tensors: under FSDP2 each rank holds a shard, and the guard's reduction adds the
 ranks' sums before the square root is taken (:func:`vidstab.guard.stats.build_stats`, ``sharded``).
@@ -21,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..signals import device_sum_of_squares, is_dtensor, local_tensor
+from ..signals import device_sum_of_squares, is_dtensor, local_tensor, norm_dtype
 
 UPDATE_SAMPLE_STRIDE = 16
 """One element in this many of each tensor is copied to measure the update."""
@@ -34,12 +36,14 @@ instead of one per tensor: the per-tensor cost of a foreach op on a CPU is a few
 
 class _DeviceGroup(NamedTuple):
     """One device's local tensors: the large ones measured per tensor (their update samples: views, and each
-    sample's weight), the small ones as runs of flat views concatenated per measurement."""
+    sample's weight), the small ones as runs of flat views concatenated per measurement (the runs' indices per
+    dtype, and each run's sample's weight, on the device)."""
 
     tensors: list[torch.Tensor]
     samples: list[torch.Tensor]
     weights: torch.Tensor | None
     runs: list[list[torch.Tensor]]
+    run_sets: list[tuple[list[int], torch.Tensor]]
 
 
 Snapshot = list[tuple[_DeviceGroup, list[torch.Tensor], list[torch.Tensor]]]
@@ -112,7 +116,8 @@ class ParamProbe:
             samples = [update_sample(t) for t in large]
             weights = (torch.tensor([t.numel() / s.numel() for t, s in zip(large, samples)], dtype=torch.float32)
                        .to(device) if large else None)
-            self._groups.append(_DeviceGroup(large, samples, weights, _runs(small, budget)))
+            runs = _runs(small, budget)
+            self._groups.append(_DeviceGroup(large, samples, weights, runs, _run_sets(runs, device)))
         self._storages = storages
         return self._groups
 
@@ -135,13 +140,34 @@ class ParamProbe:
                     copies = before[i][1]
                     torch._foreach_sub_(copies, g.samples)
                     update.append(device_sum_of_squares(copies, g.weights))
-            for j, run in enumerate(g.runs):
+            copies = before[i][2] if before is not None else None
+            norms = []
+            for j, run in enumerate(g.runs):  # one run's concatenation at a time: the largest temporary
                 flat = torch.cat(run)
-                params.append(device_sum_of_squares([flat]))
-                if before is not None:
-                    copy = before[i][2][j].sub_(_run_sample(flat))
-                    update.append(device_sum_of_squares([copy]) * (flat.numel() / copy.numel()))
+                norms.append(torch.linalg.vector_norm(flat, dtype=norm_dtype(flat.dtype)))
+                if copies is not None:
+                    copies[j].sub_(_run_sample(flat))
+            for indices, weights in g.run_sets:
+                run_norms = torch.stack([norms[j] for j in indices])
+                params.append(torch.dot(run_norms, run_norms))
+                if copies is not None:
+                    update_norms = torch.stack(torch._foreach_norm([copies[j] for j in indices], 2,
+                                                                   dtype=run_norms.dtype))
+                    update.append(torch.dot(update_norms * update_norms, weights))
         return _added(params), (_added(update) if before is not None else None)
+
+
+def _run_sets(runs: list[list[torch.Tensor]], device: torch.device) -> list[tuple[list[int], torch.Tensor]]:
+    """The runs' indices per norm dtype, each with its runs' sample weights (a run's size over its sample's) in
+    that dtype."""
+    sets: dict[torch.dtype, tuple[list[int], list[float]]] = {}
+    for j, run in enumerate(runs):
+        size = sum(t.numel() for t in run)
+        indices, weights = sets.setdefault(norm_dtype(run[0].dtype), ([], []))
+        indices.append(j)
+        weights.append(size / _run_sample(torch.empty(size, device="meta")).numel())
+    return [(indices, torch.tensor(weights, dtype=torch.float64).to(device, dtype))
+            for dtype, (indices, weights) in sets.items()]
 
 
 def _run_sample(flat: torch.Tensor) -> torch.Tensor:

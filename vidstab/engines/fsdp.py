@@ -25,9 +25,9 @@ class FSDPEngine(Engine):
         if not getattr(self.accelerator, "_optimizers", None):  # an optimizer Accelerate does not hold, it does not save
             return None
         return ("the model is sharded with fully_shard outside Accelerate, so your accelerator.save_state saves rank 0's "
-                "optimizer shards only and a resume from it loads them on every rank; vidstab's rollbacks are "
-                "unaffected. To resume, use the explicit form (CheckpointManager + Recovery: sharded checkpoints) or "
-                "shard through Accelerate (accelerate launch --use_fsdp --fsdp_version 2)")
+                "optimizer shards only and a resume from it would load them on every rank. To resume, use the explicit "
+                "form (CheckpointManager + Recovery: sharded checkpoints) or shard through Accelerate (accelerate "
+                "launch --use_fsdp --fsdp_version 2)")
 
     def refuse_checkpoints(self) -> None:
         """FSDP1's flat parameters are not DTensors: DCP's sharded checkpoints serve FSDP2 only."""

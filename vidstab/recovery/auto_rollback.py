@@ -85,7 +85,8 @@ class AutoRollback:
             self._say(f"vidstab: rollback_every={self.every}: {why}", "warn", guard.global_step, detector="rollback_every")
         caveat = guard.engine.save_state_caveat()
         if caveat is not None:
-            self._say(f"vidstab: rollback_every={self.every}: {caveat}", "warn", guard.global_step,
+            self._say(f"vidstab: rollback_every={self.every}: {caveat} (vidstab's in-place rollbacks are unaffected; "
+                      "a load_state of such a folder is refused)", "warn", guard.global_step,
                       detector="rollback_every")
         self.recovery = Recovery(acc, self.ckpt, guard, recovery or RecoveryConfig(), form="attached")
         self._saved_this_launch = False

@@ -145,11 +145,13 @@ def write_results(text: str, path: Path = REPO / "benchmarks" / "RESULTS.md") ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="an empty or new folder for the runs (default: a new temporary one)")
     ap.add_argument("--ranks16", action="store_true")
     ap.add_argument("--no_write", action="store_true")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="conformance-"))
+    if out.is_dir() and any(out.iterdir()):  # the launches append to their event logs: earlier runs would be judged too
+        ap.error(f"--out {out} is not empty: give a new folder (earlier runs' event logs would be judged with these)")
     results, seconds = run_matrix(out, args.ranks16)
     text = table(results)
     print(text)

@@ -26,8 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+from diffusers import DDPMScheduler
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "flow_matching")
 #: diffusers' SD3 weighting schemes: logit_normal / mode shape the timestep density, sigma_sqrt / cosmap the loss weight.
@@ -82,7 +81,12 @@ class DiffusionObjective:
     def __init__(self, config: ObjectiveConfig | None = None) -> None:
         self.config = config or ObjectiveConfig()
         if self.config.prediction_type == "flow_matching":
+            # diffusers' flow-matching pieces import scipy and every model class: only the runs that use them pay
+            from diffusers import FlowMatchEulerDiscreteScheduler
+            from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
             self.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.config.num_train_timesteps, shift=self.config.flow_shift)
+            self._timestep_density, self._loss_weight = compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
         else:
             self.scheduler = DDPMScheduler(num_train_timesteps=self.config.num_train_timesteps)
         self._tables: dict[torch.device, torch.Tensor] = {}  # flow-matching timestep table per device, copied once
@@ -105,7 +109,7 @@ class DiffusionObjective:
         noise = torch.randn(latents.shape, generator=generator, device=device, dtype=torch.float32)
         cfg = self.config
         if cfg.prediction_type == "flow_matching":
-            u = compute_density_for_timestep_sampling(
+            u = self._timestep_density(
                 cfg.weighting_scheme, batch_size, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, device=device, generator=generator,
             )
             # As diffusers' SD3 script: u in [0, 1) -> an index into the (shifted) scheduler's training timesteps.
@@ -138,7 +142,7 @@ class DiffusionObjective:
         prediction = model(noisy, timesteps)
         error = ((prediction.float() - target.float()) ** 2).flatten(1).mean(dim=1)
         if self.config.prediction_type == "flow_matching":
-            error = error * compute_loss_weighting_for_sd3(self.config.weighting_scheme, self.sigmas(timesteps))
+            error = error * self._loss_weight(self.config.weighting_scheme, self.sigmas(timesteps))
         return error
 
     def to_dict(self) -> dict:

@@ -28,9 +28,8 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, broadcast, set_seed
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
 from tqdm.auto import tqdm
 
 
@@ -73,7 +72,7 @@ from vidstab.run.run_record import run_environment
 from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
-from vidstab.reference.vae import build_vae, collate_latents, encode_to_cache
+from vidstab.reference.vae import LatentCache, LatentCacheError, build_vae, collate_latents, encode_to_cache
 from vidstab.run.watchdog import Watchdog
 
 logger = get_logger("vidstab.train")
@@ -83,20 +82,41 @@ logger = get_logger("vidstab.train")
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
 def build_latents(args: argparse.Namespace, accelerator: Accelerator):
-    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards; returns (cache, vae)."""
-    with accelerator.main_process_first():
-        if args.data_dir:
-            videos, skipped = video_folder_dataset(
-                args.data_dir, args.num_frames, (args.height, args.width), frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
-            )
-            for record in skipped:
-                logger.warning(f"skipped bad sample {record['sample_id']}: {record['reason']}", main_process_only=True)
-        else:
-            videos = moving_shapes_dataset(args.num_videos, args.num_frames, (args.height, args.width), seed=args.seed)
-        vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
-        log = (lambda msg: logger.info(msg)) if accelerator.is_main_process else (lambda msg: None)
-        cache = encode_to_cache(videos, vae, Path(args.output_dir) / "latent_cache", clamp=args.latent_clamp, log=log)
+    """Videos -> VAE latents, encoded once by the main process and cached as safetensors shards; returns (cache, vae).
+
+    Only the main process builds the VAE (validation and export are its): the other ranks open the cache it checked,
+    matched by its fingerprint, and encode their own (vae returned) only where they cannot see it (another node's
+    disk). ``vae`` is None on the ranks that opened the main process's cache."""
+    cache_dir = Path(args.output_dir) / "latent_cache"
+    cache = vae = None
+    if accelerator.is_main_process:
+        cache, vae = encode_latents(args, cache_dir, log=logger.info)
+    digest = torch.zeros(32, dtype=torch.uint8, device=accelerator.device)  # the SHA-256 as bytes: no pickle
+    if cache is not None:
+        digest.copy_(torch.tensor(list(bytes.fromhex(cache.fingerprint)), dtype=torch.uint8))
+    fingerprint = bytes(broadcast(digest).cpu().tolist()).hex()  # every rank: after the main process's cache
+    if cache is None:
+        with contextlib.suppress(LatentCacheError):
+            cache = LatentCache.load(cache_dir)
+        if cache is None or cache.fingerprint != fingerprint:
+            logger.warning(f"process {accelerator.process_index}: the main process's latent cache is not in "
+                           f"{cache_dir} here; encoding this process's own", main_process_only=False)
+            cache, vae = encode_latents(args, cache_dir, log=lambda msg: None)
     return cache, vae
+
+
+def encode_latents(args: argparse.Namespace, cache_dir: Path, log):
+    """(cache, vae): the flags' videos through their VAE into ``cache_dir``, or the cache there when it matches."""
+    if args.data_dir:
+        videos, skipped = video_folder_dataset(
+            args.data_dir, args.num_frames, (args.height, args.width), frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
+        )
+        for record in skipped:
+            logger.warning(f"skipped bad sample {record['sample_id']}: {record['reason']}", main_process_only=True)
+    else:
+        videos = moving_shapes_dataset(args.num_videos, args.num_frames, (args.height, args.width), seed=args.seed)
+    vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
+    return encode_to_cache(videos, vae, cache_dir, clamp=args.latent_clamp, log=log), vae
 
 
 def objective_config(args: argparse.Namespace) -> ObjectiveConfig:
@@ -260,7 +280,11 @@ class Run:
                            "weights): use --zero_stage 1 or 2 with --use_ema")
         if refused:
             raise SystemExit("\n".join(refused))
-        self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay) if args.use_ema else None
+        self.ema = None
+        if args.use_ema:
+            from diffusers.training_utils import EMAModel  # it imports every diffusers model class: only runs with an EMA
+
+            self.ema = EMAModel(acc.unwrap_model(self.model).parameters(), decay=args.ema_decay)
 
         unwrapped = acc.unwrap_model(self.model)
         guard_config = vidstab.GuardConfig.from_yaml(args.vidstab_config) if args.vidstab_config else vidstab.GuardConfig()

@@ -258,3 +258,28 @@ def test_reading_a_data_set_larger_than_the_memory_budget_stays_flat(tmp_path: P
         row = bench_data_scale.run_measure(mode, clips, tmp_path / "c")
         assert row["data_mib"] > budget_mib, row  # the data set does not fit the budget...
         assert row["peak_growth_mib"] < budget_mib / 2, row  # ...and reading all of it stays well inside
+
+
+@pytest.mark.slow
+def test_only_the_main_process_builds_the_vae_and_a_rank_that_cannot_see_its_cache_encodes_its_own(tmp_path):
+    """The trainer's ``build_latents`` on 3 processes: rank 1 shares the main process's disk and opens the cache
+    it checked without a VAE; rank 2's disk holds a stale cache of other videos: it is not taken for the main
+    process's (the fingerprints differ), the rank says so and encodes the same videos itself."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer_utils import REPO, free_port
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()),
+                           str(REPO / "tests" / "scripts" / "latents_ranks.py"), str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    main, same_disk, other_disk = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    assert main["vae"] and not same_disk["vae"] and same_disk["folder"] == main["folder"]
+    assert other_disk["vae"] and other_disk["folder"] == str(tmp_path / "node2" / "latent_cache")
+    assert main["fingerprint"] == same_disk["fingerprint"] == other_disk["fingerprint"]
+    said = [x for x in (proc.stdout + proc.stderr).splitlines() if "latent cache is not in" in x]
+    assert len(said) == 1 and "process 2: the main process's latent cache is not in" in said[0], said

@@ -18,13 +18,14 @@ import args as train_args  # noqa: E402  (recipes/args.py)
 import train  # noqa: E402  (recipes/train.py)
 from trainer_utils import FAST  # noqa: E402
 
+FLAGS = [*FAST, "--num_videos", "4"]
 out = Path(sys.argv[1])
 acc = Accelerator(cpu=True)
 rank = acc.process_index
 folder = out / ("shared" if rank < 2 else f"node{rank}")
 if rank == 2:  # an earlier run's cache on this disk: other videos, another VAE
-    earlier = train_args.parse_args(["--output_dir", str(folder), *FAST, "--seed", "7"])
+    earlier = train_args.parse_args(["--output_dir", str(folder), *FLAGS, "--seed", "7"])
     train.encode_latents(earlier, folder / "latent_cache", log=lambda msg: None)
-cache, vae = train.build_latents(train_args.parse_args(["--output_dir", str(folder), *FAST]), acc)
+cache, vae = train.build_latents(train_args.parse_args(["--output_dir", str(folder), *FLAGS]), acc)
 (out / f"rank{rank}.json").write_text(json.dumps({"fingerprint": cache.fingerprint, "folder": str(cache.cache_dir),
                                                  "vae": vae is not None}))

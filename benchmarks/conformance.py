@@ -8,7 +8,7 @@ spike, LR bug for 3 steps, persistent LR fault to the abort, the script's EMA an
 the last rank, the form's own resume, under torch elastic restarts); the ``oom_in_step`` column from one
 tests/scripts/oom_engines.py launch per world size. The reference trainer's rows: ``recipes/train.py`` on each engine
 (DeepSpeed through ``accelerate launch --use_deepspeed``), its own launches (tests/scripts/conformance_reference.py).
-``--ranks16``: DDP on 16 processes too (gloo, tiny model; the faults launch). The last line is one JSON object: per
+``--ranks16``: DDP on 16 processes too (gloo, tiny model; every launch). The last line is one JSON object: per
 cell and drill its status, and the seconds of each launch.
 """
 
@@ -49,7 +49,7 @@ def run_matrix(out: Path, ranks16: bool = False) -> tuple[dict, dict]:
         plan.append((16, [f"{form}:ddp" for form in FORMS], "@16"))
     for world, cells, tag in plan:
         folder = out / f"world{world}"
-        for kind in ("faults", "kill") if not tag else ("faults",):
+        for kind in ("faults", "kill"):
             start = time.perf_counter()
             proc = drill.launch(cells, kind, folder, world, timeout=1800)
             seconds[f"{kind}@{world}"] = round(time.perf_counter() - start, 1)
@@ -65,7 +65,7 @@ def run_matrix(out: Path, ranks16: bool = False) -> tuple[dict, dict]:
                     if proc.returncode != 0 and row["kill_resume"]["status"] == "pass":
                         row["kill_resume"] = {"status": "fail", "why": f"the launch exited {proc.returncode}"}
     two = sorted(cells_of(2), key=lambda c: "zero" not in c)  # the last cell not DeepSpeed: every rank's fault
-    for world, cells in ((1, cells_of(1)), (2, two)):
+    for world, cells, tag in [(1, cells_of(1), ""), (2, two, "")] + [p for p in plan if p[2]]:
         start = time.perf_counter()
         folder = out / f"oom{world}"
         proc = oom_launch(cells, folder, world)
@@ -73,7 +73,7 @@ def run_matrix(out: Path, ranks16: bool = False) -> tuple[dict, dict]:
         (folder / "launch.log").write_text(proc.stdout + proc.stderr)
         for cell in cells:
             form, engine = cell.split(":")
-            results[cell]["oom_in_step"] = oom_engines.evaluate(folder / f"{form}-{engine}", form, engine, world)
+            results[cell + tag]["oom_in_step"] = oom_engines.evaluate(folder / f"{form}-{engine}", form, engine, world)
     for engine in reference.ENGINES:
         results[f"reference:{engine}"] = reference_row(out / "reference" / engine, engine, seconds)
     return results, seconds

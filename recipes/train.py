@@ -69,7 +69,7 @@ from vidstab.faults import FaultInjector
 from vidstab.run.preemption import PreemptionHandler
 from vidstab.recovery.policy import Recovery, RecoveryConfig, RunAborted, rollback_cause
 from vidstab.run.run_record import run_environment
-from vidstab.reference.data import moving_shapes_dataset, video_folder_dataset
+from vidstab.reference.data import BadSampleError, moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
 from vidstab.reference.vae import LatentCache, LatentCacheError, build_vae, collate_latents, encode_to_cache
@@ -88,13 +88,20 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
     matched by its fingerprint, and encode their own (vae returned) only where they cannot see it (another node's
     disk). ``vae`` is None on the ranks that opened the main process's cache."""
     cache_dir = Path(args.output_dir) / "latent_cache"
-    cache = vae = None
+    cache = vae = failed = None
     if accelerator.is_main_process:
-        cache, vae = encode_latents(args, cache_dir, log=logger.info)
-    digest = torch.zeros(32, dtype=torch.uint8, device=accelerator.device)  # the SHA-256 as bytes: no pickle
+        try:
+            cache, vae = encode_latents(args, cache_dir, log=logger.info)
+        except BadSampleError as exc:  # said by the main process; the others stop with it, not at a lost peer
+            failed = exc
+    digest = torch.zeros(32, dtype=torch.uint8, device=accelerator.device)  # the SHA-256 as bytes (zeros: failed)
     if cache is not None:
         digest.copy_(torch.tensor(list(bytes.fromhex(cache.fingerprint)), dtype=torch.uint8))
     fingerprint = bytes(broadcast(digest).cpu().tolist()).hex()  # every rank: after the main process's cache
+    if failed is not None:
+        raise failed
+    if not any(bytes.fromhex(fingerprint)):
+        raise SystemExit(2)  # the main process could not build the cache and says why
     if cache is None:
         with contextlib.suppress(LatentCacheError):
             cache = LatentCache.load(cache_dir)
@@ -663,6 +670,10 @@ def run_main(argv: list[str] | None = None) -> int:
     except user_errors as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"recipes/train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except BadSampleError as exc:  # a video of --data_dir, said by the rank that read it (the main process first)
+        advice = " (--skip_bad_samples skips the videos that cannot be used, each one said)" if exc.file else ""
+        print(f"recipes/train.py: error: {exc}{advice}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -246,3 +246,21 @@ def test_height_and_width_give_non_square_clips(tmp_path: Path):
     ds, _ = video_folder_dataset(tmp_path, num_frames=5, resolution=(16, 24))
     assert ds[0]["video"].shape == (5, 3, 16, 24)
     assert moving_shapes_dataset(2, 5, (16, 24), seed=0)[1]["video"].shape == (5, 3, 16, 24)
+
+
+@pytest.mark.slow
+def test_the_trainer_on_2_processes_says_a_bad_video_once_with_the_flag_that_skips_it(tmp_path):
+    """A video of ``--data_dir`` that cannot be decoded: the main process names it and the flag, exit code 2, and no
+    rank's traceback (the other rank stops with it instead of at its lost peer)."""
+    from trainer_utils import run_trainer
+
+    videos = tmp_path / "videos"
+    for i in range(2):
+        _write_video(videos / f"clip{i}.mp4", _gray_frames(5, 16, 16))
+    (videos / "broken.mp4").write_bytes(b"not a video" * 64)
+    proc = run_trainer(tmp_path / "out", "--data_dir", str(videos), "--num_frames", "5", "--height", "16", "--width",
+                       "16", "--train_batch_size", "1", "--max_train_steps", "1", nproc=2, check=False)
+    said = [x for x in proc.stderr.splitlines() if x.startswith("recipes/train.py: error:")]
+    assert proc.returncode != 0 and len(said) == 1, proc.stderr[-3000:]
+    assert "bad sample 'broken.mp4'" in said[0] and "--skip_bad_samples" in said[0], said
+    assert not [x for x in proc.stderr.splitlines() if x.startswith("[rank")], proc.stderr[-3000:]

@@ -92,7 +92,7 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
     if accelerator.is_main_process:
         try:
             cache, vae = encode_latents(args, cache_dir, log=logger.info)
-        except BadSampleError as exc:  # said by the main process; the others stop with it, not at a lost peer
+        except Exception as exc:  # said by the main process; the others stop with it, not at a lost peer
             failed = exc
     digest = torch.zeros(32, dtype=torch.uint8, device=accelerator.device)  # the SHA-256 as bytes (zeros: failed)
     if cache is not None:
@@ -101,7 +101,7 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
     if failed is not None:
         raise failed
     if not any(bytes.fromhex(fingerprint)):
-        raise SystemExit(2)  # the main process could not build the cache and says why
+        raise SystemExit(2)  # the main process could not build the cache and says why, in its own way
     if cache is None:
         with contextlib.suppress(LatentCacheError):
             cache = LatentCache.load(cache_dir)
@@ -122,7 +122,12 @@ def encode_latents(args: argparse.Namespace, cache_dir: Path, log):
             logger.warning(f"skipped bad sample {record['sample_id']}: {record['reason']}", main_process_only=True)
     else:
         videos = moving_shapes_dataset(args.num_videos, args.num_frames, (args.height, args.width), seed=args.seed)
-    vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
+    try:
+        vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
+    except (FileNotFoundError, ValueError) as exc:  # the folder --vae names: said in one line, like a bad flag
+        if args.vae is None:
+            raise
+        raise vidstab.ConfigError(f"--vae {args.vae}: {exc}") from exc
     return encode_to_cache(videos, vae, cache_dir, clamp=args.latent_clamp, log=log), vae
 
 

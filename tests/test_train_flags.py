@@ -164,3 +164,22 @@ def test_every_flag_in_train_help_says_what_it_does_and_its_default():
         assert f"(default: {default})" in entries[flag], (flag, entries.get(flag))
     inject = entries["--inject_fault"]
     assert all(kind in inject for kind in FAULT_KINDS), inject
+
+
+def test_a_vae_folder_that_does_not_hold_a_wan_vae_is_one_line_naming_the_flag(tmp_path, capsys):
+    from accelerate.state import AcceleratorState
+
+    from trainer_utils import FAST
+
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
+    AcceleratorState._reset_state(True)
+    try:
+        code = train.run_main(["--output_dir", str(tmp_path / "out"), *FAST, "--vae", str(tmp_path / "vae")])
+    finally:
+        AcceleratorState._reset_state(True)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (said,) = [x for x in err.splitlines() if x.startswith("recipes/train.py: error:")]
+    assert f"--vae {tmp_path / 'vae'}" in said and "describes a 'AutoencoderKL', not an AutoencoderKLWan" in said
+    assert "Traceback" not in err

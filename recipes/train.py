@@ -72,7 +72,7 @@ from vidstab.run.run_record import run_environment
 from vidstab.reference.data import BadSampleError, moving_shapes_dataset, video_folder_dataset
 from vidstab.reference.model import VideoDiT
 from vidstab.reference.objective import DiffusionObjective, ObjectiveConfig, step_generator
-from vidstab.reference.vae import LatentCache, LatentCacheError, build_vae, collate_latents, encode_to_cache
+from vidstab.reference.vae import LatentCache, LatentCacheError, build_vae, collate_latents, encode_to_cache, latent_shape
 from vidstab.run.watchdog import Watchdog
 
 logger = get_logger("vidstab.train")
@@ -113,21 +113,30 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
 
 
 def encode_latents(args: argparse.Namespace, cache_dir: Path, log):
-    """(cache, vae): the flags' videos through their VAE into ``cache_dir``, or the cache there when it matches."""
+    """(cache, vae): the flags' videos through their VAE into ``cache_dir``, or the cache there when it matches. What the
+    flags name wrongly (the VAE folder, the data folder, a clip shape the VAE cannot encode) is a ``ConfigError``
+    naming the flag, checked before any video is read."""
+    try:
+        vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
+    except (FileNotFoundError, ValueError) as exc:  # the folder --vae names
+        if args.vae is None:
+            raise
+        raise vidstab.ConfigError(f"--vae {args.vae}: {exc}") from exc
+    try:
+        latent_shape(vae, args.num_frames, args.height, args.width)
+    except ValueError as exc:
+        raise vidstab.ConfigError(f"--num_frames {args.num_frames} --height {args.height} --width {args.width}: {exc}") from exc
     if args.data_dir:
-        videos, skipped = video_folder_dataset(
-            args.data_dir, args.num_frames, (args.height, args.width), frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
-        )
+        try:
+            videos, skipped = video_folder_dataset(
+                args.data_dir, args.num_frames, (args.height, args.width), frame_stride=args.frame_stride, skip_bad_samples=args.skip_bad_samples
+            )
+        except FileNotFoundError as exc:  # no such folder, or no video in it
+            raise vidstab.ConfigError(f"--data_dir: {exc}") from exc
         for record in skipped:
             logger.warning(f"skipped bad sample {record['sample_id']}: {record['reason']}", main_process_only=True)
     else:
         videos = moving_shapes_dataset(args.num_videos, args.num_frames, (args.height, args.width), seed=args.seed)
-    try:
-        vae = build_vae(args.vae, seed=args.seed, latent_channels=args.latent_channels)
-    except (FileNotFoundError, ValueError) as exc:  # the folder --vae names: said in one line, like a bad flag
-        if args.vae is None:
-            raise
-        raise vidstab.ConfigError(f"--vae {args.vae}: {exc}") from exc
     return encode_to_cache(videos, vae, cache_dir, clamp=args.latent_clamp, log=log), vae
 
 

@@ -166,7 +166,14 @@ def test_every_flag_in_train_help_says_what_it_does_and_its_default():
     assert all(kind in inject for kind in FAULT_KINDS), inject
 
 
-def test_a_vae_folder_that_does_not_hold_a_wan_vae_is_one_line_naming_the_flag(tmp_path, capsys):
+@pytest.mark.parametrize("flags, said", [
+    (["--vae", "{tmp}/vae"], "--vae {tmp}/vae: '{tmp}/vae/config.json' describes a 'AutoencoderKL', not an AutoencoderKLWan"),
+    (["--data_dir", "{tmp}/missing"], "--data_dir: video data folder '{tmp}/missing' does not exist"),
+    (["--data_dir", "{tmp}/vae"], "--data_dir: no video files (.mp4"),
+    (["--num_frames", "8"], "--num_frames 8 --height 32 --width 32: a Wan VAE needs T = 1 + 4k frames"),
+    (["--height", "30"], "--num_frames 9 --height 30 --width 32: a Wan VAE with this config needs height and width divisible by 8"),
+], ids=["vae", "data_dir_missing", "data_dir_without_videos", "num_frames", "height"])
+def test_a_vae_data_folder_or_clip_shape_the_trainer_cannot_use_is_one_line_naming_the_flag(tmp_path, capsys, flags, said):
     from accelerate.state import AcceleratorState
 
     from trainer_utils import FAST
@@ -175,11 +182,12 @@ def test_a_vae_folder_that_does_not_hold_a_wan_vae_is_one_line_naming_the_flag(t
     (tmp_path / "vae" / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
     AcceleratorState._reset_state(True)
     try:
-        code = train.run_main(["--output_dir", str(tmp_path / "out"), *FAST, "--vae", str(tmp_path / "vae")])
+        code = train.run_main(["--output_dir", str(tmp_path / "out"), *FAST,
+                               *[f.format(tmp=tmp_path) for f in flags]])
     finally:
         AcceleratorState._reset_state(True)
     err = capsys.readouterr().err
     assert code == 2, err
-    (said,) = [x for x in err.splitlines() if x.startswith("recipes/train.py: error:")]
-    assert f"--vae {tmp_path / 'vae'}" in said and "describes a 'AutoencoderKL', not an AutoencoderKLWan" in said
+    (line,) = [x for x in err.splitlines() if x.startswith("recipes/train.py: error:")]
+    assert said.format(tmp=tmp_path) in line, line
     assert "Traceback" not in err

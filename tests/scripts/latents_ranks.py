@@ -12,6 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO / "tests")]
 
+import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 import args as train_args  # noqa: E402  (recipes/args.py)
@@ -29,3 +30,5 @@ if rank == 2:  # an earlier run's cache on this disk: other videos, another VAE
 cache, vae = train.build_latents(train_args.parse_args(["--output_dir", str(folder), *FLAGS]), acc)
 (out / f"rank{rank}.json").write_text(json.dumps({"fingerprint": cache.fingerprint, "folder": str(cache.cache_dir),
                                                  "vae": vae is not None}))
+acc.wait_for_everyone()  # the ranks end together: a process group torn down while a peer still encodes aborts
+torch.distributed.destroy_process_group()

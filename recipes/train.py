@@ -108,7 +108,11 @@ def build_latents(args: argparse.Namespace, accelerator: Accelerator):
         if cache is None or cache.fingerprint != fingerprint:
             logger.warning(f"process {accelerator.process_index}: the main process's latent cache is not in "
                            f"{cache_dir} here; encoding this process's own", main_process_only=False)
-            cache, vae = encode_latents(args, cache_dir, log=lambda msg: None)
+            try:
+                cache, vae = encode_latents(args, cache_dir, log=lambda msg: None)
+            except vidstab.ConfigError as exc:  # this rank's own finding (its node's files): said here, not by rank 0
+                print(f"recipes/train.py: error: process {accelerator.process_index}: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from exc
     return cache, vae
 
 

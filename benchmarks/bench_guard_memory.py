@@ -18,7 +18,8 @@ replaced; kept here only as the baseline):
   of elements: the time of ``guard.backward`` + ``guard.step`` less the calls they make for the user (backward,
   clip, optimizer and scheduler steps, ``zero_grad``: timed around each call), i.e. the guard's own work, this
   thread's CPU time with one intra-op thread (a CPU step is all host time; the load of other processes inflates
-  it least); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
+  it least; on CUDA the wall time, each user call ending with the device's work it queued, so the guard's own
+  host read waits for its own work only); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
   The C allocator's deferred work on the blocks a call freed is done at the end of that call (:func:`settle_allocator`):
   else the blocks the user's backward frees per parameter tensor are sorted in the guard's next allocation.
   The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors; beside it the
@@ -33,7 +34,9 @@ replaced; kept here only as the baseline):
 
     python benchmarks/bench_guard_memory.py           # CPU, a few minutes
     python benchmarks/bench_guard_memory.py --quick   # fewer cycles, smaller models
-    python benchmarks/bench_guard_memory.py --smoke   # seconds: every part runs, the figures mean nothing (CI)
+    python benchmarks/bench_guard_memory.py --smoke   # seconds: every part runs (the memory on the DiT only), the
+                                                      # figures mean nothing (benchmarks/gpu_check.sh --dry-run)
+    python benchmarks/bench_guard_memory.py --device cuda   # on a GPU (benchmarks/gpu_check.sh)
 
 Last line: one JSON object (``extra_peak_over_param_bytes``: the larger of the two models';
 ``host_time_ratio_5000_vs_50``; ``host_time_ratio_5000_vs_50_caches_evicted``;
@@ -81,23 +84,24 @@ class FullCopyProbe(ParamProbe):
 
 
 # ------------------------------------------------------------------------------------------------ models
-def dit(quick: bool):
+def dit(quick: bool, device: str):
     from vidstab.reference.model import VideoDiT
 
     model = VideoDiT(in_channels=4, hidden_size=96, num_layers=2 if quick else 4, num_heads=4, patch_size=(1, 2, 2))
-    x = torch.randn(1, 4, 2, 8, 8)  # activations small beside the weights: the optimizer step is the peak
-    t = torch.randint(0, 1000, (1,))
+    x = torch.randn(1, 4, 2, 8, 8, device=device)  # activations small beside the weights: the optimizer step is the peak
+    t = torch.randint(0, 1000, (1,), device=device)
     return model, lambda m: torch.nn.functional.mse_loss(m(x, t), x), {"latents": x, "timesteps": t}
 
 
-def unet(quick: bool):
+def unet(quick: bool, device: str):
     from diffusers import UNet2DConditionModel
 
     model = UNet2DConditionModel(
         sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-    x, text, t = torch.randn(1, 4, 8, 8), torch.randn(1, 6, 32), torch.randint(0, 1000, (1,))
+    x, text, t = (torch.randn(1, 4, 8, 8, device=device), torch.randn(1, 6, 32, device=device),
+                  torch.randint(0, 1000, (1,), device=device))
     return model, lambda m: torch.nn.functional.mse_loss(m(x, t, text).sample, x), {"latents": x, "text": text}
 
 
@@ -184,7 +188,7 @@ def peak_bytes(fn, device: str) -> int:
 
 
 def memory_of(kind: str, args, run_dir: str) -> dict:
-    model, loss_fn, batch = (dit if kind == "dit" else unet)(args.quick)
+    model, loss_fn, batch = (dit if kind == "dit" else unet)(args.quick, args.device)
     v = Variants(model, loss_fn, batch, os.path.join(run_dir, kind), args.device)
     for _ in range(2):  # AdamW's state exists before anything is measured
         for name in ("plain", "guarded", "full_copy"):
@@ -211,6 +215,12 @@ def settle_allocator() -> None:
     del held
 
 
+def wait_for_device() -> None:
+    """On CUDA, wait for the work queued so far (a no-op on a CPU): whoever queued it pays for it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _last_level_cache_bytes(default: int = 32 * 2**20) -> int:
     try:
         size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
@@ -229,21 +239,23 @@ class UserWork:
     zero_grad): what is left of the guarded step is the guard's own host time. ``evict``: each call ends with a
     pass over ``EVICT_BYTES`` (the user's, timed with it)."""
 
-    def __init__(self, evict: bool = False) -> None:
+    def __init__(self, evict: bool = False, clock=time.thread_time) -> None:
         self.cpu = 0.0
+        self.clock = clock
         self.evict = torch.zeros(EVICT_BYTES // 4) if evict else None
 
     def timed(self, fn):
         def inner(*a, **k):
             settle_allocator()  # the blocks the caller freed are the caller's work
-            c0 = time.thread_time()
+            c0 = self.clock()
             try:
                 return fn(*a, **k)
             finally:
                 if self.evict is not None:
                     self.evict.add_(1.0)
+                wait_for_device()  # the device work this call queued is this call's, not the guard's next read
                 settle_allocator()  # and those this call freed, this call's
-                self.cpu += time.thread_time() - c0
+                self.cpu += self.clock() - c0
         return inner
 
     def wrap(self, guards, opt) -> None:
@@ -263,7 +275,8 @@ def own_host_time(v: Variants, cycles: int, seed: int, evict: bool = False) -> d
     for _ in range(3):
         for name in ("plain", *names):
             v.step(name)
-    work = UserWork(evict)
+    clock = time.thread_time if v.accelerator.device.type == "cpu" else time.perf_counter
+    work = UserWork(evict, clock)
     work.wrap([v.guards[name] for name in names], v.opt)
     times = {name: [] for name in ("plain", *names)}
     rng = random.Random(seed)
@@ -273,11 +286,13 @@ def own_host_time(v: Variants, cycles: int, seed: int, evict: bool = False) -> d
         for name in order:
             with v.accelerator.accumulate(v.model):
                 loss = v.loss_fn(v.model)  # the forward is the user's, outside the guard
+                wait_for_device()
                 settle_allocator()  # the blocks freed with the last step's graph (when ``loss`` was rebound) too
-                work.cpu, c0 = 0.0, time.thread_time()
+                work.cpu, c0 = 0.0, clock()
                 v.after_forward(name, loss)
+                wait_for_device()
                 settle_allocator()  # the blocks the step freed last are its own work, not the next forward's
-                spent = time.thread_time() - c0
+                spent = clock() - c0
                 times[name].append(spent if name == "plain" else spent - work.cpu)
     v.close()
     out = {}
@@ -290,7 +305,7 @@ def own_host_time(v: Variants, cycles: int, seed: int, evict: bool = False) -> d
 def host_time_of(n: int, args, run_dir: str, evict: bool = False) -> dict:
     elements = 500 if args.smoke else 50_000 if args.quick else 400_000
     model = ManyTensors(n, elements)
-    x = torch.randn(elements)
+    x = torch.randn(elements, device=args.device)
     name = f"tensors{n}" + ("-evicted" if evict else "")
     v = Variants(model, lambda m: m(x).square().mean(), {"x": x}, os.path.join(run_dir, name), args.device,
                  unmeasured=True)
@@ -300,7 +315,7 @@ def host_time_of(n: int, args, run_dir: str, evict: bool = False) -> dict:
 def unet_step_ratio(args, run_dir: str) -> dict:
     """The small diffusers UNet step: ``1 + the guard's own time / the plain step's`` (the user's forward and the
     calls made for the user in both), sampled against the full copy."""
-    model, loss_fn, batch = unet(args.quick)
+    model, loss_fn, batch = unet(args.quick, args.device)
     v = Variants(model, loss_fn, batch, os.path.join(run_dir, "unet-time"), args.device)
     t = own_host_time(v, args.cycles, 0)
     return {**t, **{f"{name}_ratio": round(1 + t[f"{name}_ms"] / t["plain_ms"], 3) for name in ("guarded", "full_copy")}}
@@ -318,7 +333,8 @@ def main() -> None:
     args.cycles = args.cycles or (1 if args.smoke else 2 if args.quick else 12)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as run_dir:
-        memory = {kind: memory_of(kind, args, run_dir) for kind in ("dit", "unet")}
+        # --smoke: the DiT only (the UNet's profile is the slow part; the UNet's step runs in the host-time part)
+        memory = {kind: memory_of(kind, args, run_dir) for kind in (("dit",) if args.smoke else ("dit", "unet"))}
         for kind, m in memory.items():
             print(f"{kind:5s} {m['params']:>9,} params in {m['param_tensors']:>3} tensors ({m['param_bytes'] / 2**20:.2f} MiB); "
                   f"plain step peak {m['peak_plain_bytes'] / 2**20:.2f} MiB; vidstab's extra peak: sampled "

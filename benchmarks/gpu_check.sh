@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check kit: everything vidstab claims about a GPU that a CPU machine cannot show, in one run.
 #
-#   benchmarks/gpu_check.sh             # on one CUDA GPU: at most 9 minutes (the sum of the pieces' time limits)
+#   benchmarks/gpu_check.sh             # on one CUDA GPU: at most 10 minutes (the sum of the pieces' time limits)
 #   benchmarks/gpu_check.sh --dry-run   # on a CPU: every piece tiny, to prove the kit still runs (a test does this)
 #
 # Pieces (each prints a JSON line; the last line of this script is ONE JSON object holding them all):
@@ -16,6 +16,9 @@
 #                  skipped, the memory released, the next step applied (a dry run: "skipped", no CUDA)
 #   rollback_memory an in-place rollback from the copy kept in host memory: the copy pinned, the restored state
 #                  bitwise the files' one, seconds from memory vs from the files (benchmarks/bench_rollback.py)
+#   guard_memory   benchmarks/bench_guard_memory.py --device cuda: vidstab's extra peak (max_memory_allocated)
+#                  and the guard's own host time per step at 50 / 500 / 5,000 parameter tensors, where the
+#                  user's step runs on the device and leaves the host's caches to the guard
 # A dry run measures nothing about a GPU: its JSON says "dry_run": true and every piece "cuda": false.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +49,7 @@ if [[ $DRY_RUN == 1 ]]; then
   piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run &
   piece cuda_oom 240 python benchmarks/gpu_check_pieces.py cuda_oom --dry-run &
   piece rollback_memory 240 python benchmarks/gpu_check_pieces.py rollback_memory --dry-run &
+  piece guard_memory 240 python benchmarks/bench_guard_memory.py --smoke &
   wait
 else
   piece sync_debug 60 python benchmarks/gpu_check_pieces.py sync_debug
@@ -55,6 +59,7 @@ else
   piece async_stall 50 python benchmarks/gpu_check_pieces.py async_stall
   piece cuda_oom 60 python benchmarks/gpu_check_pieces.py cuda_oom
   piece rollback_memory 60 python benchmarks/gpu_check_pieces.py rollback_memory
+  piece guard_memory 60 python benchmarks/bench_guard_memory.py --device cuda --cycles 6
 fi
 
 python - "$LOGS" "$DRY_RUN" "$(( $(date +%s) - STARTED ))" <<'PY'
@@ -63,7 +68,8 @@ from pathlib import Path
 
 logs, dry_run, seconds = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
 pieces = {}
-for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom", "rollback_memory"):
+for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom", "rollback_memory",
+             "guard_memory"):
     lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
     rc = int((logs / f"{name}.rc").read_text())
     result = None

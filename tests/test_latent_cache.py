@@ -61,6 +61,18 @@ def test_encodes_once_then_reuses(tmp_path: Path, data, vae):
     assert second.sample_ids == data["sample_id"]
 
 
+def test_a_hugging_face_dataset_of_the_same_clips_is_the_same_cache(tmp_path: Path, data, vae):
+    datasets = pytest.importorskip("datasets")
+    hub_style = datasets.Dataset.from_dict({"sample_id": [data[i]["sample_id"] for i in range(len(data))],
+                                            "video": [data[i]["video"].numpy() for i in range(len(data))]})
+    cache_dir = tmp_path / "latent_cache"
+    first = encode_to_cache(data, vae, cache_dir, log=Log())
+    log = Log()
+    second = encode_to_cache(hub_style, vae, cache_dir, log=log)
+    assert log.says("reusing") and second.fingerprint == first.fingerprint
+    assert second.sample_ids == first.sample_ids
+
+
 def test_items_and_batches_have_the_documented_shapes(tmp_path: Path, data, vae):
     cache = encode_to_cache(data, vae, tmp_path / "c", log=Log())
     item = cache[3]

@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -176,9 +177,9 @@ def vae_fingerprint(vae) -> str:
 
 def _video_batches(dataset: Any, batch_size: int) -> Iterator[tuple[list[str], torch.Tensor]]:
     """Yield ``(sample_ids, videos [B, T, 3, H, W])`` from a ``datasets.Dataset`` or any indexable of dicts."""
-    import datasets
+    datasets = sys.modules.get("datasets")  # a Dataset exists only once the library is imported: no import for others
 
-    if isinstance(dataset, datasets.Dataset):
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
         ds = dataset.with_format("torch", columns=["sample_id", "video"])
         for start in range(0, len(ds), batch_size):
             batch = ds[start : start + batch_size]

@@ -14,7 +14,11 @@ schedule: attempt ``i`` is killed once it has executed ``gap[i]`` steps (gaps ex
 ``--kill-every-steps``: failures at a known rate per step of compute, the same for every configuration, and
 unmoved by the shared machine's load, which changes the seconds a step takes from run to run). The
 trainer's own ``kill`` fault fires once per launch and never in a restart, so the schedule's kills come from
-outside, with the same signal. Each row's ETTR and buckets are its run's ledger (``vidstab goodput RUN --json``);
+outside, with the same signal. ``--kill-every-seconds S`` kills in wall time instead: at seconds after the launch
+drawn as a Poisson process of mean ``S`` (the failure model the interval formula assumes, and a cluster's: a kill
+can land in a restart). With ``--window-seconds W`` every run lasts W seconds and is then sent SIGTERM (a
+scheduler's end of allocation: the trainer saves and stops), so every row meets the same kills over the same
+time, where with ``--steps`` a row that is faster, or lucky, finishes before a kill that another row meets. Each row's ETTR and buckets are its run's ledger (``vidstab goodput RUN --json``);
 ``auto``'s row adds the interval it settled on and the formula's value for its run's measured inputs.
 
     python benchmarks/bench_goodput.py                   # the CPU drill's measured costs (tests/test_goodput.py)
@@ -24,6 +28,8 @@ outside, with the same signal. Each row's ETTR and buckets are its run's ledger 
     python benchmarks/bench_goodput.py --real --prior-hours-real 0.0025   # and auto with that prior
     python benchmarks/bench_goodput.py --real --seeds 1 2 --steps 2400 --fixed 20 50 100 400 --timeout 900
                                    # two schedules, pooled: ETTR, and the runs' counts priced at pooled costs
+    python benchmarks/bench_goodput.py --real --seeds 1 2 --steps 2400 --fixed 20 50 100 400 --timeout 900 \
+        --kill-every-seconds 60 --window-seconds 300    # kills in wall time, every run 300 s
 """
 
 from __future__ import annotations
@@ -120,6 +126,36 @@ def kill_gaps(mean_steps: float, seed: int, count: int) -> list[int]:
     return [max(1, round(rng.expovariate(1.0 / mean_steps))) for _ in range(count)]
 
 
+def kill_times(mean_seconds: float, seed: int, count: int) -> list[float]:
+    """Seconds after the launch at which rank 1 is killed (a Poisson process in wall time: restarts included)."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(count):
+        t += rng.expovariate(1.0 / mean_seconds)
+        times.append(round(t, 1))
+    return times
+
+
+class Schedule:
+    """The kills of one seed: after ``gaps[i]`` steps of attempt ``i`` (``unit`` "steps"), or at ``gaps[i]``
+    seconds of wall time after the launch (``unit`` "seconds": whatever is running then, a restart included)."""
+
+    def __init__(self, unit: str, mean: float, seed: int, count: int = 40) -> None:
+        self.unit, self.mean = unit, mean
+        self.gaps = kill_gaps(mean, seed, count) if unit == "steps" else kill_times(mean, seed, count)
+
+    def due(self, kills: int, attempt_steps: int, seconds: float) -> bool:
+        if kills >= len(self.gaps):
+            return False
+        return (attempt_steps if self.unit == "steps" else seconds) >= self.gaps[kills]
+
+    def formula_steps(self, save: float, step: float, restart: float) -> float:
+        """The formula's interval in steps for this schedule's true failure rate: the time between failures is
+        the mean gap's steps of compute plus a failure's cost (steps), or the mean gap itself (seconds)."""
+        mtbf = self.mean * step + restart if self.unit == "steps" else self.mean
+        return optimal_interval_seconds(save, mtbf, restart) / step
+
+
 class _NewLines:
     """The complete lines appended to a JSONL file since the last call (a killed writer may leave a torn one)."""
 
@@ -157,18 +193,23 @@ def _worker(launcher: int, rank: int) -> int | None:
     return None
 
 
-def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: float | None,
-             timeout: float) -> dict:
-    """One launch of the reference trainer, its rank 1 killed on the schedule ``gaps``; returns its ledger row."""
+def real_run(out: Path, every: str, steps: int, schedule: Schedule, prior_hours: float | None,
+             timeout: float, window: float | None = None) -> dict:
+    """One launch of the reference trainer, its rank 1 killed on ``schedule``; returns its ledger row. ``window``:
+    the launch runs that many seconds and is then sent SIGTERM (a scheduler's end of allocation: it saves and
+    stops), ``steps`` ignored."""
     sys.path.insert(0, str(REPO / "tests"))
     from test_resilience import launch_cmd, launch_env
 
+    steps = 10**8 if window else steps
     args = ["--max_train_steps", str(steps), "--checkpointing_steps", every, "--goodput_steps", "0"]
     if prior_hours is not None:
         args += ["--expected_mtbf_hours", str(prior_hours)]
-    cmd = launch_cmd(out, *args, max_restarts=len(gaps) + 1, resume=False)
+    cmd = launch_cmd(out, *args, max_restarts=len(schedule.gaps) + 1, resume=False)
     log = out.parent / f"{out.name}.log"
-    deadline, kills, starts, done, last_step = time.monotonic() + timeout, [], 0, 0, -1
+    launched = time.monotonic()
+    deadline, kills, starts, done, last_step = launched + timeout, [], 0, 0, -1
+    ended = False
     new_lines = _NewLines(out / "vidstab" / "events-rank0.jsonl")
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=sink, stderr=subprocess.STDOUT,
@@ -184,8 +225,11 @@ def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: fl
                         last_step = max(last_step, int(e["step"]))
                         done += starts == len(kills) + 1  # a step of the attempt the next kill is for
                 training = last_step < steps - 1  # no kill once the last step is done: the run is ending
-                if training and len(kills) < len(gaps) and done >= gaps[len(kills)]:
-                    pid = _worker(proc.pid, 1)
+                if window and not ended and time.monotonic() - launched >= window:
+                    proc.send_signal(signal.SIGTERM)  # torch elastic forwards it: the workers save and stop
+                    ended = True
+                if training and not ended and schedule.due(len(kills), done, time.monotonic() - launched):
+                    pid = _worker(proc.pid, 1)  # none between attempts: the kill waits for the next one
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
                         kills.append({"time": time.time(), "at_step": last_step, "attempt_steps": done})
@@ -195,7 +239,7 @@ def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: fl
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not (ended and proc.returncode in (1, 128 + signal.SIGTERM, -signal.SIGTERM)):
         raise RuntimeError(f"every {every}: the launch exited {proc.returncode}; see {log}")
     cli = subprocess.run([sys.executable, "-m", "vidstab", "goodput", str(out), "--json"], cwd=REPO,
                          capture_output=True, text=True, check=True)
@@ -213,12 +257,11 @@ def real_run(out: Path, every: str, steps: int, gaps: list[int], prior_hours: fl
             "formula_steps": None if formula is None else formula["interval_steps"], "measured": formula}
 
 
-def compare_real(steps: int, fixed: list[int], mean_gap: float, seed: int, priors: list[float | None],
-                 work: Path, timeout: float) -> dict:
+def compare_real(steps: int, fixed: list[int], schedule: Schedule, priors: list[float | None],
+                 work: Path, timeout: float, window: float | None = None) -> dict:
     """Every fixed interval, then ``auto`` with each prior (None: the trainer's default), on one kill schedule."""
     import shutil
 
-    gaps = kill_gaps(mean_gap, seed, 20)
     work.mkdir(parents=True, exist_ok=True)
     runs = [(str(k), str(k), None) for k in fixed] + [
         ("auto" if prior is None else f"auto, prior {prior:g} h", "auto", prior) for prior in priors]
@@ -227,21 +270,21 @@ def compare_real(steps: int, fixed: list[int], mean_gap: float, seed: int, prior
         out = work / f"every-{len(rows)}"
         shutil.rmtree(out, ignore_errors=True)
         started = time.monotonic()
-        rows[name] = real_run(out, every, steps, gaps, prior, timeout)
+        rows[name] = real_run(out, every, steps, schedule, prior, timeout, window)
         rows[name]["run_seconds"] = time.monotonic() - started
         _print_real_row(name, rows[name])
     best = max((r["ettr"], k) for k, r in rows.items() if not k.startswith("auto"))
-    schedule = schedule_formula_steps(rows, mean_gap)
+    formula = schedule_formula_steps(rows, schedule)
     autos = {k: {"minus_best_points": 100 * (r["ettr"] - best[0]), "interval": r["interval"],
                  "formula_steps": r["formula_steps"],
                  "interval_vs_formula": r["interval"] / r["formula_steps"] if r["interval"] and r["formula_steps"]
-                 else None, "interval_vs_schedule_formula": r["interval"] / schedule if r["interval"] else None}
+                 else None, "interval_vs_schedule_formula": r["interval"] / formula if r["interval"] else None}
              for k, r in rows.items() if k.startswith("auto")}
-    return {"rows": rows, "kill_gap_steps": gaps, "best_fixed": best[1], "best_fixed_ettr": best[0],
-            "schedule_formula_steps": schedule, "auto": autos}
+    return {"rows": rows, f"kill_schedule_{schedule.unit}": schedule.gaps, "best_fixed": best[1],
+            "best_fixed_ettr": best[0], "schedule_formula_steps": formula, "auto": autos}
 
 
-def pool(runs: list[dict], mean_gap: float) -> dict:
+def pool(runs: list[dict], schedule: Schedule) -> dict:
     """Every seed's rows together, per configuration: ETTR as the sum of productive over the sum of wall time,
     the kills, and ``ettr_at_pooled_costs``: each run's own counts (kept and redone steps, saves, kills) priced
     at the costs pooled over every run (step, save stall, failure, first start-up, the rest), so that the
@@ -275,19 +318,18 @@ def pool(runs: list[dict], mean_gap: float) -> dict:
     rows = {f"{i}:{k}": r for i, run in enumerate(runs) for k, r in run["rows"].items()}
     return {"rows": out, "costs": {"step_seconds": step, "save_seconds": save, "failure_seconds": failure,
                                    "first_startup_seconds": first, "rest_seconds": rest},
-            "schedule_formula_steps": schedule_formula_steps(rows, mean_gap)}
+            "schedule_formula_steps": schedule_formula_steps(rows, schedule)}
 
 
-def schedule_formula_steps(rows: dict, mean_gap: float) -> float:
+def schedule_formula_steps(rows: dict, schedule: Schedule) -> float:
     """The formula's interval in steps for the schedule's true failure rate and the costs pooled over every run
-    (mean save stall, step and failure cost measured by the ledgers): a failure every ``mean_gap`` steps of
-    compute, so the time between failures is those steps plus the failure's own cost."""
+    (mean save stall, step and failure cost measured by the ledgers)."""
     measured = [r["measured"] for r in rows.values() if r["measured"]]
     failed = [m["restart_seconds"] for m in measured if m["failures"]]
     save = sum(m["save_seconds"] for m in measured) / len(measured)
     step = sum(m["step_seconds"] for m in measured) / len(measured)
     restart = sum(failed) / len(failed) if failed else 0.0
-    return optimal_interval_seconds(save, mean_gap * step + restart, restart) / step
+    return schedule.formula_steps(save, step, restart)
 
 
 def _print_real_row(every: str, r: dict) -> None:
@@ -307,9 +349,12 @@ def main_real(args) -> int:
     for seed in seeds:
         work = Path(args.work) if len(seeds) == 1 else Path(args.work) / f"seed-{seed}"
         print(f"seed {seed}:", flush=True)
-        r = compare_real(args.steps, args.fixed, args.kill_every_steps, seed, priors, work, args.timeout)
+        schedule = (Schedule("seconds", args.kill_every_seconds, seed) if args.kill_every_seconds
+                    else Schedule("steps", args.kill_every_steps, seed))
+        r = compare_real(args.steps, args.fixed, schedule, priors, work, args.timeout, args.window_seconds)
         runs.append(r)
-        print(f"kill schedule (steps each attempt executes before its kill): {r['kill_gap_steps']}")
+        print(f"kill schedule ({'seconds after the launch' if schedule.unit == 'seconds' else 'steps each attempt executes before its kill'}): "
+              f"{schedule.gaps[:12]} ...")
         for name, a in r["auto"].items():
             ratio = a["interval_vs_formula"]
             print(f"{name}: settled on {a['interval']} steps, the formula for its run's measured inputs "
@@ -317,7 +362,7 @@ def main_real(args) -> int:
                   f"(every {r['best_fixed']}) = {a['minus_best_points']:+.2f} points; the formula for the "
                   f"schedule's true rate and this seed's pooled costs: {r['schedule_formula_steps']:.0f} steps "
                   f"({a['interval_vs_schedule_formula'] or float('nan'):.2f}x)", flush=True)
-    pooled = pool(runs, args.kill_every_steps)
+    pooled = pool(runs, schedule)
     print(f"pooled over seeds {seeds} (costs: {', '.join(f'{k} {v:.3f}' for k, v in pooled['costs'].items())}); "
           f"the formula for the schedule's rate and these costs: {pooled['schedule_formula_steps']:.0f} steps")
     formula = pooled["schedule_formula_steps"]
@@ -353,9 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--real", action="store_true", help="run the reference trainer instead of the simulation")
     real.add_argument("--kill-every-steps", type=float, default=400.0,
                       help="mean steps an attempt executes before the schedule kills it")
+    real.add_argument("--kill-every-seconds", type=float, default=None,
+                      help="instead: kills at seconds of wall time after the launch, exponential gaps of this "
+                           "mean (a Poisson process in wall time, as a cluster's failures: a restart can be killed)")
     real.add_argument("--prior-hours-real", type=float, nargs="+", default=None,
                       help="besides auto with the trainer's default prior, auto with each of these "
                            "--expected_mtbf_hours")
+    real.add_argument("--window-seconds", type=float, default=None,
+                      help="instead of --steps: every run lasts this many seconds of wall time, then SIGTERM (it "
+                           "saves and stops): every row exposed to the same kills for the same time")
     real.add_argument("--work", default="/tmp/bench_goodput_real", help="where the real runs' folders go")
     real.add_argument("--timeout", type=float, default=400.0, help="seconds one real run may take")
     args = p.parse_args(argv)

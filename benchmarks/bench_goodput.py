@@ -289,7 +289,9 @@ def pool(runs: list[dict], schedule: Schedule) -> dict:
     the kills, and ``ettr_at_pooled_costs``: each run's own counts (kept and redone steps, saves, kills) priced
     at the costs pooled over every run (step, save stall, failure, first start-up, the rest), so that the
     shared machine's load, which moves start-up and restarts by up to 2x between runs, drops out of the
-    comparison and what is left is what the interval trades."""
+    comparison and what is left is what the interval trades (with ``--window-seconds`` it does not: the steps a run
+    keeps are then what its restarts left it); and ``traded_seconds``, the seconds the interval itself trades
+    (rework and the save stall, from the ledgers)."""
     every = [r for run in runs for r in run["rows"].values()]
     kept = sum(r["steps"]["productive"] for r in every)
     step = sum(r["buckets"]["productive"] for r in every) / kept
@@ -306,6 +308,7 @@ def pool(runs: list[dict], schedule: Schedule) -> dict:
                               + first + rest for r in rows)
         out[name] = {"ettr": sum(r["buckets"]["productive"] for r in rows) / sum(r["wall_seconds"] for r in rows),
                      "ettr_at_pooled_costs": useful / priced, "kills": sum(r["kills"] for r in rows),
+                     "traded_seconds": sum(r["buckets"]["rework"] + r["buckets"]["checkpoint"] for r in rows),
                      "rework_steps": sum(r["steps"]["rework"] for r in rows),
                      "saves": sum(r["saves"] for r in rows), "intervals": [r["interval"] for r in rows]}
     fixed = [k for k in out if not k.startswith("auto")]
@@ -368,7 +371,8 @@ def main_real(args) -> int:
     formula = pooled["schedule_formula_steps"]
     for name, row in pooled["rows"].items():
         print(f"every {name:>18}: ETTR {100 * row['ettr']:6.2f}%  at pooled costs "
-              f"{100 * row['ettr_at_pooled_costs']:6.2f}%  kills {row['kills']:>3}  redone steps "
+              f"{100 * row['ettr_at_pooled_costs']:6.2f}%  traded (rework + save stall) {row['traded_seconds']:6.1f} s"
+              f"  kills {row['kills']:>3}  redone steps "
               f"{row['rework_steps']:>5}  saves {row['saves']:>4}"
               + (f"  settled on {row['intervals']} steps "
                  f"({', '.join(f'{i / formula:.2f}x' for i in row['intervals'] if i)}); "

@@ -21,7 +21,8 @@ def test_gpu_check_dry_run_runs_every_piece_and_prints_one_json_line():
     assert "no CUDA device" in pieces["cuda_oom"]["result"]["skipped"]  # said, not measured
     guard_memory = pieces["guard_memory"]["result"]  # every part ran: the DiT's extra peak, the host time per size
     assert guard_memory["device"] == "cpu" and guard_memory["smoke"] and guard_memory["memory"]["dit"]["param_tensors"] > 0
-    assert [h["tensors"] for h in guard_memory["host_time"]] == [5, 50, 500, 5] and guard_memory["unet_step_ratio"] > 1
+    assert [h["tensors"] for h in guard_memory["host_time"]] == [5, 50, 500, 5]  # figures, not asserted (timing)
+    assert {"plain_ms", "guarded_ms", "full_copy_ms"} <= set(guard_memory["unet_step"])
     assert pieces["sync_debug"]["result"]["reads_per_step"] == [1] * 5  # the guard's one read, nothing hidden
     assert pieces["model"]["result"]["sizes"]["micro"]["models"]["ours"]["achieved_tflops"] > 0
     assert {"stall_ms", "total_ms"} <= set(pieces["async_stall"]["result"]["async"])  # figures, not asserted (timing)

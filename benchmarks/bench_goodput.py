@@ -18,8 +18,9 @@ outside, with the same signal. ``--kill-every-seconds S`` kills in wall time ins
 drawn as a Poisson process of mean ``S`` (the failure model the interval formula assumes, and a cluster's: a kill
 can land in a restart). With ``--window-seconds W`` every run lasts W seconds and is then sent SIGTERM (a
 scheduler's end of allocation: the trainer saves and stops), so every row meets the same kills over the same
-time, where with ``--steps`` a row that is faster, or lucky, finishes before a kill that another row meets. Each row's ETTR and buckets are its run's ledger (``vidstab goodput RUN --json``);
-``auto``'s row adds the interval it settled on and the formula's value for its run's measured inputs.
+time, where with ``--steps`` a row that is faster, or lucky, finishes before a kill that another row meets. Each
+row's ETTR and buckets are its run's ledger (``vidstab goodput RUN --json``); ``auto``'s row adds the interval
+it settled on and the formula's value for its run's measured inputs.
 
     python benchmarks/bench_goodput.py                   # the CPU drill's measured costs (tests/test_goodput.py)
     python benchmarks/bench_goodput.py --quick           # 5,000 steps
@@ -28,8 +29,8 @@ time, where with ``--steps`` a row that is faster, or lucky, finishes before a k
     python benchmarks/bench_goodput.py --real --prior-hours-real 0.0025   # and auto with that prior
     python benchmarks/bench_goodput.py --real --seeds 1 2 --steps 2400 --fixed 20 50 100 400 --timeout 900
                                    # two schedules, pooled: ETTR, and the runs' counts priced at pooled costs
-    python benchmarks/bench_goodput.py --real --seeds 1 2 --steps 2400 --fixed 20 50 100 400 --timeout 900 \
-        --kill-every-seconds 60 --window-seconds 300    # kills in wall time, every run 300 s
+    python benchmarks/bench_goodput.py --real --seeds 1 2 --fixed 20 50 100 400 --timeout 400 \
+        --kill-every-seconds 40 --window-seconds 240    # kills in wall time, every run 240 s
 """
 
 from __future__ import annotations
@@ -356,8 +357,8 @@ def main_real(args) -> int:
                     else Schedule("steps", args.kill_every_steps, seed))
         r = compare_real(args.steps, args.fixed, schedule, priors, work, args.timeout, args.window_seconds)
         runs.append(r)
-        print(f"kill schedule ({'seconds after the launch' if schedule.unit == 'seconds' else 'steps each attempt executes before its kill'}): "
-              f"{schedule.gaps[:12]} ...")
+        unit = "seconds after the launch" if schedule.unit == "seconds" else "steps each attempt executes before its kill"
+        print(f"kill schedule ({unit}): {schedule.gaps[:12]} ...")
         for name, a in r["auto"].items():
             ratio = a["interval_vs_formula"]
             print(f"{name}: settled on {a['interval']} steps, the formula for its run's measured inputs "

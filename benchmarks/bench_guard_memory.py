@@ -19,7 +19,8 @@ replaced; kept here only as the baseline):
   clip, optimizer and scheduler steps, ``zero_grad``: timed around each call), i.e. the guard's own work, this
   thread's CPU time with one intra-op thread (a CPU step is all host time; the load of other processes inflates
   it least; on CUDA the wall time, each user call ending with the device's work it queued, so the guard's own
-  host read waits for its own work only); the mean over each ``param_norm_every`` cycle (the measured step is in it), median over the cycles.
+  host read waits for its own work only); the mean over each ``param_norm_every`` cycle (the measured step is in
+  it), median over the cycles.
   The C allocator's deferred work on the blocks a call freed is done at the end of that call (:func:`settle_allocator`):
   else the blocks the user's backward frees per parameter tensor are sorted in the guard's next allocation.
   The ratio 5,000 vs 50 says whether the guard's per-step work grows with the number of tensors; beside it the
@@ -88,7 +89,7 @@ def dit(quick: bool, device: str):
     from vidstab.reference.model import VideoDiT
 
     model = VideoDiT(in_channels=4, hidden_size=96, num_layers=2 if quick else 4, num_heads=4, patch_size=(1, 2, 2))
-    x = torch.randn(1, 4, 2, 8, 8, device=device)  # activations small beside the weights: the optimizer step is the peak
+    x = torch.randn(1, 4, 2, 8, 8, device=device)  # activations small beside the weights: the optimizer step peaks
     t = torch.randint(0, 1000, (1,), device=device)
     return model, lambda m: torch.nn.functional.mse_loss(m(x, t), x), {"latents": x, "timesteps": t}
 

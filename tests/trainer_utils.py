@@ -56,6 +56,82 @@ def _finish(proc: subprocess.Popen, cmd: list[str], outs: tuple, deadline: float
     return done
 
 
+class _WarmLaunch:
+    """A 1-process launch forked by tests/scripts/warm_start.py, read as ``subprocess.Popen`` is by this module."""
+
+    def __init__(self, pid: int, status: Path):
+        self.pid, self._status, self.returncode = pid, status, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = json.loads(self._status.read_text())["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+_warm: dict = {}  # this test process's pre-imported interpreters, by the environment each was started in
+
+
+def _start_warm(cmd: list[str], env: dict, cwd: Path, folder: Path) -> tuple[_WarmLaunch, tuple]:
+    """``cmd`` (``python`` and what follows) as a process forked from this test process's pre-imported interpreter
+    for ``env`` (started on first use); (the launch, its stdout and stderr files, open for reading)."""
+    key = json.dumps({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)  # read at import
+    server = _warm.get(key)
+    if server is None or server.poll() is not None:
+        script = Path(__file__).resolve().parent / "scripts" / "warm_start.py"
+        server = _warm[key] = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env,
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    names = [folder / name for name in ("stdout", "stderr", "status")]
+    for path in names[:2]:
+        path.touch()
+    request = {"argv": cmd[1:], "cwd": str(cwd), "env": env, "stdout": str(names[0]), "stderr": str(names[1]),
+               "status": str(names[2])}
+    server.stdin.write((json.dumps(request) + "\n").encode())
+    server.stdin.flush()
+    pid = int(server.stdout.readline())
+    return _WarmLaunch(pid, names[2]), tuple(open(path, "rb") for path in names[:2])
+
+
+WARM = not os.environ.get("VIDSTAB_TEST_COLD_START")
+"""Whether 1-process launches start from a pre-imported interpreter; ``VIDSTAB_TEST_COLD_START=1``: all fresh."""
+
+
+def run_python(args: list[str], *, cwd: Path | str = REPO, env: dict | None = None, timeout: float = 300) \
+        -> subprocess.CompletedProcess:
+    """``python *args`` (a script, ``-m module`` or ``-c code``) in one process, as ``subprocess.run(...,
+    capture_output=True, text=True)``, forked from a pre-imported interpreter (tests/scripts/warm_start.py):
+    for tests of what the program does, not of a fresh interpreter's start-up."""
+    cmd, full_env = [sys.executable, *map(str, args)], dict(os.environ if env is None else env)
+    if not WARM:
+        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="vidstab-launch-") as folder:
+        launch, outs = _start_warm(cmd, full_env, Path(cwd), Path(folder))
+        try:
+            launch.wait(timeout)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            launch.wait()
+            raise
+        finally:
+            stdout, stderr = (f.read().decode(errors="replace") for f in outs)
+            for f in outs:
+                f.close()
+    return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
+
+
 def run_trainer(output_dir: Path, *args: str, nproc: int = 1, timeout: float = 240, check: bool = True,
                 env: dict | None = None, html_report: bool = False) -> subprocess.CompletedProcess:
     """Launch ``recipes/train.py`` like a user would; a hang fails the test instead of blocking CI."""
@@ -68,12 +144,24 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
 
     Runs that do not depend on each other (an uninterrupted reference and the first segment of a resumed
     run, or several bad-flag invocations) overlap their start-up (imports, data, VAE) on the CI's 2 cores;
-    each is still its own real process with its own folder (and, with ``nproc > 1``, its own port)."""
+    each is still its own real process with its own folder (and, with ``nproc > 1``, its own port).
+
+    A 1-process launch in the tests' own environment (no ``env``) is forked from a pre-imported interpreter
+    (tests/scripts/warm_start.py): the same script as ``__main__`` in its own process, without the seconds of
+    imports each fresh interpreter pays; ``VIDSTAB_TEST_COLD_START=1`` starts every launch fresh. The tests of
+    the start-up itself (the README's and the docs' commands, every multi-process launch) start fresh."""
     started = []
     deadline = time.monotonic() + timeout
+    launches = tempfile.TemporaryDirectory(prefix="vidstab-launch-")
     try:
-        for output_dir, *args in runs:
+        for i, (output_dir, *args) in enumerate(runs):
             cmd, full_env = _trainer_cmd(Path(output_dir), tuple(args), nproc, env, html_report)
+            if nproc == 1 and env is None and WARM:
+                folder = Path(launches.name) / str(i)
+                folder.mkdir()
+                launch, outs = _start_warm(cmd, full_env, REPO, folder)
+                started.append((launch, cmd, outs))
+                continue
             # Files, not pipes: a run that is not being read yet never blocks on a full pipe.
             outs = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
             started.append((subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=outs[0], stderr=outs[1]), cmd, outs))
@@ -85,6 +173,7 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
                 proc.wait()
             for f in outs:
                 f.close()
+        launches.cleanup()
 
 
 # Rendezvous ports come from below the kernel's ephemeral range (32768-60999 on Linux), so no connection a

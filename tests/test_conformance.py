@@ -13,8 +13,9 @@ sharing one launch per world size:
 
 Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3).
 The oom_in_step column runs in tests/test_oom_engines.py (every cell, the same ``oom_engines.evaluate``).
-The reference trainer's DDP, FSDP2 and ZeRO-3 rows run here (its launches: tests/scripts/conformance_reference.py), and
-carry the assertions of the trainer tests whose launches they replaced; every row runs in benchmarks/conformance.py."""
+The reference trainer's single-process, DDP, FSDP2 and ZeRO-3 rows run here (its launches:
+tests/scripts/conformance_reference.py), and carry the assertions of the trainer tests whose launches they replaced;
+every row runs in benchmarks/conformance.py."""
 
 from __future__ import annotations
 
@@ -168,9 +169,9 @@ def _rows(*engines: str) -> list:
     return [pytest.param(e, id=e, marks=pytest.mark.xdist_group(f"conformance-reference-{e}")) for e in engines]
 
 
-# CI runs the rows that carry other tests' checks (DDP, FSDP2, ZeRO-3); every row runs in benchmarks/conformance.py:
-# CI's 20 minutes on 2 cores hold no more trainer launches.
-REFERENCE_ENGINES = ("ddp", "fsdp2", "zero3")
+# CI runs the rows that carry other tests' checks (DDP, FSDP2, ZeRO-3) and the one-process row (one 2-process launch's
+# cost); every row runs in benchmarks/conformance.py: CI's 20 minutes on 2 cores hold no more 2-process launches.
+REFERENCE_ENGINES = ("single", "ddp", "fsdp2", "zero3")
 ZERO_ENGINES = tuple(e for e in REFERENCE_ENGINES if e.startswith("zero"))
 BACKENDS = {"single": "full", "ddp": "full", "fsdp2": "sharded"}  # the checkpoint backend; ZeRO: "deepspeed"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,7 +78,7 @@ class _WarmLaunch:
 
     def kill(self) -> None:
         try:
-            os.kill(self.pid, 9)
+            os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -88,7 +89,8 @@ _warm: dict = {}  # this test process's pre-imported interpreters, by the enviro
 def _start_warm(cmd: list[str], env: dict, cwd: Path, folder: Path) -> tuple[_WarmLaunch, tuple]:
     """``cmd`` (``python`` and what follows) as a process forked from this test process's pre-imported interpreter
     for ``env`` (started on first use); (the launch, its stdout and stderr files, open for reading)."""
-    key = json.dumps({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)  # read at import
+    # the environment a library may read at import: all of it but what pytest changes per test
+    key = json.dumps({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)
     server = _warm.get(key)
     if server is None or server.poll() is not None:
         script = Path(__file__).resolve().parent / "scripts" / "warm_start.py"
@@ -107,29 +109,6 @@ def _start_warm(cmd: list[str], env: dict, cwd: Path, folder: Path) -> tuple[_Wa
 
 WARM = not os.environ.get("VIDSTAB_TEST_COLD_START")
 """Whether 1-process launches start from a pre-imported interpreter; ``VIDSTAB_TEST_COLD_START=1``: all fresh."""
-
-
-def run_python(args: list[str], *, cwd: Path | str = REPO, env: dict | None = None, timeout: float = 300) \
-        -> subprocess.CompletedProcess:
-    """``python *args`` (a script, ``-m module`` or ``-c code``) in one process, as ``subprocess.run(...,
-    capture_output=True, text=True)``, forked from a pre-imported interpreter (tests/scripts/warm_start.py):
-    for tests of what the program does, not of a fresh interpreter's start-up."""
-    cmd, full_env = [sys.executable, *map(str, args)], dict(os.environ if env is None else env)
-    if not WARM:
-        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    with tempfile.TemporaryDirectory(prefix="vidstab-launch-") as folder:
-        launch, outs = _start_warm(cmd, full_env, Path(cwd), Path(folder))
-        try:
-            launch.wait(timeout)
-        except subprocess.TimeoutExpired:
-            launch.kill()
-            launch.wait()
-            raise
-        finally:
-            stdout, stderr = (f.read().decode(errors="replace") for f in outs)
-            for f in outs:
-                f.close()
-    return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
 
 
 def run_trainer(output_dir: Path, *args: str, nproc: int = 1, timeout: float = 240, check: bool = True,

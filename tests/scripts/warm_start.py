@@ -1,5 +1,5 @@
-"""A pre-imported interpreter that forks one process per 1-process launch of the tests (tests/trainer_utils.py:
-the trainer, a script, ``-m module`` or ``-c code``): a real process running it as ``__main__``, with its own
+"""A pre-imported interpreter that forks one process per 1-process launch of the trainer by the tests
+(tests/trainer_utils.py): a real process running it as ``__main__``, with its own
 folder, streams, exit code and signals, without the seconds of imports (torch, diffusers, Accelerate) every
 fresh interpreter pays again. It was started in the launches' own environment: what a library reads at import
 is what a fresh process would read.
@@ -37,17 +37,10 @@ def _child(request: dict) -> None:
         os.dup2(out, fd)
         os.close(out)
     code = 0
-    argv = list(request["argv"])  # what follows `python`: a script, `-m module` or `-c code`, then its arguments
+    argv = list(request["argv"])  # what follows `python`: the script, then its arguments
+    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`: its folder first
     try:
-        if argv[0] == "-m":
-            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()  # as `python -m` does
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        elif argv[0] == "-c":
-            sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        else:
-            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))  # the script's folder first
-            runpy.run_path(argv[0], run_name="__main__")
+        runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0

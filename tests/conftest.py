@@ -3,6 +3,11 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not os.environ.get("VIDSTAB_TEST_COLD_START"):
+    # the ranks of the tests' `accelerate launch` / torchrun are forked from their launcher (tests/warm_ranks)
+    os.environ["VIDSTAB_TEST_WARM_RANKS"] = "1"
+    warm_ranks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_ranks")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (warm_ranks, os.environ.get("PYTHONPATH")) if p)
 
 
 SAME_RUN_AS = {"nan_batch_rank1_run": "conformance-reference-ddp"}

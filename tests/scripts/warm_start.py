@@ -16,17 +16,17 @@ import os
 import select
 import sys
 
-PRELOAD = ("torch", "accelerate", "accelerate.logging", "accelerate.utils", "diffusers", "diffusers.optimization",
-           "diffusers.models.autoencoders.autoencoder_kl_wan", "yaml", "safetensors.torch", "tqdm.auto", "av",
-           "vidstab.reference.model", "vidstab.reference.vae", "vidstab.reference.objective")
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_ranks"))
+from warm_rank_fork import DIFFUSERS_RANK, EVERY_RANK, run_as_main  # noqa: E402  (one way to run and end a fork)
+
+sys.path.pop()
+
+PRELOAD = (*EVERY_RANK, *DIFFUSERS_RANK, "accelerate.logging", "vidstab.reference.model", "vidstab.reference.vae",
+           "vidstab.reference.objective")
 
 
 def _child(request: dict) -> None:
     """Become the launch: its folder, environment, standard streams and argv, then the script as ``__main__``."""
-    import atexit
-    import runpy
-    import traceback
-
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -36,24 +36,9 @@ def _child(request: dict) -> None:
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
         os.close(out)
-    code = 0
     argv = list(request["argv"])  # what follows `python`: the script, then its arguments
     sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`: its folder first
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()  # what the interpreter runs at exit (loggers, trackers, process groups)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    os._exit(run_as_main(argv[0]))
 
 
 def _write_status(path: str, returncode: int) -> None:

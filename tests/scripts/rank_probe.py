@@ -1,0 +1,44 @@
+"""What a rank of the tests' launches sees of its own process, written to ``OUT/rank{R}.json``
+(tests/test_warm_ranks.py compares a forked rank's with a fresh one's)."""
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+
+preloaded = "torch" in sys.modules  # before this script imports anything: forked from a launcher that had
+import torch  # noqa: E402
+
+out = sys.argv[1]
+rank = os.environ["RANK"]
+parent = open(f"/proc/{os.getppid()}/cmdline").read().split("\0")
+seen = {
+    "preloaded": preloaded,
+    "argv": sys.argv,
+    "cwd": os.getcwd(),
+    "path": [p for p in sys.path if "warm_ranks" not in p],
+    # what differs from launch to launch: whether it is set
+    "env": {k: v if k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE") else "set"
+            for k, v in os.environ.items() if k not in ("VIDSTAB_TEST_WARM_RANKS", "PYTHONPATH")},
+    "pythonpath": [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if "warm_ranks" not in p],
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+    "signals": {s.name: str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                                          signal.SIGPIPE, signal.SIGUSR1, signal.SIGCHLD)},
+    "parent_is_the_launcher": "accelerate.commands.launch" in parent,
+    "session_leader": os.getsid(0) == os.getpid(),
+    "threads": torch.get_num_threads(),
+    "faulthandler": faulthandler.is_enabled(),
+    "root_logger": [len(logging.root.handlers), logging.root.level],
+    "excepthook": sys.excepthook is sys.__excepthook__,
+    "main": [__name__, __file__],
+    "stdout_write_through": sys.stdout.write_through,
+}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(seen, f, indent=1, sort_keys=True)
+torch.distributed.init_process_group("gloo")  # every rank: it installs torch's rank-prefixing excepthook
+torch.distributed.barrier()
+if rank == "1":
+    raise ValueError("the probe's uncaught error")  # the interpreter prints it through that excepthook
+torch.distributed.destroy_process_group()

@@ -1,0 +1,14 @@
+"""Put on ``PYTHONPATH`` by tests/conftest.py: in a launcher (``accelerate launch``, ``torchrun``) started by the
+tests, torch elastic's agent starts each rank by forking itself instead of a fresh interpreter
+(:mod:`warm_rank_fork`). Every other process only registers a finder that waits for the agent's module."""
+
+import os
+import sys
+
+if os.environ.get("VIDSTAB_TEST_WARM_RANKS") == "1":
+    try:
+        import warm_rank_fork
+
+        sys.meta_path.insert(0, warm_rank_fork.PatchOnImport())
+    except Exception as exc:  # a test helper must never change what a process does when it cannot load
+        print(f"tests/warm_ranks: not loaded ({exc!r})", file=sys.stderr)

@@ -1,0 +1,211 @@
+"""The ranks of the tests' launches, forked from their launcher instead of started as fresh interpreters.
+
+torch elastic's agent (under ``accelerate launch`` and ``torchrun``) starts each rank with
+``subprocess.Popen([python, "-u", script, *args], env=..., start_new_session=True)``. Here the agent forks itself
+instead, and the child becomes what that command would have been: the rank's environment, argv, ``sys.path``,
+streams, new session, default signal handlers and warning registry, then the script as ``__main__``. Torch and
+Accelerate are already imported by the launcher (diffusers too, when the script names it), so a rank skips
+seconds of imports. Everything else is the real launcher: rendezvous, the rank's environment, monitoring, the
+kill of the others when one fails, restarts, the exit code. The rank is the agent's own child, as with Popen.
+``VIDSTAB_TEST_COLD_START=1`` (tests/conftest.py) turns this off. Only ``python -u script.py`` commands are
+forked; anything else (``-m``, ``--no_python``) is started as torch elastic starts it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import subprocess
+import sys
+import time
+
+EVERY_RANK = ("torch", "torch.distributed", "torch.distributed.tensor", "accelerate", "accelerate.utils",
+              "safetensors.torch")
+DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "diffusers.training_utils",
+                  "diffusers.models.autoencoders.autoencoder_kl_wan", "yaml", "tqdm.auto", "av")
+"""Only third-party modules: the rank imports vidstab and the script's own modules from its own ``sys.path``."""
+AGENT_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patch the agent's process start once its module is imported (only launchers import it)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != AGENT_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module.SubprocessHandler)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+class ForkedRank:
+    """The forked rank, read by the agent as it reads a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _preload(script: str) -> None:
+    """What every rank imports anyway, once in the launcher."""
+    import importlib
+
+    names = list(EVERY_RANK)
+    try:
+        with open(script, encoding="utf-8", errors="replace") as f:
+            if "diffusers" in f.read():
+                names += DIFFUSERS_RANK
+    except OSError:
+        pass
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass  # the rank imports it, or fails to, as a fresh interpreter would
+
+
+def _patch(handler_class) -> None:
+    popen = handler_class._popen
+
+    def fork_popen(self, args, env):
+        args = [str(a) for a in args]
+        if args[0] != sys.executable or len(args) < 3 or args[1] != "-u" or args[2].startswith("-"):
+            return popen(self, args, env)
+        _preload(args[2])
+        import gc
+
+        gc.collect()  # nothing of the launcher's is left to be finalised in the rank
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(args[2:], env, self._stdout, self._stderr)
+        return ForkedRank(pid, args)
+
+    handler_class._popen = fork_popen
+
+
+def _become_rank(argv: list[str], env: dict, stdout, stderr) -> None:
+    """In the forked child: become ``python -u argv...`` with this environment, then exit with its code."""
+    code = 1
+    try:
+        import atexit
+        import gc
+        import importlib
+        import io
+        import logging
+        import warnings
+
+        gc.freeze()  # the launcher's objects stay as they are
+        atexit._clear()  # the launcher's exit handlers are not the rank's
+        os.setsid()  # start_new_session=True: the agent ends a rank with killpg
+        for stream, fd in ((stdout, 1), (stderr, 2)):
+            if stream is not None:
+                os.dup2(stream.fileno(), fd)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the agent's store and pipes stay its own
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        try:
+            import faulthandler
+
+            faulthandler.disable()
+        except Exception:
+            pass
+        os.environ.clear()
+        os.environ.update(env)
+        # as a fresh `python script.py`: the script's folder, the rank's PYTHONPATH, then the installation's paths
+        rank_pythonpath = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        installed = [p for p in sys.path[1:] if os.path.abspath(p) not in _launcher_pythonpath]
+        sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *rank_pythonpath, *installed]
+        importlib.invalidate_caches()
+        sys.argv = list(argv)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      encoding=sys.stderr.encoding, errors="backslashreplace")
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+        warnings._filters_mutated()  # warnings the launcher showed once are shown again
+        sys.excepthook = sys.__excepthook__
+        if "OMP_NUM_THREADS" in os.environ:
+            import torch
+
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        code = run_as_main(argv[0])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # the fork itself failed: said on the rank's stderr, exit 1
+    finally:
+        os._exit(code)
+
+
+_launcher_pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+
+
+def run_as_main(script: str) -> int:
+    """Run ``script`` as ``__main__`` and end as the interpreter ends: the exit code of ``sys.exit``, an uncaught
+    exception through ``sys.excepthook`` (torch.distributed's prefixes each line with the rank), then the exit
+    handlers. Returns the exit code; the caller leaves with ``os._exit``, so nothing of its own runs at exit."""
+    import atexit
+    import runpy
+
+    code, interrupted = 0, False
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as the interpreter: an uncaught KeyboardInterrupt ends the process by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code

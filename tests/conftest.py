@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -129,6 +130,9 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _CPU_BY_TEST:
         return
+    if os.environ.get("VIDSTAB_TEST_CPU_JSON"):  # every test's CPU seconds, for finding what CI's time goes to
+        with open(os.environ["VIDSTAB_TEST_CPU_JSON"], "w") as f:
+            json.dump(_CPU_BY_TEST, f, indent=1)
     top = sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:25]
     terminalreporter.write_sep("=", f"most CPU seconds (of {sum(_CPU_BY_TEST.values()):.0f} s in all)")
     for nodeid, seconds in top:

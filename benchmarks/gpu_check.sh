@@ -41,14 +41,13 @@ piece() {  # piece NAME TIME_LIMIT_S COMMAND...: run it, keep its output, exit s
 }
 
 if [[ $DRY_RUN == 1 ]]; then
-  # Side by side: a dry run measures nothing, and each piece is mostly its imports (~5 s on a CPU).
-  piece sync_debug 240 python benchmarks/gpu_check_pieces.py sync_debug --dry-run &
+  # Side by side: a dry run measures nothing, and each piece is mostly its imports (~5 s on a CPU); the pieces of
+  # gpu_check_pieces.py share one interpreter, each with its own log, exit status and seconds.
+  echo "== sync_debug fp16_overflow async_stall cuda_oom rollback_memory (one interpreter, limit 600s)" >&2
+  timeout 600 python benchmarks/gpu_check_pieces.py sync_debug fp16_overflow async_stall cuda_oom rollback_memory \
+    --dry-run --logs "$LOGS" &
   piece guard_overhead 240 python benchmarks/bench_guard_overhead.py --device cpu --quick --models mlp --warmup 1 &
   piece model 240 python benchmarks/bench_model.py --quick --no_factorized &
-  piece fp16_overflow 240 python benchmarks/gpu_check_pieces.py fp16_overflow --dry-run &
-  piece async_stall 240 python benchmarks/gpu_check_pieces.py async_stall --dry-run &
-  piece cuda_oom 240 python benchmarks/gpu_check_pieces.py cuda_oom --dry-run &
-  piece rollback_memory 240 python benchmarks/gpu_check_pieces.py rollback_memory --dry-run &
   piece guard_memory 240 python benchmarks/bench_guard_memory.py --smoke &
   wait
 else
@@ -70,6 +69,9 @@ logs, dry_run, seconds = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
 pieces = {}
 for name in ("sync_debug", "guard_overhead", "model", "fp16_overflow", "async_stall", "cuda_oom", "rollback_memory",
              "guard_memory"):
+    if not (logs / f"{name}.rc").exists():  # its interpreter ended before the piece did (a timeout, a crash)
+        pieces[name] = {"rc": None, "timed_out": None, "seconds": None, "result": None, "tail": ["never finished"]}
+        continue
     lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
     rc = int((logs / f"{name}.rc").read_text())
     result = None

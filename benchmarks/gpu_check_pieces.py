@@ -303,13 +303,44 @@ PIECES = {"sync_debug": sync_debug, "fp16_overflow": fp16_overflow, "async_stall
           "rollback_memory": rollback_memory}
 
 
+def _run_piece(name: str, dry_run: bool) -> dict:
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer's prints must not break the one JSON line
+        return PIECES[name](dry_run)
+
+
+def _run_into(logs: Path, name: str, dry_run: bool) -> None:
+    """``name`` with its output, exit status and seconds in ``logs`` as gpu_check.sh's ``piece`` keeps them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    start, rc = time.time(), 1
+    with open(logs / f"{name}.log", "w") as log, contextlib.redirect_stderr(log):
+        try:
+            result = _run_piece(name, dry_run)
+            print(json.dumps(result), file=log)
+            rc = 0 if result.get("ok") else 1
+        except Exception:  # noqa: BLE001 -- said in its log, the next piece still runs
+            traceback.print_exc(file=log)
+        finally:
+            AcceleratorState._reset_state(True)  # each piece builds its own Accelerator
+            GradientState._reset_state()
+    (logs / f"{name}.rc").write_text(f"{rc}\n")
+    (logs / f"{name}.seconds").write_text(f"{int(time.time() - start)}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("piece", choices=list(PIECES))
+    ap.add_argument("piece", nargs="+", choices=list(PIECES))
     ap.add_argument("--dry-run", action="store_true", help="tiny, on the CPU: checks the kit runs, measures nothing about a GPU")
+    ap.add_argument("--logs", type=Path, help="run the pieces in turn in this one interpreter, each one's output, exit "
+                    "status and seconds in LOGS/PIECE.log, .rc, .seconds (gpu_check.sh --dry-run: one start-up for all)")
     args = ap.parse_args(argv)
-    with contextlib.redirect_stdout(sys.stderr):  # the trainer's prints must not break the one JSON line
-        result = PIECES[args.piece](args.dry_run)
+    if args.logs:
+        for name in args.piece:
+            _run_into(args.logs, name, args.dry_run)
+        return 0
+    if len(args.piece) > 1:
+        ap.error("several pieces need --logs")
+    result = _run_piece(args.piece[0], args.dry_run)
     print(json.dumps(result))
     return 0 if result.get("ok") else 1
 

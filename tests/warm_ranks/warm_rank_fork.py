@@ -81,17 +81,19 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def _preload(script: str) -> None:
-    """What every rank imports anyway, once in the launcher."""
+def _preload(argv: list[str]) -> None:
+    """What every rank imports anyway, once in the launcher; diffusers where a script in the command imports it
+    (the script, or the one a harness runs)."""
     import importlib
+    import re
 
     names = list(EVERY_RANK)
-    try:
-        with open(script, encoding="utf-8", errors="replace") as f:
-            if "diffusers" in f.read():
-                names += DIFFUSERS_RANK
-    except OSError:
-        pass
+    for path in argv:
+        if path.endswith(".py") and os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                if re.search(r"^\s*(from|import) diffusers\b", f.read(), re.MULTILINE):
+                    names += DIFFUSERS_RANK
+                    break
     for name in names:
         try:
             importlib.import_module(name)
@@ -106,7 +108,7 @@ def _patch(handler_class) -> None:
         args = [str(a) for a in args]
         if args[0] != sys.executable or len(args) < 3 or args[1] != "-u" or args[2].startswith("-"):
             return popen(self, args, env)
-        _preload(args[2])
+        _preload(args[2:])
         import gc
 
         gc.collect()  # nothing of the launcher's is left to be finalised in the rank

@@ -12,7 +12,7 @@ preloaded = "torch" in sys.modules  # before this script imports anything: forke
 import torch  # noqa: E402
 
 out = sys.argv[1]
-rank = os.environ["RANK"]
+rank = os.environ.get("RANK", "0")  # unset in a 1-process launch
 parent = open(f"/proc/{os.getppid()}/cmdline").read().split("\0")
 seen = {
     "preloaded": preloaded,
@@ -37,6 +37,8 @@ seen = {
 }
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f, indent=1, sort_keys=True)
+if "WORLD_SIZE" not in os.environ:
+    raise ValueError("the probe's uncaught error")
 torch.distributed.init_process_group("gloo")  # every rank: it installs torch's rank-prefixing excepthook
 torch.distributed.barrier()
 if rank == "1":

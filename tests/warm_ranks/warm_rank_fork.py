@@ -13,6 +13,7 @@ forked; anything else (``-m``, ``--no_python``) is started as torch elastic star
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -29,13 +30,30 @@ DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "diffusers.training_uti
 AGENT_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 
 
+def _accelerate_launcher() -> bool:
+    """``python -m accelerate.commands.launch ...`` or ``accelerate launch ...``: a 1-process launch starts its
+    script with ``psutil.Popen`` (the module runs as ``__main__``, so it is psutil that is patched)."""
+    argv = getattr(sys, "orig_argv", [])
+    module = argv[argv.index("-m") + 1:argv.index("-m") + 2] if "-m" in argv else []
+    return module == ["accelerate.commands.launch"] or \
+        (len(argv) > 2 and os.path.basename(argv[1]) == "accelerate" and argv[2] == "launch")
+
+
 class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patch the agent's process start once its module is imported (only launchers import it)."""
+    """Patch how a launcher starts its processes once the module doing it is imported: torch elastic's agent
+    (only launchers import it), and, in Accelerate's launcher, psutil (its 1-process launch)."""
+
+    def __init__(self):
+        self.waiting = {AGENT_MODULE: lambda module: _patch_agent(module.SubprocessHandler)}
+        if _accelerate_launcher():
+            self.waiting["psutil"] = _patch_psutil
 
     def find_spec(self, name, path, target=None):
-        if name != AGENT_MODULE:
+        patch = self.waiting.pop(name, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)
+        if not self.waiting:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
@@ -43,7 +61,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch(module.SubprocessHandler)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
@@ -81,6 +99,35 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
+@functools.lru_cache(maxsize=None)
+def _forked_process_class():
+    import psutil
+
+    class ForkedProcess(psutil.Process):
+        """The forked script, read by Accelerate's launcher as it reads a ``psutil.Popen``."""
+
+        def __init__(self, pid: int, args: list[str], stderr):
+            super().__init__(pid)
+            self.args, self.stderr, self.returncode = args, stderr, None
+
+        def wait(self, timeout=None):
+            if self.returncode is None:
+                self.returncode = super().wait(timeout)
+            return self.returncode
+
+        def poll(self):
+            try:
+                return self.wait(0)
+            except psutil.TimeoutExpired:
+                return None
+
+    return ForkedProcess
+
+
+def ForkedProcess(pid: int, args: list[str], stderr):  # noqa: N802 (a class, made when psutil is first needed)
+    return _forked_process_class()(pid, args, stderr)
+
+
 def _preload(argv: list[str]) -> None:
     """What every rank imports anyway, once in the launcher; diffusers where a script in the command imports it
     (the script, or the one a harness runs)."""
@@ -101,29 +148,62 @@ def _preload(argv: list[str]) -> None:
             pass  # the rank imports it, or fails to, as a fresh interpreter would
 
 
-def _patch(handler_class) -> None:
+def _python_script(args: list[str]) -> list[str] | None:
+    """``[script, *args]`` of ``python [-u] script.py ...``; None for any other command (``-m``, ``--no_python``)."""
+    args = [str(a) for a in args]
+    rest = args[1:][1:] if args[1:2] == ["-u"] else args[1:]
+    if args[0] != sys.executable or not rest or rest[0].startswith("-"):
+        return None
+    return rest
+
+
+def _fork(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffered: bool) -> int:
+    _preload(argv)
+    import gc
+
+    gc.collect()  # nothing of the launcher's is left to be finalised in the child
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _become_rank(argv, env, out_fd, err_fd, new_session, unbuffered)
+    return pid
+
+
+def _patch_agent(handler_class) -> None:
     popen = handler_class._popen
 
     def fork_popen(self, args, env):
-        args = [str(a) for a in args]
-        if args[0] != sys.executable or len(args) < 3 or args[1] != "-u" or args[2].startswith("-"):
+        argv = _python_script(args)
+        if argv is None or args[1] != "-u":
             return popen(self, args, env)
-        _preload(args[2:])
-        import gc
-
-        gc.collect()  # nothing of the launcher's is left to be finalised in the rank
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _become_rank(args[2:], env, self._stdout, self._stderr)
-        return ForkedRank(pid, args)
+        fds = [None if stream is None else stream.fileno() for stream in (self._stdout, self._stderr)]
+        return ForkedRank(_fork(argv, env, *fds, new_session=True, unbuffered=True), list(args))
 
     handler_class._popen = fork_popen
 
 
-def _become_rank(argv: list[str], env: dict, stdout, stderr) -> None:
-    """In the forked child: become ``python -u argv...`` with this environment, then exit with its code."""
+def _patch_psutil(psutil) -> None:
+    """Accelerate's 1-process launcher: ``psutil.Popen(cmd, env=..., stderr=PIPE)``, its stderr teed."""
+    import subprocess
+
+    popen = psutil.Popen
+
+    def fork_popen(cmd, env=None, stderr=None, **kwargs):
+        argv = _python_script(cmd)
+        if argv is None or kwargs or stderr is not subprocess.PIPE:
+            return popen(cmd, env=env, stderr=stderr, **kwargs)
+        env = dict(os.environ if env is None else env)
+        read, write = os.pipe()
+        pid = _fork(argv, env, None, write, new_session=False, unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+        os.close(write)
+        return ForkedProcess(pid, list(cmd), os.fdopen(read, "rb"))
+
+    psutil.Popen = fork_popen
+
+
+def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffered: bool) -> None:
+    """In the forked child: become ``python [-u] argv...`` with this environment, then exit with its code."""
     code = 1
     try:
         import atexit
@@ -134,12 +214,13 @@ def _become_rank(argv: list[str], env: dict, stdout, stderr) -> None:
         import warnings
 
         gc.freeze()  # the launcher's objects stay as they are
-        atexit._clear()  # the launcher's exit handlers are not the rank's
-        os.setsid()  # start_new_session=True: the agent ends a rank with killpg
-        for stream, fd in ((stdout, 1), (stderr, 2)):
-            if stream is not None:
-                os.dup2(stream.fileno(), fd)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the agent's store and pipes stay its own
+        atexit._clear()  # the launcher's exit handlers are not the script's
+        if new_session:
+            os.setsid()  # start_new_session=True: the agent ends a rank with killpg
+        for fd, target in ((out_fd, 1), (err_fd, 2)):
+            if fd is not None:
+                os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the launcher's store and pipes stay its own
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
@@ -158,10 +239,15 @@ def _become_rank(argv: list[str], env: dict, stdout, stderr) -> None:
         sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *rank_pythonpath, *installed]
         importlib.invalidate_caches()
         sys.argv = list(argv)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
-                                      encoding=sys.stdout.encoding, errors=sys.stdout.errors)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      encoding=sys.stderr.encoding, errors="backslashreplace")
+        def stream(fd: int, errors: str, line_buffering: bool):  # as the interpreter opens its standard streams
+            raw = io.FileIO(fd, "w", closefd=False)
+            if unbuffered:
+                return io.TextIOWrapper(raw, encoding=sys.stdout.encoding, errors=errors, write_through=True)
+            return io.TextIOWrapper(io.BufferedWriter(raw), encoding=sys.stdout.encoding, errors=errors,
+                                    line_buffering=line_buffering)
+
+        sys.stdout = stream(1, sys.stdout.errors, os.isatty(1))
+        sys.stderr = stream(2, "backslashreplace", True)
         logging.root.handlers.clear()
         logging.root.setLevel(logging.WARNING)
         warnings._filters_mutated()  # warnings the launcher showed once are shown again

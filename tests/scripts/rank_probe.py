@@ -24,8 +24,8 @@ seen = {
             for k, v in os.environ.items() if k not in ("VIDSTAB_TEST_WARM_RANKS", "PYTHONPATH")},
     "pythonpath": [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if "warm_ranks" not in p],
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
-    "signals": {s.name: str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                                          signal.SIGPIPE, signal.SIGUSR1, signal.SIGCHLD)},
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+                if isinstance(s, signal.Signals)},
     "parent_is_the_launcher": "accelerate.commands.launch" in parent,
     "session_leader": os.getsid(0) == os.getpid(),
     "threads": torch.get_num_threads(),

@@ -17,12 +17,12 @@ import select
 import sys
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_ranks"))
-from warm_rank_fork import DIFFUSERS_RANK, EVERY_RANK, run_as_main  # noqa: E402  (one way to run and end a fork)
+from warm_rank_fork import DIFFUSERS_RANK, EMA_RANK, EVERY_RANK, run_as_main  # noqa: E402  (one way to run and end a fork)
 
 sys.path.pop()
 
-PRELOAD = (*EVERY_RANK, *DIFFUSERS_RANK, "accelerate.logging", "vidstab.reference.model", "vidstab.reference.vae",
-           "vidstab.reference.objective")
+PRELOAD = (*EVERY_RANK, *DIFFUSERS_RANK, *EMA_RANK, "diffusers.models.autoencoders.autoencoder_kl_wan", "av",
+           "accelerate.logging", "vidstab.reference.model", "vidstab.reference.vae", "vidstab.reference.objective")
 
 
 def _child(request: dict) -> None:

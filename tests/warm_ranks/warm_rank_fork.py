@@ -24,8 +24,8 @@ import time
 
 EVERY_RANK = ("torch", "torch.distributed", "torch.distributed.tensor", "accelerate", "accelerate.utils",
               "safetensors.torch")
-DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "diffusers.training_utils",
-                  "diffusers.models.autoencoders.autoencoder_kl_wan", "yaml", "tqdm.auto", "av")
+DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "yaml", "tqdm.auto")
+EMA_RANK = ("diffusers.training_utils",)  # seconds of imports (every diffusers model): only where the ranks need it
 """Only third-party modules: the rank imports vidstab and the script's own modules from its own ``sys.path``."""
 AGENT_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 
@@ -129,18 +129,21 @@ def ForkedProcess(pid: int, args: list[str], stderr):  # noqa: N802 (a class, ma
 
 
 def _preload(argv: list[str]) -> None:
-    """What every rank imports anyway, once in the launcher; diffusers where a script in the command imports it
-    (the script, or the one a harness runs)."""
+    """What every rank imports anyway, once in the launcher: diffusers where a script in the command imports it
+    (the script, or the one a harness runs), its EMA's module where the script imports it at the top or is asked
+    for an EMA."""
     import importlib
     import re
 
     names = list(EVERY_RANK)
-    for path in argv:
-        if path.endswith(".py") and os.path.isfile(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                if re.search(r"^\s*(from|import) diffusers\b", f.read(), re.MULTILINE):
-                    names += DIFFUSERS_RANK
-                    break
+    scripts = [path for path in argv if path.endswith(".py") and os.path.isfile(path)]
+    for path in scripts:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if re.search(r"^\s*(from|import) diffusers\b", text, re.MULTILINE):
+            names += DIFFUSERS_RANK
+        if re.search(r"^(from|import) diffusers\.training_utils\b", text, re.MULTILINE) or "--use_ema" in argv:
+            names += EMA_RANK
     for name in names:
         try:
             importlib.import_module(name)
@@ -221,10 +224,18 @@ def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, 
             if fd is not None:
                 os.dup2(fd, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # Popen's close_fds: the launcher's store and pipes stay its own
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
+        # as exec leaves them: an ignored signal stays ignored, a handled one is back to its default
+        for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+            try:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass  # not settable here (the C library's real-time signals)
+        # then what a fresh interpreter installs: SIGINT's handler unless it is ignored, SIGPIPE and SIGXFSZ ignored
+        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         try:
             import faulthandler
 

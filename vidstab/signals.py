@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
@@ -140,15 +141,19 @@ class MicroFlags(NamedTuple):
     """The caller reported an exception for this micro-step (``guard.backward(..., error=e)``)."""
 
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - torch without distributed
-    _DTensor = None
+_DTensor = None  # the class, once its module is imported
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shards)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shards). A DTensor exists
+    only once its module is imported, so nothing is imported here (a second of every process's start-up)."""
+    global _DTensor
+    if _DTensor is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        if module is None:
+            return False
+        _DTensor = module.DTensor
+    return isinstance(t, _DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Put on ``PYTHONPATH`` by tests/conftest.py: in a launcher (``accelerate launch``, ``torchrun``) started by the
-tests, torch elastic's agent starts each rank by forking itself instead of a fresh interpreter
-(:mod:`warm_rank_fork`). Every other process only registers a finder that waits for the agent's module."""
+"""Put on ``PYTHONPATH`` by tests/conftest.py: in a launcher the tests start (``accelerate launch``, ``torchrun``),
+the script's processes are forks of the launcher instead of fresh interpreters (:mod:`warm_rank_fork`). Every other
+process only registers a finder that waits for a launcher's modules."""
 
 import os
 import sys

@@ -1,14 +1,15 @@
-"""The ranks of the tests' launches, forked from their launcher instead of started as fresh interpreters.
+"""The processes of the tests' launches, forked from their launcher instead of started as fresh interpreters.
 
-torch elastic's agent (under ``accelerate launch`` and ``torchrun``) starts each rank with
-``subprocess.Popen([python, "-u", script, *args], env=..., start_new_session=True)``. Here the agent forks itself
-instead, and the child becomes what that command would have been: the rank's environment, argv, ``sys.path``,
-streams, new session, default signal handlers and warning registry, then the script as ``__main__``. Torch and
-Accelerate are already imported by the launcher (diffusers too, when the script names it), so a rank skips
-seconds of imports. Everything else is the real launcher: rendezvous, the rank's environment, monitoring, the
-kill of the others when one fails, restarts, the exit code. The rank is the agent's own child, as with Popen.
-``VIDSTAB_TEST_COLD_START=1`` (tests/conftest.py) turns this off. Only ``python -u script.py`` commands are
-forked; anything else (``-m``, ``--no_python``) is started as torch elastic starts it.
+A launcher starts a script's processes with ``Popen``: torch elastic's agent (a multi-process ``accelerate launch``,
+``torchrun``) each rank as ``python -u script ...`` in a new session, Accelerate's 1-process launcher its one as
+``python script ...`` with its stderr piped. Here the launcher forks itself instead, and the child becomes what that
+command would have started: its environment, argv, ``sys.path``, standard streams, session, signal dispositions as
+exec leaves them, open files closed, then the script as ``__main__``, ending as the interpreter ends. The launcher
+has imported torch and Accelerate already (diffusers too, where the script imports it), so the process skips
+seconds of imports. Everything else is the real launcher: rendezvous, the ranks' environment, monitoring, the kill
+of the others when one fails, restarts, the exit code; the process is the launcher's own child, as with Popen.
+Commands of another shape (``-m``, ``--no_python``) start as before. tests/test_warm_ranks.py compares what a
+forked and a fresh process see; ``VIDSTAB_TEST_COLD_START=1`` (tests/conftest.py) turns this off.
 """
 
 from __future__ import annotations
@@ -188,13 +189,11 @@ def _patch_agent(handler_class) -> None:
 
 def _patch_psutil(psutil) -> None:
     """Accelerate's 1-process launcher: ``psutil.Popen(cmd, env=..., stderr=PIPE)``, its stderr teed."""
-    import subprocess
-
     popen = psutil.Popen
 
     def fork_popen(cmd, env=None, stderr=None, **kwargs):
         argv = _python_script(cmd)
-        if argv is None or kwargs or stderr is not subprocess.PIPE:
+        if argv is None or kwargs or stderr != subprocess.PIPE:
             return popen(cmd, env=env, stderr=stderr, **kwargs)
         env = dict(os.environ if env is None else env)
         read, write = os.pipe()
@@ -250,6 +249,7 @@ def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, 
         sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *rank_pythonpath, *installed]
         importlib.invalidate_caches()
         sys.argv = list(argv)
+
         def stream(fd: int, errors: str, line_buffering: bool):  # as the interpreter opens its standard streams
             raw = io.FileIO(fd, "w", closefd=False)
             if unbuffered:

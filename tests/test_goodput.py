@@ -55,8 +55,9 @@ def launcher_saw_the_failure(launcher_log: str, exitcode: int) -> str:
 
 
 def assert_the_launcher_restarted_in_the_downtime(run, launcher_log: str, exitcode: int) -> None:
-    """The launcher's log names one failure with ``exitcode``, and the time on its line (its own clock) lies in the
-    downtime the ledger counts: after the failed rank's last line, before the restarted attempt's processes began."""
+    """The launcher's log names one failure (:func:`launcher_saw_the_failure`), and the time on its line (its own
+    clock) lies in the downtime the ledger counts: after the failed rank's last line, before the restarted attempt's
+    processes began."""
     import datetime
     import re
 

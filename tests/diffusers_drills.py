@@ -50,7 +50,9 @@ def launch(script: Path, out: Path, args: list[str], faults: tuple[str, ...] = (
         env["ACCELERATE_USE_CPU"] = "1"
         cmd.insert(3, "--multi_gpu")
     cmd += [str(REPO / "tests" / "scripts" / "drill.py"), *[x for f in faults for x in ("--fault", f)], str(script), *args]
-    return subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    from trainer_utils import warm_run  # the tests' pre-imported launcher (fresh under VIDSTAB_TEST_COLD_START=1)
+
+    return warm_run(cmd, env=env, cwd=out.parent, timeout=300)
 
 
 def changed_lines(diff: str) -> list[str]:

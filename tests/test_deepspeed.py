@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
 
 from test_checkpoint_sharded import assert_no_pickle_or_zip  # noqa: E402
-from trainer_utils import free_port  # noqa: E402
+from trainer_utils import free_port, warm_run  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +32,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> Non
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), str(SCRIPTS / script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = warm_run(cmd, env=env, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")  # Accelerate's DeepSpeed plugin needs it
 
-from trainer_utils import free_port  # noqa: E402
+from trainer_utils import free_port, warm_run  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def launch(jobs: str, out: Path, timeout: int = 600) -> subprocess.CompletedProc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(SCRIPTS / "deepspeed_contract.py"), "--out", str(out),
            "--jobs", jobs]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return warm_run(cmd, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import conformance_drill as drill  # noqa: E402
 import oom_engines  # noqa: E402
 
-from trainer_utils import REPO, torchrun_cmd  # noqa: E402
+from trainer_utils import REPO, torchrun_cmd, warm_run  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("oom_engines")]
 
@@ -41,7 +41,7 @@ def _launch(out: Path, world: int, cells: list[str]) -> subprocess.CompletedProc
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     cmd = torchrun_cmd(world, oom_engines.__file__, "--out", str(out), "--cells", ",".join(cells))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return warm_run(cmd, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

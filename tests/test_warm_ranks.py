@@ -1,11 +1,13 @@
-"""The tests' launches fork their ranks from the launcher (tests/warm_ranks): a forked rank sees what a fresh one
-sees, and ends the same way."""
+"""The tests' launches fork their ranks from the launcher (tests/warm_ranks), and the launcher from a pre-imported
+interpreter (tests/trainer_utils.warm_run): a forked rank sees what a fresh one sees, and ends the same way."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from trainer_utils import warm_run
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "scripts" / "rank_probe.py"
@@ -20,7 +22,10 @@ def _launch(out: Path, warm: bool, nproc: int = 2) -> tuple[dict, subprocess.Com
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *(["--multi_gpu"] if nproc > 1 else []),
            "--num_processes", str(nproc), "--main_process_port", "0", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", str(PROBE), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    if warm:
+        proc = warm_run(cmd, env=env, cwd=REPO, timeout=120)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}, proc
 
 

@@ -84,18 +84,23 @@ class _WarmLaunch:
 
 
 _warm: dict = {}  # this test process's pre-imported interpreters, by the environment each was started in
+MAX_WARM = 4  # about 0.5 GiB each
 
 
 def _start_warm(cmd: list[str], env: dict, cwd: Path, folder: Path) -> tuple[_WarmLaunch, tuple]:
     """``cmd`` (``python`` and what follows) as a process forked from this test process's pre-imported interpreter
     for ``env`` (started on first use); (the launch, its stdout and stderr files, open for reading)."""
-    # the environment a library may read at import: all of it but what pytest changes per test
-    key = json.dumps({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)
-    server = _warm.get(key)
+    # the environment a library may read at import: all of it but what pytest changes per test and what a launch
+    # reads as it runs
+    key = json.dumps({k: v for k, v in env.items() if k not in READ_AT_RUN_TIME}, sort_keys=True)
+    server = _warm.pop(key, None)
     if server is None or server.poll() is not None:
+        if len(_warm) >= MAX_WARM:  # the least recently used one ends once what it started has ended
+            _warm.pop(next(iter(_warm))).stdin.close()
         script = Path(__file__).resolve().parent / "scripts" / "warm_start.py"
-        server = _warm[key] = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env,
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        server = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)
+    _warm[key] = server  # the most recently used last
     names = [folder / name for name in ("stdout", "stderr", "status")]
     for path in names[:2]:
         path.touch()
@@ -107,8 +112,39 @@ def _start_warm(cmd: list[str], env: dict, cwd: Path, folder: Path) -> tuple[_Wa
     return _WarmLaunch(pid, names[2]), tuple(open(path, "rb") for path in names[:2])
 
 
-WARM = not os.environ.get("VIDSTAB_TEST_COLD_START")
-"""Whether 1-process launches start from a pre-imported interpreter; ``VIDSTAB_TEST_COLD_START=1``: all fresh."""
+READ_AT_RUN_TIME = ("PYTEST_CURRENT_TEST", "ACCELERATE_USE_CPU", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PET_STANDALONE")
+"""Variables no preloaded module reads at import (Accelerate and torch elastic read them as they start a launch):
+launches that differ only in them share one pre-imported interpreter."""
+
+WARM = os.environ.get("VIDSTAB_TEST_WARM_RANKS") == "1"
+"""Whether launches start from a pre-imported interpreter: in the tests (tests/conftest.py), unless
+``VIDSTAB_TEST_COLD_START=1``; benchmarks start every launch fresh."""
+
+
+def warm_run(cmd: list[str], env: dict | None = None, cwd: str | Path | None = None,
+             timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)`` for
+    ``python script.py ...`` or ``python -m module ...`` (a launcher: ``accelerate.commands.launch``,
+    ``torch.distributed.run``), forked from a pre-imported interpreter (tests/scripts/warm_start.py); its ranks
+    fork from it in turn (tests/warm_ranks). For launches run to their end and read from their output and files."""
+    env = dict(os.environ if env is None else env)
+    cwd = Path(os.getcwd() if cwd is None else cwd)
+    if not WARM or cmd[0] != sys.executable or len(cmd) < 2 or (cmd[1].startswith("-") and cmd[1] != "-m"):
+        return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="vidstab-launch-") as folder:
+        launch, outs = _start_warm(cmd, env, cwd, Path(folder))
+        try:
+            try:
+                launch.wait(timeout)
+            except subprocess.TimeoutExpired:
+                launch.kill()
+                launch.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            stdout, stderr = (f.read().decode(errors="replace") for f in outs)
+        finally:
+            for f in outs:
+                f.close()
+    return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
 
 
 def run_trainer(output_dir: Path, *args: str, nproc: int = 1, timeout: float = 240, check: bool = True,
@@ -125,17 +161,18 @@ def run_trainers(*runs: tuple, nproc: int = 1, timeout: float = 240, check: bool
     run, or several bad-flag invocations) overlap their start-up (imports, data, VAE) on the CI's 2 cores;
     each is still its own real process with its own folder (and, with ``nproc > 1``, its own port).
 
-    A 1-process launch in the tests' own environment (no ``env``) is forked from a pre-imported interpreter
-    (tests/scripts/warm_start.py): the same script as ``__main__`` in its own process, without the seconds of
-    imports each fresh interpreter pays; ``VIDSTAB_TEST_COLD_START=1`` starts every launch fresh. The tests of
-    the start-up itself (the README's and the docs' commands, every multi-process launch) start fresh."""
+    A launch in the tests' own environment (no ``env``) is forked from a pre-imported interpreter
+    (tests/scripts/warm_start.py): the same script (or launcher, whose ranks fork from it) as ``__main__`` in its
+    own process, without the seconds of imports each fresh interpreter pays; ``VIDSTAB_TEST_COLD_START=1``
+    starts every launch fresh. The tests of the start-up itself (the README's and the docs' commands) start
+    fresh."""
     started = []
     deadline = time.monotonic() + timeout
     launches = tempfile.TemporaryDirectory(prefix="vidstab-launch-")
     try:
         for i, (output_dir, *args) in enumerate(runs):
             cmd, full_env = _trainer_cmd(Path(output_dir), tuple(args), nproc, env, html_report)
-            if nproc == 1 and env is None and WARM:
+            if env is None and WARM:
                 folder = Path(launches.name) / str(i)
                 folder.mkdir()
                 launch, outs = _start_warm(cmd, full_env, REPO, folder)

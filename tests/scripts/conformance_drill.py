@@ -553,7 +553,6 @@ def _kill(cell: Path, world: int) -> dict:
 def launch(cells: list[str], kind: str, out: Path, nproc: int, timeout: int = 900):
     """Run ``cells`` (``FORM:ENGINE``) of one world size in one launch (``kind``: faults or kill)."""
     import socket
-    import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -573,7 +572,10 @@ def launch(cells: list[str], kind: str, out: Path, nproc: int, timeout: int = 90
         else:
             cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port)]
         cmd += script
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    sys.path.insert(0, str(repo / "tests"))
+    from trainer_utils import warm_run  # noqa: E402  (the tests' pre-imported launches; fresh ones elsewhere)
+
+    return warm_run(cmd, env=env, timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import conformance_drill as drill  # noqa: E402
-from trainer_utils import fast_flags, shared_run  # noqa: E402  (the tests' tiny model and data)
+from trainer_utils import fast_flags, shared_run, warm_run  # noqa: E402  (the tests' tiny model and data)
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = {"single": 1, "ddp": 2, "fsdp2": 2, "zero1": 2, "zero2": 2, "zero3": 2, "zero2-bf16": 2}
@@ -93,7 +93,7 @@ def run(engine: str, out: Path, *flags: str, restarts: int = 0, timeout: int = 9
         html_report: bool = False) -> subprocess.CompletedProcess:
     cmd, env = command(engine, out, *flags, restarts=restarts, html_report=html_report)
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = warm_run(cmd, env=env, cwd=REPO, timeout=timeout)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     return proc
 

@@ -13,7 +13,22 @@ import torch  # noqa: E402
 
 out = sys.argv[1]
 rank = os.environ.get("RANK", "0")  # unset in a 1-process launch
-parent = open(f"/proc/{os.getppid()}/cmdline").read().split("\0")
+
+
+def command(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().split("\0")
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+# the launcher: started as one, or forked from the tests' pre-imported interpreter (its command line is that one's)
+parent = command(os.getppid())
+forked_launcher = any(p.endswith("warm_start.py") for p in parent) and \
+    any(p.endswith("warm_start.py") for p in command(parent_of(os.getppid())))
 seen = {
     "preloaded": preloaded,
     "argv": sys.argv,
@@ -26,7 +41,7 @@ seen = {
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
     "signals": {s.name: str(signal.getsignal(s)) for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
                 if isinstance(s, signal.Signals)},
-    "parent_is_the_launcher": "accelerate.commands.launch" in parent,
+    "parent_is_the_launcher": "accelerate.commands.launch" in parent or forked_launcher,
     "session_leader": os.getsid(0) == os.getpid(),
     "threads": torch.get_num_threads(),
     "faulthandler": faulthandler.is_enabled(),

@@ -1,5 +1,6 @@
-"""A pre-imported interpreter that forks one process per 1-process launch of the trainer by the tests
-(tests/trainer_utils.py): a real process running it as ``__main__``, with its own
+"""A pre-imported interpreter that forks one process per launch by the tests (tests/trainer_utils.py: the trainer,
+or a launcher, ``python -m accelerate.commands.launch`` / ``torch.distributed.run``, whose ranks fork from it in
+turn: tests/warm_ranks): a real process running its script or module as ``__main__``, with its own
 folder, streams, exit code and signals, without the seconds of imports (torch, diffusers, Accelerate) every
 fresh interpreter pays again. It was started in the launches' own environment: what a library reads at import
 is what a fresh process would read.
@@ -17,28 +18,27 @@ import select
 import sys
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_ranks"))
-from warm_rank_fork import DIFFUSERS_RANK, EMA_RANK, EVERY_RANK, run_as_main  # noqa: E402  (one way to run and end a fork)
+from warm_rank_fork import DEEPSPEED_RANK, DIFFUSERS_RANK, EMA_RANK, EVERY_RANK, become  # noqa: E402  (one way to fork)
 
 sys.path.pop()
 
-PRELOAD = (*EVERY_RANK, *DIFFUSERS_RANK, *EMA_RANK, "diffusers.models.autoencoders.autoencoder_kl_wan", "av",
-           "accelerate.logging", "vidstab.reference.model", "vidstab.reference.vae", "vidstab.reference.objective")
+PRELOAD = (*EVERY_RANK, *DIFFUSERS_RANK, *EMA_RANK, *DEEPSPEED_RANK, "diffusers.models.autoencoders.autoencoder_kl_wan",
+           "av", "accelerate.logging", "accelerate.commands.launch", "vidstab.reference.model", "vidstab.reference.vae",
+           "vidstab.reference.objective")
+"""The launches' imports, the launchers' too (``-m accelerate.commands.launch``, whose ranks fork from it). A
+variable a module sets in the environment at import (DeepSpeed's default for torch's CUDA check) stays the
+launch's own: unset, as in a fresh process that has not imported it (a check of CUDA that no CPU run makes)."""
 
 
 def _child(request: dict) -> None:
-    """Become the launch: its folder, environment, standard streams and argv, then the script as ``__main__``."""
+    """Become the launch: its folder, environment, standard streams, argv and signals as a fresh interpreter's,
+    then its script or module as ``__main__`` (tests/warm_ranks: what a forked rank becomes)."""
     os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, fd)
-        os.close(out)
-    argv = list(request["argv"])  # what follows `python`: the script, then its arguments
-    sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`: its folder first
-    os._exit(run_as_main(argv[0]))
+    out, err = (os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in ("stdout", "stderr"))
+    become(request["argv"], request["env"], out, err, new_session=False,
+           unbuffered=bool(request["env"].get("PYTHONUNBUFFERED")))
 
 
 def _write_status(path: str, returncode: int) -> None:
@@ -51,6 +51,8 @@ def _write_status(path: str, returncode: int) -> None:
 def main() -> None:
     import importlib
 
+    replies = os.fdopen(os.dup(1), "w")  # the pids; what an import prints (DeepSpeed logs to stdout) goes to stderr
+    os.dup2(2, 1)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -70,8 +72,8 @@ def main() -> None:
             if pid == 0:
                 _child(request)
             running[pid] = request["status"]
-            sys.stdout.write(f"{pid}\n")
-            sys.stdout.flush()
+            replies.write(f"{pid}\n")
+            replies.flush()
         for pid in list(running):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:

@@ -9,6 +9,6 @@ if os.environ.get("VIDSTAB_TEST_WARM_RANKS") == "1":
     try:
         import warm_rank_fork
 
-        sys.meta_path.insert(0, warm_rank_fork.PatchOnImport())
+        warm_rank_fork.install()
     except Exception as exc:  # a test helper must never change what a process does when it cannot load
         print(f"tests/warm_ranks: not loaded ({exc!r})", file=sys.stderr)

@@ -8,8 +8,10 @@ exec leaves them, open files closed, then the script as ``__main__``, ending as 
 has imported torch and Accelerate already (diffusers too, where the script imports it), so the process skips
 seconds of imports. Everything else is the real launcher: rendezvous, the ranks' environment, monitoring, the kill
 of the others when one fails, restarts, the exit code; the process is the launcher's own child, as with Popen.
-Commands of another shape (``-m``, ``--no_python``) start as before. tests/test_warm_ranks.py compares what a
-forked and a fresh process see; ``VIDSTAB_TEST_COLD_START=1`` (tests/conftest.py) turns this off.
+Commands of another shape (``-m``, ``--no_python``) start as before. The launcher itself may be such a fork, of
+the tests' pre-imported interpreter (tests/scripts/warm_start.py, :func:`become`), which has imported all of this
+and DeepSpeed's modules once. tests/test_warm_ranks.py compares what a forked and a fresh process see;
+``VIDSTAB_TEST_COLD_START=1`` (tests/conftest.py) turns this off.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ import time
 
 EVERY_RANK = ("torch", "torch.distributed", "torch.distributed.tensor", "accelerate", "accelerate.utils",
               "safetensors.torch")
-DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "yaml", "tqdm.auto")
+# a diffusers model's first .to() imports its hooks (transformers, peft, scipy); Accelerate's unwrap_model, DeepSpeed
+DIFFUSERS_RANK = ("diffusers", "diffusers.optimization", "diffusers.models.modeling_utils", "diffusers.hooks",
+                  "deepspeed", "yaml", "tqdm.auto")
 EMA_RANK = ("diffusers.training_utils",)  # seconds of imports (every diffusers model): only where the ranks need it
+# what DeepSpeed's engine imports as it starts: Accelerate's plugin needs transformers; its optimizer check, the
+# module of its Muon optimizer, which compiles a function at import (torch's compiler stack)
+DEEPSPEED_RANK = ("deepspeed", "transformers", "deepspeed.runtime.zero.muon.muon_optimizer")
 """Only third-party modules: the rank imports vidstab and the script's own modules from its own ``sys.path``."""
 AGENT_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 
@@ -66,6 +73,18 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_and_patch
         return spec
+
+
+def install() -> None:
+    """Patch this process's launcher, whichever its modules are already imported: now for those, on import for
+    the others (a process forked from a pre-imported interpreter becomes a launcher after its imports)."""
+    for finder in [f for f in sys.meta_path if type(f).__name__ == "PatchOnImport"]:
+        sys.meta_path.remove(finder)
+    finder = PatchOnImport()
+    for name in [name for name in finder.waiting if name in sys.modules]:
+        finder.waiting.pop(name)(sys.modules[name])
+    if finder.waiting:
+        sys.meta_path.insert(0, finder)
 
 
 class ForkedRank:
@@ -129,14 +148,17 @@ def ForkedProcess(pid: int, args: list[str], stderr):  # noqa: N802 (a class, ma
     return _forked_process_class()(pid, args, stderr)
 
 
-def _preload(argv: list[str]) -> None:
+def _preload(argv: list[str], env: dict) -> dict:
     """What every rank imports anyway, once in the launcher: diffusers where a script in the command imports it
     (the script, or the one a harness runs), its EMA's module where the script imports it at the top or is asked
-    for an EMA."""
+    for an EMA, DeepSpeed's where the ranks run its engine. Returns the variables those imports set in the
+    environment (a rank importing them itself would have set them in its own)."""
     import importlib
     import re
 
     names = list(EVERY_RANK)
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        names += DEEPSPEED_RANK
     scripts = [path for path in argv if path.endswith(".py") and os.path.isfile(path)]
     for path in scripts:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -145,11 +167,19 @@ def _preload(argv: list[str]) -> None:
             names += DIFFUSERS_RANK
         if re.search(r"^(from|import) diffusers\.training_utils\b", text, re.MULTILINE) or "--use_ema" in argv:
             names += EMA_RANK
+    before = dict(os.environ)
     for name in names:
         try:
             importlib.import_module(name)
         except Exception:
             pass  # the rank imports it, or fails to, as a fresh interpreter would
+    _set_by_imports.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+    return dict(_set_by_imports)
+
+
+_set_by_imports: dict = {}
+"""Variables the launcher's preloads set in its environment, given to each rank where its environment lacks them
+(DeepSpeed sets a default at import); kept over the launches of one launcher, which imports a module once."""
 
 
 def _python_script(args: list[str]) -> list[str] | None:
@@ -162,7 +192,7 @@ def _python_script(args: list[str]) -> list[str] | None:
 
 
 def _fork(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffered: bool) -> int:
-    _preload(argv)
+    set_by_imports = _preload(argv, env)
     import gc
 
     gc.collect()  # nothing of the launcher's is left to be finalised in the child
@@ -170,7 +200,7 @@ def _fork(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffe
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _become_rank(argv, env, out_fd, err_fd, new_session, unbuffered)
+        become(argv, {**set_by_imports, **env}, out_fd, err_fd, new_session, unbuffered)
     return pid
 
 
@@ -204,8 +234,9 @@ def _patch_psutil(psutil) -> None:
     psutil.Popen = fork_popen
 
 
-def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffered: bool) -> None:
-    """In the forked child: become ``python [-u] argv...`` with this environment, then exit with its code."""
+def become(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, unbuffered: bool) -> None:
+    """In the forked child: become ``python [-u] argv...`` (``argv``: a script and its arguments, or ``-m``, a
+    module and its arguments) with this environment, then exit with its code."""
     code = 1
     try:
         import atexit
@@ -246,9 +277,12 @@ def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, 
         # as a fresh `python script.py`: the script's folder, the rank's PYTHONPATH, then the installation's paths
         rank_pythonpath = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         installed = [p for p in sys.path[1:] if os.path.abspath(p) not in _launcher_pythonpath]
-        sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *rank_pythonpath, *installed]
+        module = argv[0] == "-m"  # `python -m`: the current folder first; a script: its own folder
+        first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+        sys.path[:] = [first, *rank_pythonpath, *installed]
         importlib.invalidate_caches()
-        sys.argv = list(argv)
+        sys.argv = list(argv[1:] if module else argv)  # runpy puts the module's file first
+        sys.orig_argv = [sys.executable, *argv]  # Accelerate's launcher is told by it (_accelerate_launcher)
 
         def stream(fd: int, errors: str, line_buffering: bool):  # as the interpreter opens its standard streams
             raw = io.FileIO(fd, "w", closefd=False)
@@ -267,7 +301,9 @@ def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, 
             import torch
 
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        code = run_as_main(argv[0])
+        if module:
+            install()  # a launcher's processes fork from it in turn
+        code = run_as_main(argv[1] if module else argv[0], module=module)
     except BaseException:
         import traceback
 
@@ -279,16 +315,20 @@ def _become_rank(argv: list[str], env: dict, out_fd, err_fd, new_session: bool, 
 _launcher_pythonpath = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
 
 
-def run_as_main(script: str) -> int:
-    """Run ``script`` as ``__main__`` and end as the interpreter ends: the exit code of ``sys.exit``, an uncaught
-    exception through ``sys.excepthook`` (torch.distributed's prefixes each line with the rank), then the exit
-    handlers. Returns the exit code; the caller leaves with ``os._exit``, so nothing of its own runs at exit."""
+def run_as_main(script: str, module: bool = False) -> int:
+    """Run ``script`` (a module's name where ``module``: ``python -m``) as ``__main__`` and end as the interpreter
+    ends: the exit code of ``sys.exit``, an uncaught exception through ``sys.excepthook`` (torch.distributed's
+    prefixes each line with the rank), then the exit handlers. Returns the exit code; the caller leaves with
+    ``os._exit``, so nothing of its own runs at exit."""
     import atexit
     import runpy
 
     code, interrupted = 0, False
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0

@@ -13,9 +13,10 @@ sharing one launch per world size:
 
 Each drill of each cell passes, or was refused at setup with its reason (an EMA registered under ZeRO-3).
 The oom_in_step column runs in tests/test_oom_engines.py (every cell, the same ``oom_engines.evaluate``).
-The reference trainer's single-process, DDP, FSDP2 and ZeRO-3 rows run here (its launches:
-tests/scripts/conformance_reference.py), and carry the assertions of the trainer tests whose launches they replaced;
-every row runs in benchmarks/conformance.py."""
+DDP on 16 processes runs both forms' cells (``ddp@16``), its oom_in_step cells in tests/test_oom_engines.py.
+Every row of the reference trainer runs here (its launches: tests/scripts/conformance_reference.py), and carries
+the assertions of the trainer tests whose launches they replaced: every cell of benchmarks/conformance.py's table
+runs in CI."""
 
 from __future__ import annotations
 
@@ -162,6 +163,31 @@ def test_a_sigkilled_rank_resumes_bitwise_in_the_forms_own_way(kills, cell):
     assert result["status"] == "pass", (cell, result.get("why"))
 
 
+RANKS16 = [f"{form}:ddp" for form in FORMS]
+
+
+@pytest.fixture(scope="module")
+def ranks16(tmp_path_factory) -> dict:
+    """DDP on 16 processes, the lockstep at more ranks than 4 (gloo, the drills' tiny model): the fault drills'
+    launch and the SIGKILL + resume launch of both forms' cells, ``{kind: (the launch, its folder)}``."""
+    out = tmp_path_factory.mktemp("conformance16")
+    return {kind: (drill.launch(RANKS16, kind, out / kind, 16), out / kind) for kind in ("faults", "kill")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", RANKS16)
+def test_on_16_processes_ddp_passes_the_fault_drills_and_resumes_a_sigkilled_rank_bitwise(ranks16, cell):
+    form, engine = cell.split(":")
+    proc, out = ranks16["faults"]
+    results = drill.evaluate_faults(out / f"{form}-{engine}", form, 16)
+    for name in FAULT_DRILLS:
+        _ok(results[name], name, cell)
+    proc, out = ranks16["kill"]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = drill.evaluate_kill(out / f"{form}-{engine}", 16)
+    assert result["status"] == "pass", (cell, result.get("why"))
+
+
 # ---- the reference trainer (recipes/train.py): every row of benchmarks/conformance.py ----
 # One module fixture per engine, each its own xdist group (the two workers share the rows out); each row's launches
 # shared by the assertions below, and by those of the trainer tests they replaced.
@@ -169,9 +195,7 @@ def _rows(*engines: str) -> list:
     return [pytest.param(e, id=e, marks=pytest.mark.xdist_group(f"conformance-reference-{e}")) for e in engines]
 
 
-# CI runs the rows that carry other tests' checks (DDP, FSDP2, ZeRO-3) and the one-process row (one 2-process launch's
-# cost); every row runs in benchmarks/conformance.py: CI's 20 minutes on 2 cores hold no more 2-process launches.
-REFERENCE_ENGINES = ("single", "ddp", "fsdp2", "zero3")
+REFERENCE_ENGINES = tuple(reference.ENGINES)  # every row of benchmarks/conformance.py's table
 ZERO_ENGINES = tuple(e for e in REFERENCE_ENGINES if e.startswith("zero"))
 BACKENDS = {"single": "full", "ddp": "full", "fsdp2": "sharded"}  # the checkpoint backend; ZeRO: "deepspeed"
 

@@ -56,6 +56,20 @@ def launched_single(tmp_path_factory):
     return _launch(out, 1, list(SINGLE)), out
 
 
+@pytest.fixture(scope="module")
+def launched16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oom_engines16")
+    return _launch(out, 16, list(DDP)), out
+
+
+@pytest.mark.parametrize("cell", DDP)
+def test_on_16_processes_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched16, cell):
+    proc, out = launched16
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    form, engine = cell.split(":")
+    assert oom_engines.evaluate(_cell(out, cell), form, engine, 16) == {"status": "pass"}
+
+
 @pytest.mark.parametrize("cell", SINGLE)
 def test_one_process_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched_single, cell):
     proc, out = launched_single

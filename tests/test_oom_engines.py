@@ -62,20 +62,21 @@ def launched16(tmp_path_factory):
     return _launch(out, 16, list(DDP)), out
 
 
-@pytest.mark.parametrize("cell", DDP)
-def test_on_16_processes_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched16, cell):
-    proc, out = launched16
+def _launch_passes(launched, cell: str, world: int) -> None:
+    proc, out = launched
     assert proc.returncode == 0, proc.stderr[-3000:]
     form, engine = cell.split(":")
-    assert oom_engines.evaluate(_cell(out, cell), form, engine, 16) == {"status": "pass"}
+    assert oom_engines.evaluate(_cell(out, cell), form, engine, world) == {"status": "pass"}
+
+
+@pytest.mark.parametrize("cell", DDP)
+def test_on_16_processes_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched16, cell):
+    _launch_passes(launched16, cell, 16)
 
 
 @pytest.mark.parametrize("cell", SINGLE)
 def test_one_process_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched_single, cell):
-    proc, out = launched_single
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    form, engine = cell.split(":")
-    assert oom_engines.evaluate(_cell(out, cell), form, engine, 1) == {"status": "pass"}
+    _launch_passes(launched_single, cell, 1)
 
 
 def _cell(out: Path, cell: str) -> Path:

@@ -62,21 +62,22 @@ def launched16(tmp_path_factory):
     return _launch(out, 16, list(DDP)), out
 
 
-def _launch_passes(launched, cell: str, world: int) -> None:
+def _evaluated(launched, cell: str, world: int) -> dict:
+    """``oom_engines.evaluate`` of ``cell`` in a launch that ended with exit code 0."""
     proc, out = launched
     assert proc.returncode == 0, proc.stderr[-3000:]
     form, engine = cell.split(":")
-    assert oom_engines.evaluate(_cell(out, cell), form, engine, world) == {"status": "pass"}
+    return oom_engines.evaluate(_cell(out, cell), form, engine, world)
 
 
 @pytest.mark.parametrize("cell", DDP)
 def test_on_16_processes_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched16, cell):
-    _launch_passes(launched16, cell, 16)
+    assert _evaluated(launched16, cell, 16) == {"status": "pass"}
 
 
 @pytest.mark.parametrize("cell", SINGLE)
 def test_one_process_an_optimizer_oom_is_skipped_untouched_and_rolled_back_partway_bitwise(launched_single, cell):
-    _launch_passes(launched_single, cell, 1)
+    assert _evaluated(launched_single, cell, 1) == {"status": "pass"}
 
 
 def _cell(out: Path, cell: str) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -131,20 +132,14 @@ def warm_run(cmd: list[str], env: dict | None = None, cwd: str | Path | None = N
     cwd = Path(os.getcwd() if cwd is None else cwd)
     if not WARM or cmd[0] != sys.executable or len(cmd) < 2 or (cmd[1].startswith("-") and cmd[1] != "-m"):
         return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    deadline = time.monotonic() + (math.inf if timeout is None else timeout)
     with tempfile.TemporaryDirectory(prefix="vidstab-launch-") as folder:
         launch, outs = _start_warm(cmd, env, cwd, Path(folder))
         try:
-            try:
-                launch.wait(timeout)
-            except subprocess.TimeoutExpired:
-                launch.kill()
-                launch.wait()
-                raise subprocess.TimeoutExpired(cmd, timeout)
-            stdout, stderr = (f.read().decode(errors="replace") for f in outs)
+            return _finish(launch, cmd, outs, deadline, check=False)
         finally:
             for f in outs:
                 f.close()
-    return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
 
 
 def run_trainer(output_dir: Path, *args: str, nproc: int = 1, timeout: float = 240, check: bool = True,

@@ -572,7 +572,8 @@ def launch(cells: list[str], kind: str, out: Path, nproc: int, timeout: int = 90
         else:
             cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port)]
         cmd += script
-    sys.path.insert(0, str(repo / "tests"))
+    if str(repo / "tests") not in sys.path:
+        sys.path.insert(0, str(repo / "tests"))
     from trainer_utils import warm_run  # noqa: E402  (the tests' pre-imported launches; fresh ones elsewhere)
 
     return warm_run(cmd, env=env, timeout=timeout)
